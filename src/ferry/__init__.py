@@ -1,0 +1,28 @@
+"""ferry: asynchronous CPU<->CUDA transfers that are fast and safe.
+
+A transfer takes its buffers by value and gives them back from ``wait()``;
+nothing can observe a buffer in flight; a dropped handle never blocks and never
+frees early; device errors surface at ``is_ready()``/``wait()`` and a failed
+copy publishes nothing. See ``Runtime`` for the entry point.
+
+Every public name is defined in one private module and re-exported here once,
+from that module's ``__all__``.
+"""
+
+from __future__ import annotations
+
+from . import _buffer, _device_array, _errors, _pending, _runtime
+from ._buffer import *  # noqa: F403
+from ._device_array import *  # noqa: F403
+from ._errors import *  # noqa: F403
+from ._pending import *  # noqa: F403
+from ._runtime import *  # noqa: F403
+
+__version__ = "0.1.0"
+
+__all__: list[str] = []
+__all__ += _errors.__all__
+__all__ += _buffer.__all__
+__all__ += _device_array.__all__
+__all__ += _pending.__all__
+__all__ += _runtime.__all__

@@ -1,0 +1,1 @@
+"""Device backends: CUDA (cuda.bindings.driver) and the emulated device."""

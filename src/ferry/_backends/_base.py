@@ -1,0 +1,137 @@
+"""The Backend protocol: the only seam between ferry and a device.
+
+A backend knows memory, streams, events and copies. It knows nothing about
+ownership: it never decides whether a buffer may be freed, it only does what
+the runtime asks, in stream order. All handles are opaque objects owned by the
+backend; pointers are plain ``int``.
+
+Error discipline: a backend raises :class:`DeviceError` for anything the
+device reports. ``event_query`` is the only call that treats "not ready" as a
+value (it returns ``False``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__: list[str] = []
+
+
+class DeviceError(Exception):
+    """A failure reported by the device or its driver (internal to ferry).
+
+    ``sticky`` is true when the device context is unusable from now on (a CUDA
+    sticky error); the runtime then refuses every later call.
+    """
+
+    def __init__(self, message: str, *, code: int = -1, sticky: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.sticky = sticky
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a device must offer to ferry.
+
+    Every method may raise :class:`DeviceError`. Methods that enqueue work
+    return as soon as the work is queued; nothing here waits for a copy except
+    ``event_synchronize`` and ``stream_synchronize``.
+    """
+
+    name: str
+    device: int
+
+    # -- identity -------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Backend, device name, driver, link and anything else worth printing."""
+        ...
+
+    # -- memory ---------------------------------------------------------
+    def mem_alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (> 0) of device memory; return its address."""
+        ...
+
+    def mem_free(self, ptr: int) -> None:
+        """Free device memory from :meth:`mem_alloc`."""
+        ...
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (> 0) of pinned host memory; return its address."""
+        ...
+
+    def host_free(self, ptr: int) -> None:
+        """Free pinned host memory from :meth:`host_alloc`."""
+        ...
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        """Pin an existing host range in place."""
+        ...
+
+    def host_unregister(self, ptr: int) -> None:
+        """Undo :meth:`host_register`."""
+        ...
+
+    # -- streams and events ----------------------------------------------
+    def stream_create(self) -> Any:
+        """Create a stream that does not synchronize with the legacy default stream."""
+        ...
+
+    def stream_destroy(self, stream: Any) -> None:
+        """Destroy a stream (its queued work still completes)."""
+        ...
+
+    def stream_synchronize(self, stream: Any) -> None:
+        """Block until everything queued on ``stream`` has run."""
+        ...
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event`` (no host wait)."""
+        ...
+
+    def event_create(self) -> Any:
+        """Create an event (no timing)."""
+        ...
+
+    def event_destroy(self, event: Any) -> None:
+        """Destroy an event."""
+        ...
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` at the current end of ``stream``."""
+        ...
+
+    def event_query(self, event: Any) -> bool:
+        """``True`` when complete, ``False`` when not yet; raise on a device error. Never blocks."""
+        ...
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block until ``event`` completed; raise on a device error."""
+        ...
+
+    # -- copies -----------------------------------------------------------
+    def memcpy_htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Enqueue a host-to-device copy of ``nbytes`` on ``stream``."""
+        ...
+
+    def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Enqueue a device-to-host copy of ``nbytes`` on ``stream``."""
+        ...
+
+    # -- test gates --------------------------------------------------------
+    def gate_create(self) -> Any:
+        """Create a closed gate: a host-controlled flag a stream can wait on."""
+        ...
+
+    def stream_wait_gate(self, stream: Any, gate: Any) -> None:
+        """Hold ``stream`` until ``gate`` opens."""
+        ...
+
+    def gate_open(self, gate: Any) -> None:
+        """Open ``gate``; idempotent. Gates are freed by :meth:`close`."""
+        ...
+
+    # -- lifetime ------------------------------------------------------------
+    def close(self) -> None:
+        """Release the backend's own resources (streams must already be idle)."""
+        ...

@@ -1,0 +1,350 @@
+"""CUDA through ``cuda.bindings.driver``, NVIDIA's official driver bindings.
+
+Only this module imports ``cuda.bindings``. One helper, :func:`_check`, turns a
+driver result tuple into a value or a :class:`DeviceError`; only
+:meth:`CudaBackend.event_query` treats ``CUDA_ERROR_NOT_READY`` as a value.
+
+Context: the device's primary context is retained once and made current on
+every thread that calls in (the driver's current context is per thread); a
+thread-local flag keeps that to one ``cuCtxSetCurrent`` per thread.
+
+Probe: :func:`probe` is the narrow "is a GPU usable" test. Importing the
+bindings works without a driver; the first call (``cuInit``) raises
+``cuda.pathfinder.DynamicLibNotFoundError`` when ``libcuda`` is missing, and
+returns an error code when there is a driver but no usable device. Both become
+:class:`DeviceUnavailableError` with the reason; nothing else is swallowed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+from .._errors import DeviceUnavailableError
+from ._base import DeviceError
+
+__all__: list[str] = []
+
+# Errors after which the context is unusable (CUDA "sticky" errors).
+_STICKY = {
+    700,  # ILLEGAL_ADDRESS
+    701,  # LAUNCH_OUT_OF_RESOURCES (not sticky in itself, but treated as fatal here)
+    702,  # LAUNCH_TIMEOUT
+    714,  # HARDWARE_STACK_ERROR
+    715,  # ILLEGAL_INSTRUCTION
+    716,  # MISALIGNED_ADDRESS
+    717,  # INVALID_ADDRESS_SPACE
+    718,  # INVALID_PC
+    719,  # LAUNCH_FAILED
+    999,  # UNKNOWN
+}
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # the package is not installed at all
+        raise DeviceUnavailableError(
+            "the CUDA backend needs the 'cuda-bindings' package "
+            "(pip install 'ferry[cuda13]' or 'ferry[cuda12]')"
+        ) from exc
+    return driver
+
+
+def _error_text(driver: Any, err: Any) -> str:
+    try:
+        _, name = driver.cuGetErrorName(err)
+        _, text = driver.cuGetErrorString(err)
+        return f"{name.decode()}: {text.decode()}"
+    except Exception:
+        return f"CUresult {int(err)}"
+
+
+def _init(driver: Any) -> None:
+    """cuInit, with the narrow no-GPU translation."""
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError
+    except ImportError:  # older bindings: no pathfinder
+        DynamicLibNotFoundError = OSError  # noqa: N806
+    try:
+        (err,) = driver.cuInit(0)
+    except DynamicLibNotFoundError as exc:
+        raise DeviceUnavailableError(f"no CUDA driver on this machine ({exc})") from exc
+    if err:
+        raise DeviceUnavailableError(f"cuInit failed: {_error_text(driver, err)}")
+
+
+def probe(device: int = 0) -> None:
+    """Raise :class:`DeviceUnavailableError` unless ``device`` is a usable GPU."""
+    driver = _driver()
+    _init(driver)
+    err, count = driver.cuDeviceGetCount()
+    if err:
+        raise DeviceUnavailableError(f"cuDeviceGetCount failed: {_error_text(driver, err)}")
+    if count == 0:
+        raise DeviceUnavailableError("the CUDA driver reports no device")
+    if not 0 <= device < count:
+        raise DeviceUnavailableError(f"device {device} does not exist ({count} device(s))")
+
+
+class _Gate:
+    __slots__ = ("dev", "host")
+
+    def __init__(self, host: int, dev: int) -> None:
+        self.host = host
+        self.dev = dev
+
+
+class CudaBackend:
+    """The CUDA driver API behind the Backend protocol."""
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0) -> None:
+        probe(device)
+        d = _driver()
+        self._d = d
+        self.device = device
+        self.sync_calls = 0  # host waits (event/stream synchronize), for tests
+        self._tls = threading.local()
+        self._pid = os.getpid()
+        err, self._dev = d.cuDeviceGet(device)
+        self._check(err)
+        err, self._ctx = d.cuDevicePrimaryCtxRetain(self._dev)
+        self._check(err)
+        self._bind()
+        self._not_ready = d.CUresult.CUDA_ERROR_NOT_READY
+        self._success = d.CUresult.CUDA_SUCCESS
+        self._cuMemcpyHtoDAsync = d.cuMemcpyHtoDAsync
+        self._cuMemcpyDtoHAsync = d.cuMemcpyDtoHAsync
+        self._cuEventRecord = d.cuEventRecord
+        self._cuEventQuery = d.cuEventQuery
+        self._cuEventSynchronize = d.cuEventSynchronize
+        self._CUdeviceptr = d.CUdeviceptr
+        self._gates: list[_Gate] = []
+        self._closed = False
+
+    # -- plumbing -----------------------------------------------------------------
+    def _check(self, err: Any) -> None:
+        if err:
+            code = int(err)
+            raise DeviceError(_error_text(self._d, err), code=code, sticky=code in _STICKY)
+
+    def _bind(self) -> None:
+        """Make the primary context current on this thread (once per thread)."""
+        if getattr(self._tls, "bound", False):
+            return
+        (err,) = self._d.cuCtxSetCurrent(self._ctx)
+        self._check(err)
+        self._tls.bound = True
+
+    # -- identity ---------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        d = self._d
+        self._bind()
+        err, raw = d.cuDeviceGetName(256, self._dev)
+        self._check(err)
+        name = raw.split(b"\0", 1)[0].decode(errors="replace")
+        err, version = d.cuDriverGetVersion()
+        self._check(err)
+        err, total = d.cuDeviceTotalMem(self._dev)
+        self._check(err)
+        err, bus = d.cuDeviceGetPCIBusId(64, self._dev)
+        self._check(err)
+        bus_id = bus.split(b"\0", 1)[0].decode().lower()
+        engines = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
+        major = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        minor = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        try:
+            from cuda.bindings import __version__ as bindings_version
+        except ImportError:
+            bindings_version = "unknown"
+        return {
+            "backend": self.name,
+            "device": self.device,
+            "name": name,
+            "compute_capability": f"{major}.{minor}",
+            "memory_bytes": int(total),
+            "driver": f"CUDA {version // 1000}.{version % 1000 // 10}",
+            "driver_version": _kernel_driver_version(),
+            "cuda_bindings": bindings_version,
+            "pci_bus_id": bus_id,
+            "link": _pcie_link(bus_id),
+            "copy_engines": engines,
+        }
+
+    def _attribute(self, attribute: Any) -> int:
+        err, value = self._d.cuDeviceGetAttribute(attribute, self._dev)
+        self._check(err)
+        return int(value)
+
+    # -- memory ----------------------------------------------------------------------------
+    def mem_alloc(self, nbytes: int) -> int:
+        self._bind()
+        err, ptr = self._d.cuMemAlloc(nbytes)
+        self._check(err)
+        return int(ptr)
+
+    def mem_free(self, ptr: int) -> None:
+        self._bind()
+        (err,) = self._d.cuMemFree(self._CUdeviceptr(ptr))
+        self._check(err)
+
+    def host_alloc(self, nbytes: int) -> int:
+        self._bind()
+        err, ptr = self._d.cuMemHostAlloc(nbytes, self._d.CU_MEMHOSTALLOC_PORTABLE)
+        self._check(err)
+        return int(ptr)
+
+    def host_free(self, ptr: int) -> None:
+        self._bind()
+        (err,) = self._d.cuMemFreeHost(ptr)
+        self._check(err)
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        self._bind()
+        (err,) = self._d.cuMemHostRegister(ptr, nbytes, self._d.CU_MEMHOSTREGISTER_PORTABLE)
+        self._check(err)
+
+    def host_unregister(self, ptr: int) -> None:
+        self._bind()
+        (err,) = self._d.cuMemHostUnregister(ptr)
+        self._check(err)
+
+    # -- streams and events ------------------------------------------------------------------
+    def stream_create(self) -> Any:
+        self._bind()
+        err, stream = self._d.cuStreamCreate(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self._check(err)
+        return stream
+
+    def stream_destroy(self, stream: Any) -> None:
+        self._bind()
+        (err,) = self._d.cuStreamDestroy(stream)
+        self._check(err)
+
+    def stream_synchronize(self, stream: Any) -> None:
+        self._bind()
+        self.sync_calls += 1
+        (err,) = self._d.cuStreamSynchronize(stream)
+        self._check(err)
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        self._bind()
+        (err,) = self._d.cuStreamWaitEvent(stream, event, 0)
+        self._check(err)
+
+    def event_create(self) -> Any:
+        self._bind()
+        err, event = self._d.cuEventCreate(self._d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self._check(err)
+        return event
+
+    def event_destroy(self, event: Any) -> None:
+        self._bind()
+        (err,) = self._d.cuEventDestroy(event)
+        self._check(err)
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        self._bind()
+        (err,) = self._cuEventRecord(event, stream)
+        if err:
+            self._check(err)
+
+    def event_query(self, event: Any) -> bool:
+        self._bind()
+        (err,) = self._cuEventQuery(event)
+        if not err:
+            return True
+        if err == self._not_ready:
+            return False
+        self._check(err)
+        return False  # unreachable
+
+    def event_synchronize(self, event: Any) -> None:
+        self._bind()
+        self.sync_calls += 1
+        (err,) = self._cuEventSynchronize(event)
+        if err:
+            self._check(err)
+
+    # -- copies -----------------------------------------------------------------------------------
+    def memcpy_htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._bind()
+        (err,) = self._cuMemcpyHtoDAsync(dst, src, nbytes, stream)
+        if err:
+            self._check(err)
+
+    def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._bind()
+        (err,) = self._cuMemcpyDtoHAsync(dst, src, nbytes, stream)
+        if err:
+            self._check(err)
+
+    # -- gates: cuStreamWaitValue32 on mapped pinned memory -------------------------------------
+    def gate_create(self) -> _Gate:
+        self._bind()
+        d = self._d
+        err, host = d.cuMemHostAlloc(
+            4, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE
+        )
+        self._check(err)
+        ctypes.c_uint32.from_address(int(host)).value = 0
+        err, dev = d.cuMemHostGetDevicePointer(host, 0)
+        self._check(err)
+        gate = _Gate(int(host), int(dev))
+        self._gates.append(gate)
+        return gate
+
+    def stream_wait_gate(self, stream: Any, gate: _Gate) -> None:
+        self._bind()
+        d = self._d
+        (err,) = d.cuStreamWaitValue32(
+            stream,
+            d.CUdeviceptr(gate.dev),
+            1,
+            d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+        )
+        self._check(err)
+
+    def gate_open(self, gate: _Gate) -> None:
+        ctypes.c_uint32.from_address(gate.host).value = 1
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
+        self._bind()
+        for gate in self._gates:  # streams are idle by now: nothing waits on a gate
+            self._d.cuMemFreeHost(gate.host)
+        self._gates.clear()
+        self._d.cuDevicePrimaryCtxRelease(self._dev)
+
+
+def _kernel_driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            first = f.readline()
+    except OSError:
+        return "unknown"
+    for word in first.split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return first.strip()
+
+
+def _pcie_link(bus_id: str) -> str:
+    base = f"/sys/bus/pci/devices/{bus_id}"
+    try:
+        with open(f"{base}/current_link_speed", encoding="utf-8") as f:
+            speed = f.read().strip()
+        with open(f"{base}/current_link_width", encoding="utf-8") as f:
+            width = f.read().strip()
+        with open(f"{base}/max_link_speed", encoding="utf-8") as f:
+            max_speed = f.read().strip()
+    except OSError:
+        return "unknown (no sysfs entry for the device)"
+    return f"PCIe {speed} x{width} (max {max_speed})"

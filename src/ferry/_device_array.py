@@ -1,0 +1,155 @@
+"""DeviceArray: device memory owned by a runtime, with its ownership state.
+
+A device array has no host-side data access; what ferry guards is which
+transfers may use it at the same time:
+
+* ``owned``: any transfer may use it, ``close()`` frees it.
+* ``read_leased``: it is the source of one or more pending downloads. It may be
+  the source of further downloads; it may not be an upload destination or be
+  freed, and dropping every user reference to it does not free it (the
+  transfers hold it).
+* ``in_flight``: it is the destination of a pending upload: every use raises.
+* ``abandoned``: a transfer on it failed: every use raises, its memory is never freed.
+* ``closed``: freed.
+
+Freeing never happens inside a finalizer: a collected array's address goes to
+the runtime's deferred-free list, drained by the next ordinary call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import BufferMovedError
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
+__all__ = ["DeviceArray"]
+
+OWNED = "owned"
+IN_FLIGHT = "in_flight"
+READ_LEASED = "read_leased"
+ABANDONED = "abandoned"
+CLOSED = "closed"
+
+_FACTORY = object()
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory, owned by one runtime.
+
+    Create one with :meth:`ferry.Runtime.empty` or :meth:`ferry.Runtime.to_device`.
+    """
+
+    __slots__ = ("__weakref__", "_dtype", "_leases", "_nbytes", "_ptr", "_runtime", "_shape", "_state")
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        nbytes: int,
+        *,
+        _token: object = None,
+    ) -> None:
+        if _token is not _FACTORY:
+            raise TypeError("DeviceArray is created by Runtime.empty(shape, dtype)")
+        self._runtime = runtime
+        self._ptr = ptr
+        self._shape = shape
+        self._dtype = dtype
+        self._nbytes = nbytes
+        self._state = OWNED
+        self._leases = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The array's shape."""
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The array's NumPy dtype."""
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self._nbytes
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self._nbytes // self._dtype.itemsize if self._dtype.itemsize else 0
+
+    @property
+    def device(self) -> int:
+        """The device index."""
+        return self._runtime.device
+
+    @property
+    def state(self) -> str:
+        """``"owned"``, ``"read_leased"``, ``"in_flight"``, ``"abandoned"`` or ``"closed"``."""
+        if self._state == OWNED and self._leases:
+            return READ_LEASED
+        return self._state
+
+    @property
+    def ptr(self) -> int:
+        """The raw device address: an escape hatch, valid while owned or read-leased.
+
+        Work you enqueue on it yourself is not ordered with ferry's transfers.
+        """
+        if self._state != OWNED:
+            raise BufferMovedError(f"cannot take the address of a device array that is {self._state}")
+        return self._ptr
+
+    def close(self) -> None:
+        """Free the device memory now.
+
+        Idempotent once closed; a no-op when abandoned (never freed). Raises
+        :class:`~ferry.BufferMovedError` while in flight or read-leased.
+        """
+        if self._state == OWNED and not self._leases:
+            self._state = CLOSED
+            self._runtime._free_device(self._ptr, self._nbytes)
+        elif self._state == IN_FLIGHT or self._leases:
+            raise BufferMovedError(f"cannot close a device array that is {self.state}; wait() for it first")
+
+    def __del__(self) -> None:
+        # never calls the backend: the address is freed by the runtime's next call
+        if getattr(self, "_state", None) == OWNED:
+            self._state = CLOSED
+            self._runtime._deferred.append((self._ptr, self._nbytes))
+
+    def __repr__(self) -> str:
+        return f"<DeviceArray shape={self._shape} dtype={self._dtype} device={self.device} {self.state}>"
+
+    # -- for the runtime ----------------------------------------------------------------
+    def _submission_problem(self, runtime: Runtime, *, write: bool) -> str | None:
+        if self._runtime is not runtime:
+            return "the device array belongs to another runtime"
+        if self._state != OWNED:
+            return f"the device array is {self._state}"
+        if write and self._leases:
+            return (
+                f"the device array is read-leased by {self._leases} pending download(s); "
+                "it cannot be an upload destination until they are waited"
+            )
+        return None
+
+    def _release_for_close(self) -> None:
+        if self._state == OWNED:
+            self._state = CLOSED
+            self._leases = 0
+
+
+def new_device_array(
+    runtime: Runtime, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int
+) -> DeviceArray:
+    """Factory used by :meth:`ferry.Runtime.empty`."""
+    return DeviceArray(runtime, ptr, shape, dtype, nbytes, _token=_FACTORY)

@@ -1,0 +1,58 @@
+"""The exceptions ferry raises.
+
+Every error ferry raises on purpose is a :class:`FerryError`. The split between
+the subclasses is part of the contract:
+
+* :class:`TransferSubmitError` is raised *before* anything was enqueued. Every
+  object handed to the refused call is still owned by the caller and usable.
+* :class:`TransferFailedError` is raised by ``is_ready()``/``wait()`` when the
+  device reported a failure. Nothing is published: the objects of that transfer
+  are abandoned (never readable again, never freed).
+* :class:`BufferMovedError` is raised by any data access to an object that is in
+  flight, read-leased against the requested use, abandoned or closed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FerryError",
+    "TransferSubmitError",
+    "TransferFailedError",
+    "BufferMovedError",
+    "DeviceUnavailableError",
+    "RuntimeClosedError",
+]
+
+
+class FerryError(Exception):
+    """Base class of every error ferry raises on purpose."""
+
+
+class TransferSubmitError(FerryError):
+    """A submission was refused before anything was enqueued.
+
+    Guarantee: every object handed to the refused call is left exactly as it
+    was (owned, usable, with its bytes unchanged).
+    """
+
+
+class TransferFailedError(FerryError):
+    """The device reported a failure for a transfer.
+
+    Raised by ``is_ready()`` and ``wait()``. The transfer publishes nothing:
+    its buffers and arrays are abandoned, which means they raise
+    :class:`BufferMovedError` forever and their memory is never freed (the
+    device may still touch it).
+    """
+
+
+class BufferMovedError(FerryError):
+    """Access to an object that is in flight, abandoned or closed."""
+
+
+class DeviceUnavailableError(FerryError):
+    """The requested backend cannot be used on this machine; the message says why."""
+
+
+class RuntimeClosedError(FerryError):
+    """The runtime was closed (or is unusable in this forked child)."""

@@ -1,0 +1,177 @@
+"""PendingUpload and PendingDownload: is_ready, wait, and drop -> retirement.
+
+A handle owns a *record*: the event recorded after its copy, the stream, and
+the objects the copy touches (moved ones, which are in flight, and leased
+ones, the read-leased sources of downloads). The handle is the only way back
+to those objects: ``wait()`` returns them once the event proves the copy
+complete. A handle dropped without ``wait()`` hands its record to the runtime's
+retirement queue (see ``_retire.py``) and nothing else: no blocking, no device
+call, nothing freed early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ._errors import FerryError, TransferFailedError
+
+if TYPE_CHECKING:
+    from ._backends._base import DeviceError
+    from ._buffer import PinnedHostBuffer
+    from ._device_array import DeviceArray
+    from ._runtime import Runtime
+
+__all__ = ["PendingUpload", "PendingDownload"]
+
+
+class Record:
+    """What one submitted transfer holds until its completion is proven.
+
+    ``moved`` objects are in flight; ``leased`` device arrays are read-leased;
+    ``result`` is what ``wait()`` returns; ``finish`` (optional) runs once on
+    success before the objects are handed back (staging routes publish there).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "done",
+        "error",
+        "event",
+        "finish",
+        "leased",
+        "moved",
+        "nbytes",
+        "owns_event",
+        "result",
+        "seq",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        seq: int,
+        event: Any,
+        stream: Any,
+        moved: tuple[Any, ...],
+        leased: tuple[Any, ...],
+        result: tuple[Any, ...],
+        nbytes: int,
+    ) -> None:
+        self.seq = seq
+        self.event = event
+        self.stream = stream
+        self.moved = moved
+        self.leased = leased
+        self.result = result
+        self.nbytes = nbytes
+        self.done = False
+        self.error: DeviceError | None = None
+        self.finish: Callable[[], None] | None = None
+        self.owns_event = True
+
+    def __repr__(self) -> str:
+        status = "failed" if self.error else "done" if self.done else "pending"
+        return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
+
+
+class _Pending:
+    __slots__ = ("_record", "_runtime", "_waited")
+
+    def __init__(self, runtime: Runtime, record: Record) -> None:
+        self._runtime = runtime
+        self._record = record
+        self._waited = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this transfer copies."""
+        return self._record.nbytes
+
+    def is_ready(self) -> bool:
+        """Whether the copy has completed. Never blocks.
+
+        Returns ``False`` while the copy runs and ``True`` once it completed
+        (also after ``wait()``). A device error is never reported as "not
+        ready": it raises :class:`~ferry.TransferFailedError`, and the
+        transfer's objects are abandoned.
+        """
+        if self._waited:
+            return True
+        return self._runtime._poll_record(self._record)
+
+    def wait(self) -> tuple[Any, ...]:
+        """Block until the copy completed, then hand back what was handed in.
+
+        Guarantee: when it returns, the copy is complete (the destination holds
+        the bytes) and every returned object is owned again and may be reused.
+
+        Raises
+        ------
+        TransferFailedError
+            The device reported a failure: nothing is published, the objects
+            stay abandoned forever.
+        FerryError
+            The handle was already waited (a handle is waited at most once), or
+            the runtime was closed.
+        """
+        if self._waited:
+            raise FerryError("this transfer was already waited; a handle is waited at most once")
+        result = self._runtime._wait_record(self._record)
+        self._waited = True
+        return result
+
+    def __del__(self) -> None:
+        # Never blocks, never calls the device: detach the record, nothing more.
+        if self._waited or sys.is_finalizing():
+            return
+        with contextlib.suppress(Exception):  # a finalizer never raises
+            self._runtime._detach(self._record)
+
+    def __repr__(self) -> str:
+        status = "waited" if self._waited else repr(self._record)
+        return f"<{type(self).__name__} {status}>"
+
+
+class PendingUpload(_Pending):
+    """A host-to-device copy in flight.
+
+    ``wait()`` returns ``(buffer, destination)``: the pinned buffer (or host
+    array) and the device array it was copied into.
+    """
+
+    __slots__ = ()
+
+    def wait(self) -> tuple[PinnedHostBuffer, DeviceArray]:  # type: ignore[override]
+        """Block until the upload completed; return ``(buffer, destination)``.
+
+        See :meth:`_Pending.wait` for the guarantees and errors.
+        """
+        return super().wait()  # type: ignore[return-value]
+
+
+class PendingDownload(_Pending):
+    """A device-to-host copy in flight.
+
+    ``wait()`` returns ``(source, buffer)``: the device array that was read
+    (read-leased until then) and the pinned buffer that now holds its bytes.
+    """
+
+    __slots__ = ()
+
+    def wait(self) -> tuple[DeviceArray, PinnedHostBuffer]:  # type: ignore[override]
+        """Block until the download completed; return ``(source, buffer)``.
+
+        See :meth:`_Pending.wait` for the guarantees and errors.
+        """
+        return super().wait()  # type: ignore[return-value]
+
+
+def failed_error(record: Record) -> TransferFailedError:
+    """The error ``is_ready``/``wait`` raise for a failed record."""
+    return TransferFailedError(
+        f"the transfer of {record.nbytes} bytes failed on the device ({record.error}); "
+        "nothing was published and its buffers are abandoned"
+    )

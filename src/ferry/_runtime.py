@@ -1,0 +1,777 @@
+"""Runtime: the backend, copy streams, event pool, pinned pool, retirement queue and stats.
+
+Data flows one way: a public call checks its arguments and moves ownership
+here, under one lock; the backend enqueues (copy, event record); a handle comes
+back. Blocking waits (``event_synchronize``) happen outside the lock, so one
+thread waiting never stops another from submitting.
+
+Every refusal happens before anything is enqueued and raises
+:class:`~ferry.TransferSubmitError` with every argument left as it was.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _buffer, _device_array
+from ._backends._base import Backend, DeviceError
+from ._buffer import PinnedHostBuffer, check_dtype, new_buffer
+from ._device_array import DeviceArray, new_device_array
+from ._errors import (
+    DeviceUnavailableError,
+    FerryError,
+    RuntimeClosedError,
+    TransferFailedError,
+    TransferSubmitError,
+)
+from ._pending import PendingDownload, PendingUpload, Record, failed_error
+from ._pool import PinnedPool
+from ._retire import RetirementQueue
+
+__all__ = ["Runtime", "RuntimeStats"]
+
+_MAX_BYTES = 1 << 48  # larger requests are refused up front (no device has this much)
+_OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+_PINNED = "a PinnedHostBuffer (rt.pinned(n))"
+_DEVICE = "a DeviceArray (rt.empty(shape, dtype))"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """A snapshot of a runtime's bookkeeping (see :meth:`Runtime.stats`).
+
+    Attributes
+    ----------
+    in_flight
+        Transfers submitted whose handle is alive and not yet waited.
+    retiring
+        Records of dropped handles not yet proven complete.
+    abandoned
+        Objects abandoned by failed transfers (never freed).
+    abandoned_bytes
+        Their memory, pinned and device.
+    pinned_pool_bytes
+        Pinned memory the pool holds, in use and free.
+    pinned_free_bytes
+        The part of it free for reuse.
+    pinned_allocations
+        Pinned allocations made so far (the pool's misses).
+    device_bytes
+        Device memory allocated through this runtime and not freed.
+    submitted, completed, failed
+        Transfers submitted; proven complete (waited or retired); failed.
+    events
+        Events created (the event pool reuses them).
+    """
+
+    in_flight: int
+    retiring: int
+    abandoned: int
+    abandoned_bytes: int
+    pinned_pool_bytes: int
+    pinned_free_bytes: int
+    pinned_allocations: int
+    device_bytes: int
+    submitted: int
+    completed: int
+    failed: int
+    events: int
+
+
+_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for runtime in list(_runtimes):
+        runtime._forked = True
+
+
+def _close_all_at_exit() -> None:
+    for runtime in list(_runtimes):
+        with contextlib.suppress(Exception):  # interpreter exit must not fail
+            runtime.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_close_all_at_exit)
+
+
+def _make_backend(backend: str, device: int, bandwidth: float, latency: float) -> Backend:
+    if backend == "auto":
+        backend = os.environ.get("FERRY_BACKEND", "auto")
+    if backend not in ("auto", "cuda", "emulated"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'emulated', not {backend!r}")
+    if backend in ("auto", "cuda"):
+        from ._backends._cuda import CudaBackend
+
+        try:
+            return CudaBackend(device)
+        except DeviceUnavailableError:
+            if backend == "cuda":
+                raise
+    from ._backends._emulated import EmulatedBackend
+
+    return EmulatedBackend(device, bandwidth=bandwidth, latency=latency)
+
+
+class Runtime:
+    """One device, its copy streams and everything ferry owns on it.
+
+    Parameters
+    ----------
+    backend
+        ``"auto"`` (CUDA when a GPU is usable, else the emulated device; the
+        ``FERRY_BACKEND`` environment variable can force either), ``"cuda"``
+        (raises :class:`~ferry.DeviceUnavailableError` with the reason when no
+        GPU is usable) or ``"emulated"``.
+    device
+        Device index.
+    retirement_capacity
+        Bound of the retirement queue of dropped handles; when it is full the
+        next submission waits for the oldest record.
+    pinned_cache_bytes
+        Free pinned memory the pool keeps for reuse; beyond it blocks are freed.
+    emulated_bandwidth, emulated_latency
+        The emulated device's modelled copy bandwidth (bytes/s, per copy
+        stream) and per-operation latency (s). Ignored on CUDA.
+
+    Guarantees
+    ----------
+    Uploads and downloads use separate copy streams, so both directions run at
+    once. ``close()`` (also run at interpreter exit) waits for everything in
+    flight, then frees what the runtime owns; afterwards every call raises. A
+    runtime inherited by a forked child refuses every call with a clear error
+    and never touches the device.
+    """
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        device: int = 0,
+        *,
+        retirement_capacity: int = 1024,
+        pinned_cache_bytes: int = 4 << 30,
+        emulated_bandwidth: float = 25e9,
+        emulated_latency: float = 5e-6,
+    ) -> None:
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
+            raise ValueError(f"device must be a non-negative int, got {device!r}")
+        self._backend: Any = _make_backend(backend, int(device), emulated_bandwidth, emulated_latency)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._forked = False
+        self._poisoned: DeviceError | None = None
+        self._pool = PinnedPool(self._backend, pinned_cache_bytes)
+        self._retiring = RetirementQueue(retirement_capacity)
+        self._h2d = self._backend.stream_create()
+        self._d2h = self._backend.stream_create()
+        self._events: list[Any] = []
+        self._event_count = 0
+        self._live: set[Record] = set()
+        self._abandoned: list[Record] = []
+        self._abandoned_objects = 0
+        self._abandoned_bytes = 0
+        self._deferred: list[tuple[int, int]] = []  # (address, nbytes) of collected arrays
+        self._arrays: weakref.WeakSet[DeviceArray] = weakref.WeakSet()
+        self._buffers: weakref.WeakSet[PinnedHostBuffer] = weakref.WeakSet()
+        self._device_bytes = 0
+        self._seq = 0
+        self._submitted = 0
+        self._completed = 0
+        self._failed = 0
+        _runtimes.add(self)
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """``"cuda"`` or ``"emulated"``."""
+        return str(self._backend.name)
+
+    @property
+    def device(self) -> int:
+        """The device index."""
+        return int(self._backend.device)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def info(self) -> dict[str, Any]:
+        """Backend, device name, driver, link and pool state, as a dict."""
+        self._check_open()
+        info = dict(self._backend.info())
+        info["pinned_pool_bytes"] = self._pool.held_bytes
+        info["pinned_free_bytes"] = self._pool.free_bytes
+        return info
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<ferry.Runtime {self.backend} device {self.device} {state}>"
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- usability checks ---------------------------------------------------------------------
+    def _unusable(self) -> str | None:
+        if self._forked:
+            return (
+                "this runtime was inherited by a forked child process; device state does not "
+                "survive fork: create a new ferry.Runtime in the child"
+            )
+        if self._closed:
+            return "the runtime is closed"
+        if self._poisoned is not None:
+            return f"the device context is unusable after a sticky error ({self._poisoned})"
+        return None
+
+    def _check_open(self) -> None:
+        problem = self._unusable()
+        if problem is not None:
+            raise RuntimeClosedError(problem)
+
+    def _note(self, exc: DeviceError) -> None:
+        if exc.sticky and self._poisoned is None:
+            self._poisoned = exc
+
+    # -- allocation -----------------------------------------------------------------------------
+    def pinned(self, nbytes: int) -> PinnedHostBuffer:
+        """An owned pinned host buffer of ``nbytes`` bytes, served from the pool.
+
+        A size served before is reused (microseconds) once its last transfer
+        completed; a new size costs one pinned allocation (milliseconds).
+
+        Raises
+        ------
+        ValueError
+            ``nbytes < 1`` (or absurdly large).
+        TypeError
+            ``nbytes`` is not an int.
+        MemoryError
+            The device could not pin that much memory.
+        """
+        nbytes = _size_arg(nbytes, "nbytes")
+        if nbytes < 1:
+            raise ValueError(f"a pinned buffer needs nbytes >= 1, got {nbytes}")
+        self._check_open()
+        with self._lock:
+            self._maintain()
+        try:
+            block = self._pool.acquire(nbytes)
+        except DeviceError as exc:
+            self._note(exc)
+            raise _alloc_error("pinned host", nbytes, exc) from exc
+        except (MemoryError, ValueError) as exc:
+            raise MemoryError(f"pinned host allocation of {nbytes} bytes failed: {exc}") from exc
+        buffer = new_buffer(self, block, nbytes)
+        self._buffers.add(buffer)
+        return buffer
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
+        """An uninitialized C-contiguous device array, owned by the caller.
+
+        Any fixed-size NumPy dtype is accepted. The memory is freed by
+        ``close()`` or when the array is collected (at the runtime's next call).
+        """
+        self._check_open()
+        dt = check_dtype(dtype)
+        dims = _shape_arg(shape)
+        count = 1
+        for s in dims:
+            count *= s
+        nbytes = count * dt.itemsize
+        if nbytes > _MAX_BYTES:
+            raise ValueError(f"{nbytes} bytes is larger than any device")
+        with self._lock:
+            self._maintain()
+            ptr = 0
+            if nbytes:
+                try:
+                    ptr = self._backend.mem_alloc(nbytes)
+                except DeviceError as exc:
+                    self._note(exc)
+                    raise _alloc_error("device", nbytes, exc) from exc
+                except (MemoryError, ValueError) as exc:
+                    raise MemoryError(f"device allocation of {nbytes} bytes failed: {exc}") from exc
+            self._device_bytes += nbytes
+        array = new_device_array(self, ptr, dims, dt, nbytes)
+        self._arrays.add(array)
+        return array
+
+    def _free_device(self, ptr: int, nbytes: int) -> None:
+        """Free a closed array's memory now (an ordinary call, not a finalizer)."""
+        with self._lock:
+            self._device_bytes -= nbytes
+            if ptr and self._unusable() is None:
+                self._free_now(ptr)
+            # closed: close() already freed what it owned; forked/poisoned: never touch the device
+
+    def _free_now(self, ptr: int) -> None:
+        if not ptr:
+            return
+        try:
+            self._backend.mem_free(ptr)
+        except DeviceError as exc:
+            self._note(exc)
+
+    # -- submissions -------------------------------------------------------------------------------
+    def upload_pending(self, buffer: PinnedHostBuffer, destination: DeviceArray) -> PendingUpload:
+        """Copy ``destination.nbytes`` bytes from the start of ``buffer`` into ``destination``.
+
+        Both objects move into the transfer: until ``wait()`` hands them back
+        as ``(buffer, destination)`` every data access raises
+        :class:`~ferry.BufferMovedError`. Returns without waiting for the copy.
+
+        Raises
+        ------
+        TransferSubmitError
+            Nothing was enqueued and both objects are unchanged: wrong types,
+            a buffer smaller than the destination, a buffer with live views, an
+            object in flight, abandoned, closed or of another runtime, a
+            read-leased destination, a closed runtime.
+        """
+        with self._lock:
+            self._refuse_if_unusable()
+            _expect(buffer, PinnedHostBuffer, "upload_pending", "buffer", _PINNED)
+            _expect(destination, DeviceArray, "upload_pending", "destination", _DEVICE)
+            problem = buffer._submission_problem(self) or destination._submission_problem(self, write=True)
+            if problem:
+                raise TransferSubmitError(problem)
+            nbytes = destination._nbytes
+            if buffer._nbytes < nbytes:
+                raise TransferSubmitError(
+                    f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {nbytes}"
+                )
+            self._maintain()
+            record = self._enqueue(
+                self._h2d,
+                self._backend.memcpy_htod,
+                destination._ptr,
+                buffer._block.ptr,
+                nbytes,
+                moved=(buffer, destination),
+                leased=(),
+                result=(buffer, destination),
+            )
+            buffer._state = _buffer.IN_FLIGHT
+            destination._state = _device_array.IN_FLIGHT
+        return PendingUpload(self, record)
+
+    def download_pending(self, source: DeviceArray, buffer: PinnedHostBuffer) -> PendingDownload:
+        """Copy ``source.nbytes`` bytes from ``source`` into the start of ``buffer``.
+
+        The buffer moves into the transfer; the source is read-leased: it may
+        be the source of further downloads meanwhile, but not an upload
+        destination, and it is not freed before the copy completes even if
+        every user reference to it is dropped. ``wait()`` returns
+        ``(source, buffer)``.
+
+        Raises
+        ------
+        TransferSubmitError
+            As for :meth:`upload_pending`; nothing was enqueued.
+        """
+        with self._lock:
+            self._refuse_if_unusable()
+            _expect(source, DeviceArray, "download_pending", "source", _DEVICE)
+            _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
+            problem = source._submission_problem(self, write=False) or buffer._submission_problem(self)
+            if problem:
+                raise TransferSubmitError(problem)
+            nbytes = source._nbytes
+            if buffer._nbytes < nbytes:
+                raise TransferSubmitError(
+                    f"the pinned buffer holds {buffer._nbytes} bytes; the source has {nbytes}"
+                )
+            self._maintain()
+            record = self._enqueue(
+                self._d2h,
+                self._backend.memcpy_dtoh,
+                buffer._block.ptr,
+                source._ptr,
+                nbytes,
+                moved=(buffer,),
+                leased=(source,),
+                result=(source, buffer),
+            )
+            buffer._state = _buffer.IN_FLIGHT
+            source._leases += 1
+        return PendingDownload(self, record)
+
+    def _refuse_if_unusable(self) -> None:
+        problem = self._unusable()
+        if problem is not None:
+            raise TransferSubmitError(problem)
+
+    def _enqueue(
+        self,
+        stream: Any,
+        copy: Callable[[int, int, int, Any], None],
+        dst: int,
+        src: int,
+        nbytes: int,
+        *,
+        moved: tuple[Any, ...],
+        leased: tuple[Any, ...],
+        result: tuple[Any, ...],
+    ) -> Record:
+        """Enqueue one copy and its event; the caller holds the lock and moves states after."""
+        backend = self._backend
+        events = self._events
+        if events:
+            event = events.pop()
+        else:
+            try:
+                event = backend.event_create()
+            except DeviceError as exc:
+                self._note(exc)
+                raise TransferSubmitError(f"could not create an event: {exc}") from exc
+            self._event_count += 1
+        try:
+            if nbytes:
+                copy(dst, src, nbytes, stream)
+        except DeviceError as exc:
+            events.append(event)
+            self._note(exc)
+            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        self._seq += 1
+        record = Record(self._seq, event, stream, moved, leased, result, nbytes)
+        try:
+            backend.event_record(event, stream)
+        except DeviceError as exc:
+            # The copy is queued but cannot be tracked: prove it finished, or abandon.
+            self._note(exc)
+            try:
+                backend.stream_synchronize(stream)
+            except DeviceError as sync_exc:
+                self._note(sync_exc)
+                self._fail(record, sync_exc)
+                raise TransferFailedError(
+                    f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
+                ) from sync_exc
+            raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
+        self._submitted += 1
+        self._live.add(record)
+        return record
+
+    # -- completion (called by the handles) ---------------------------------------------------
+    def _poll_record(self, record: Record) -> bool:
+        with self._lock:
+            if record.error is not None:
+                raise failed_error(record)
+            if record.done:
+                return True
+            self._check_open()
+            try:
+                ready = bool(self._backend.event_query(record.event))
+            except DeviceError as exc:
+                self._note(exc)
+                self._fail(record, exc)
+                raise failed_error(record) from exc
+            if ready:
+                record.done = True
+            return ready
+
+    def _wait_record(self, record: Record) -> tuple[Any, ...]:
+        if record.error is not None:
+            raise failed_error(record)
+        self._check_open()
+        if not record.done:
+            try:
+                self._backend.event_synchronize(record.event)
+            except DeviceError as exc:
+                with self._lock:
+                    self._note(exc)
+                    self._fail(record, exc)
+                raise failed_error(record) from exc
+        with self._lock:
+            if record.error is not None:
+                raise failed_error(record)
+            if record not in self._live:
+                if self._closed:
+                    raise RuntimeClosedError("the runtime was closed while this transfer was pending")
+                raise FerryError("this transfer was already waited; a handle is waited at most once")
+            record.done = True
+            self._live.discard(record)
+            self._settle(record)
+        return record.result
+
+    def _settle(self, record: Record) -> None:
+        """A waited record: run its finisher, hand every object back owned."""
+        if record.finish is not None:
+            record.finish()
+        for obj in record.moved:
+            obj._state = _buffer.OWNED  # same value for both kinds
+        for array in record.leased:
+            array._leases -= 1
+        self._recycle_event(record)
+        self._completed += 1
+
+    def _recycle_event(self, record: Record) -> None:
+        if record.owns_event and record.event is not None:
+            self._events.append(record.event)
+        record.event = None
+
+    def _fail(self, record: Record, exc: DeviceError) -> None:
+        """The device reported a failure: abandon every object, keep the record forever."""
+        if record.error is not None:
+            return
+        record.error = exc
+        self._live.discard(record)
+        self._failed += 1
+        self._abandoned.append(record)
+        for obj in record.moved + record.leased:
+            if obj._state != _buffer.ABANDONED:
+                obj._state = _buffer.ABANDONED
+                self._abandoned_objects += 1
+                self._abandoned_bytes += _held_bytes(obj)
+
+    # -- retirement --------------------------------------------------------------------------------
+    def _detach(self, record: Record) -> None:
+        """A handle was dropped unwaited: its record goes to the retirement queue.
+
+        Called from ``__del__``: appends and returns, never blocks, never calls
+        the device.
+        """
+        if self._forked or self._closed or record.error is not None:
+            return
+        self._live.discard(record)
+        self._retiring.push(record)
+
+    def _retired_done(self, record: Record) -> bool:
+        if record.done or record.error is not None:
+            return True
+        try:
+            ready = bool(self._backend.event_query(record.event))
+        except DeviceError as exc:
+            self._note(exc)
+            self._fail(record, exc)
+            return True
+        record.done = ready
+        return ready
+
+    def _release_retired(self, record: Record) -> None:
+        """A dropped handle's copy is complete: free what it owned, end its leases."""
+        if record.error is not None:
+            return  # abandoned: kept forever in self._abandoned
+        for obj in record.moved:
+            self._close_owned(obj)
+        for array in record.leased:
+            array._leases -= 1
+        self._recycle_event(record)
+        self._completed += 1
+
+    def _close_owned(self, obj: Any) -> None:
+        if isinstance(obj, DeviceArray):
+            if obj._state != _device_array.CLOSED:
+                obj._state = _device_array.CLOSED
+                self._device_bytes -= obj._nbytes
+                if obj._ptr and self._poisoned is None and not self._forked:
+                    self._free_now(obj._ptr)
+        else:
+            obj._state = _buffer.OWNED
+            obj._release_for_close()
+
+    def _maintain(self) -> None:
+        """Deferred frees, retirement drain and backpressure. Caller holds the lock."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for ptr, nbytes in deferred:
+                self._device_bytes -= nbytes
+                self._free_now(ptr)
+        queue = self._retiring
+        if len(queue):
+            queue.drain(self._retired_done, self._release_retired)
+            while queue.full():
+                oldest = queue.oldest()
+                if oldest is None:
+                    break
+                try:
+                    self._backend.event_synchronize(oldest.event)
+                    oldest.done = True
+                except DeviceError as exc:
+                    self._note(exc)
+                    self._fail(oldest, exc)
+                queue.drain(self._retired_done, self._release_retired)
+        self._pool.collect()
+
+    def poll(self) -> None:
+        """Release what dropped handles held once their copies completed. Never blocks
+        (unless the retirement queue is over its bound)."""
+        self._check_open()
+        with self._lock:
+            self._maintain()
+
+    # -- blocking conveniences --------------------------------------------------------------------
+    def to_device(self, array: Any) -> DeviceArray:
+        """Copy a host array to a new device array and wait. Blocking convenience.
+
+        Non-contiguous input is copied once into pinned memory on the way.
+        """
+        host = np.asarray(array)
+        check_dtype(host.dtype)
+        destination = self.empty(host.shape, host.dtype)
+        if host.nbytes == 0:
+            return destination
+        buffer = self.pinned(host.nbytes)
+        try:
+            view = buffer.as_array(host.dtype, host.shape)
+            np.copyto(view, host, casting="no")
+            del view
+            buffer, destination = self.upload_pending(buffer, destination).wait()
+        finally:
+            if buffer.state == _buffer.OWNED:
+                buffer.close()
+        return destination
+
+    def to_host(self, array: DeviceArray) -> np.ndarray[Any, Any]:
+        """Copy a device array into a new NumPy array and wait. Blocking convenience."""
+        if not isinstance(array, DeviceArray):
+            raise TransferSubmitError(f"to_host needs a DeviceArray, got {type(array).__name__}")
+        out = np.empty(array.shape, array.dtype)
+        if array.nbytes == 0:
+            self._check_open()
+            return out
+        buffer = self.pinned(array.nbytes)
+        try:
+            array, buffer = self.download_pending(array, buffer).wait()
+            np.copyto(out, buffer.as_array(array.dtype, array.shape))
+        finally:
+            if buffer.state == _buffer.OWNED:
+                buffer.close()
+        return out
+
+    # -- stats and lifetime ---------------------------------------------------------------------------
+    def stats(self) -> RuntimeStats:
+        """A consistent snapshot of the runtime's counters (works after close too)."""
+        with self._lock:
+            return RuntimeStats(
+                in_flight=len(self._live),
+                retiring=len(self._retiring),
+                abandoned=self._abandoned_objects,
+                abandoned_bytes=self._abandoned_bytes,
+                pinned_pool_bytes=self._pool.held_bytes,
+                pinned_free_bytes=self._pool.free_bytes,
+                pinned_allocations=self._pool.allocations,
+                device_bytes=self._device_bytes,
+                submitted=self._submitted,
+                completed=self._completed,
+                failed=self._failed,
+                events=self._event_count,
+            )
+
+    def close(self) -> None:
+        """Wait for everything in flight, release the retirement queue, free what the runtime owns.
+
+        Idempotent. Afterwards every call on the runtime, its buffers and its
+        handles raises. Abandoned memory stays allocated (the device may still
+        touch it). In a forked child it only marks the runtime closed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            if self._forked:
+                self._closed = True
+                return
+            pending = [r for r in list(self._live) + self._retiring.records() if not r.done]
+        for record in pending:  # outside the lock: a waiter must not stop submitters elsewhere
+            if record.error is not None or record.event is None:
+                continue
+            try:
+                self._backend.event_synchronize(record.event)
+                record.done = True
+            except DeviceError as exc:
+                with self._lock:
+                    self._note(exc)
+                    self._fail(record, exc)
+        with self._lock:
+            self._closed = True
+            for record in list(self._live):
+                if record.error is None:
+                    self._release_retired(record)
+            self._live.clear()
+            for record in self._retiring.records():
+                self._release_retired(record)
+            self._retiring.clear()
+            usable = self._poisoned is None
+            for ptr, nbytes in self._deferred:
+                self._device_bytes -= nbytes
+                if usable:
+                    self._free_now(ptr)
+            self._deferred.clear()
+            for array in list(self._arrays):
+                if array._state == _device_array.OWNED:
+                    array._release_for_close()
+                    self._device_bytes -= array._nbytes
+                    if array._ptr and usable:
+                        self._free_now(array._ptr)
+            for buffer in list(self._buffers):
+                buffer._release_for_close()
+            _quietly(self._pool.close)
+            if usable:
+                for event in self._events:
+                    _quietly(self._backend.event_destroy, event)
+                _quietly(self._backend.stream_destroy, self._h2d)
+                _quietly(self._backend.stream_destroy, self._d2h)
+            self._events.clear()
+            _quietly(self._backend.close)
+        _runtimes.discard(self)
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(DeviceError):
+        fn(*args)
+
+
+def _held_bytes(obj: Any) -> int:
+    if isinstance(obj, PinnedHostBuffer):
+        return int(obj._block.capacity)
+    return int(obj._nbytes)
+
+
+def _expect(obj: Any, kind: type, call: str, name: str, what: str) -> None:
+    if not isinstance(obj, kind):
+        hint = ""
+        if isinstance(obj, np.ndarray):
+            hint = "; NumPy arrays go through rt.to_device()/rt.to_host()"
+        raise TransferSubmitError(f"{call}: {name} must be {what}, got {type(obj).__name__}{hint}")
+
+
+def _size_arg(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    result = int(value)
+    if result > _MAX_BYTES:
+        raise ValueError(f"{name}={result} is larger than any machine's memory")
+    return result
+
+
+def _shape_arg(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        dims: tuple[int, ...] = (int(shape),)
+    else:
+        try:
+            dims = tuple(_size_arg(s, "a dimension") for s in shape)
+        except TypeError as exc:
+            raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from exc
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    return dims
+
+
+def _alloc_error(what: str, nbytes: int, exc: DeviceError) -> Exception:
+    if exc.code == _OOM:
+        return MemoryError(f"{what} allocation of {nbytes} bytes failed: out of memory ({exc})")
+    return FerryError(f"{what} allocation of {nbytes} bytes failed: {exc}")

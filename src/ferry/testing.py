@@ -1,0 +1,100 @@
+"""Public test helpers: gates, fault injection and leak counters.
+
+These let a test observe what is otherwise a race: :func:`hold` keeps a copy
+stream from running (on CUDA with ``cuStreamWaitValue32`` on mapped pinned
+memory, on the emulated device with a blocked worker), so "not ready" is
+deterministic; :func:`fail_next_copy` makes the emulated device fail a copy the
+way CUDA reports an asynchronous error; :func:`live_objects` counts what is
+alive so a test can prove nothing leaked.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ._errors import FerryError
+from ._pending import _Pending
+from ._runtime import Runtime
+
+__all__ = ["hold", "fail_next_copy", "violations", "host_waits", "live_objects"]
+
+_DIRECTIONS = ("upload", "download", "both")
+
+
+@contextmanager
+def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
+    """Hold the runtime's copy stream(s) until the ``with`` block exits.
+
+    Work submitted inside the block is queued behind the gate and cannot
+    complete until the block exits, so ``is_ready()`` is observably ``False``.
+    Do not ``wait()`` inside the block: the wait would never return.
+
+    Parameters
+    ----------
+    direction
+        ``"upload"``, ``"download"`` or ``"both"``.
+    """
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
+    runtime._check_open()
+    backend = runtime._backend
+    streams = []
+    if direction in ("upload", "both"):
+        streams.append(runtime._h2d)
+    if direction in ("download", "both"):
+        streams.append(runtime._d2h)
+    gate = backend.gate_create()
+    try:
+        for stream in streams:
+            backend.stream_wait_gate(stream, gate)
+        yield
+    finally:
+        backend.gate_open(gate)
+
+
+def fail_next_copy(runtime: Runtime, *, sticky: bool = False) -> None:
+    """Make the next submitted copy fail when it completes (emulated device only).
+
+    With ``sticky=True`` the failure also poisons the device context, as a
+    CUDA sticky error does: every later call fails.
+    """
+    backend = runtime._backend
+    if not hasattr(backend, "fail_next_copy"):
+        raise FerryError(f"fault injection needs the emulated device, not {runtime.backend}")
+    backend.fail_next_copy(sticky=sticky)
+
+
+def violations(runtime: Runtime) -> list[str]:
+    """Invariant violations the emulated device recorded (memory freed while a
+    queued operation touched it, ...). Always empty on CUDA."""
+    return list(getattr(runtime._backend, "violations", []))
+
+
+def host_waits(runtime: Runtime) -> int:
+    """How many host-blocking synchronizations the backend performed so far."""
+    return int(runtime._backend.sync_calls)
+
+
+def live_objects(runtime: Runtime) -> dict[str, Any]:
+    """Counts of what is alive, after a full garbage collection.
+
+    Keys: ``buffers`` and ``arrays`` (objects of this runtime not yet
+    collected), ``handles`` (pending handles of this runtime), ``in_flight``,
+    ``retiring`` and ``abandoned`` (records).
+    """
+    gc.collect()
+    handles = sum(
+        1 for obj in gc.get_objects() if isinstance(obj, _Pending) and obj._runtime is runtime
+    )
+    stats = runtime.stats()
+    return {
+        "buffers": len(runtime._buffers),
+        "arrays": len(runtime._arrays),
+        "handles": handles,
+        "in_flight": stats.in_flight,
+        "retiring": stats.retiring,
+        "abandoned": stats.abandoned,
+    }
