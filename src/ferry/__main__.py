@@ -125,8 +125,7 @@ def cmd_demo(rt: Runtime, mib: int) -> int:
     ok = bool(np.array_equal(dst.as_array(np.uint32), data))
     rows.append(_row("round trip bytes equal", nbytes, None, "ok" if ok else "MISMATCH"))
     spare = rt.pinned(nbytes)
-    t_drop, _ = _timed(lambda: rt.download_pending(device, spare))
-    del spare
+    t_drop, _ = _timed(lambda: rt.download_pending(device, spare))  # the handle is dropped at once
     rows.append(_row("submit + drop a pending handle", 0, t_drop, "to the retirement queue"))
     src.close()  # its upload was waited: the block is free for reuse
     stats_before = rt.stats().pinned_allocations
