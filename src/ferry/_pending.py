@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._errors import FerryError, TransferFailedError
 
@@ -77,7 +77,10 @@ class Record:
         return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
 
 
-class _Pending:
+_Result = TypeVar("_Result")
+
+
+class _Pending(Generic[_Result]):
     __slots__ = ("_record", "_runtime", "_waited")
 
     def __init__(self, runtime: Runtime, record: Record) -> None:
@@ -102,7 +105,7 @@ class _Pending:
             return True
         return self._runtime._poll_record(self._record)
 
-    def wait(self) -> tuple[Any, ...]:
+    def wait(self) -> _Result:
         """Block until the copy completed, then hand back what was handed in.
 
         Guarantee: when it returns, the copy is complete (the destination holds
@@ -121,7 +124,7 @@ class _Pending:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
         result = self._runtime._wait_record(self._record)
         self._waited = True
-        return result
+        return result  # type: ignore[return-value]
 
     def __del__(self) -> None:
         # Never blocks, never calls the device: detach the record, nothing more.
@@ -135,24 +138,17 @@ class _Pending:
         return f"<{type(self).__name__} {status}>"
 
 
-class PendingUpload(_Pending):
+class PendingUpload(_Pending["tuple[PinnedHostBuffer, DeviceArray]"]):
     """A host-to-device copy in flight.
 
-    ``wait()`` returns ``(buffer, destination)``: the pinned buffer (or host
-    array) and the device array it was copied into.
+    ``wait()`` returns ``(buffer, destination)``: the pinned buffer and the
+    device array it was copied into, both owned again.
     """
 
     __slots__ = ()
 
-    def wait(self) -> tuple[PinnedHostBuffer, DeviceArray]:  # type: ignore[override]
-        """Block until the upload completed; return ``(buffer, destination)``.
 
-        See :meth:`_Pending.wait` for the guarantees and errors.
-        """
-        return super().wait()  # type: ignore[return-value]
-
-
-class PendingDownload(_Pending):
+class PendingDownload(_Pending["tuple[DeviceArray, PinnedHostBuffer]"]):
     """A device-to-host copy in flight.
 
     ``wait()`` returns ``(source, buffer)``: the device array that was read
@@ -160,13 +156,6 @@ class PendingDownload(_Pending):
     """
 
     __slots__ = ()
-
-    def wait(self) -> tuple[DeviceArray, PinnedHostBuffer]:  # type: ignore[override]
-        """Block until the download completed; return ``(source, buffer)``.
-
-        See :meth:`_Pending.wait` for the guarantees and errors.
-        """
-        return super().wait()  # type: ignore[return-value]
 
 
 def failed_error(record: Record) -> TransferFailedError:

@@ -16,6 +16,7 @@ import contextlib
 import os
 import threading
 import weakref
+from sys import getrefcount
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import _buffer, _device_array
 from ._backends._base import Backend, DeviceError
-from ._buffer import PinnedHostBuffer, check_dtype, new_buffer
+from ._buffer import _BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
 from ._device_array import DeviceArray, new_device_array
 from ._errors import (
     DeviceUnavailableError,
@@ -93,6 +94,7 @@ _runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for runtime in list(_runtimes):
         runtime._forked = True
+        runtime._update_refusal()
 
 
 def _close_all_at_exit() -> None:
@@ -170,6 +172,7 @@ class Runtime:
         self._closed = False
         self._forked = False
         self._poisoned: DeviceError | None = None
+        self._refusal: str | None = None  # why every call is refused; None while usable
         self._pool = PinnedPool(self._backend, pinned_cache_bytes)
         self._retiring = RetirementQueue(retirement_capacity)
         self._h2d = self._backend.stream_create()
@@ -225,17 +228,21 @@ class Runtime:
         self.close()
 
     # -- usability checks ---------------------------------------------------------------------
-    def _unusable(self) -> str | None:
+    def _update_refusal(self) -> None:
         if self._forked:
-            return (
+            self._refusal = (
                 "this runtime was inherited by a forked child process; device state does not "
                 "survive fork: create a new ferry.Runtime in the child"
             )
-        if self._closed:
-            return "the runtime is closed"
-        if self._poisoned is not None:
-            return f"the device context is unusable after a sticky error ({self._poisoned})"
-        return None
+        elif self._closed:
+            self._refusal = "the runtime is closed"
+        elif self._poisoned is not None:
+            self._refusal = f"the device context is unusable after a sticky error ({self._poisoned})"
+        else:
+            self._refusal = None
+
+    def _unusable(self) -> str | None:
+        return self._refusal
 
     def _check_open(self) -> None:
         problem = self._unusable()
@@ -245,6 +252,7 @@ class Runtime:
     def _note(self, exc: DeviceError) -> None:
         if exc.sticky and self._poisoned is None:
             self._poisoned = exc
+            self._update_refusal()
 
     # -- allocation -----------------------------------------------------------------------------
     def pinned(self, nbytes: int) -> PinnedHostBuffer:
@@ -343,18 +351,23 @@ class Runtime:
             read-leased destination, a closed runtime.
         """
         with self._lock:
-            self._refuse_if_unusable()
-            _expect(buffer, PinnedHostBuffer, "upload_pending", "buffer", _PINNED)
-            _expect(destination, DeviceArray, "upload_pending", "destination", _DEVICE)
-            problem = buffer._submission_problem(self) or destination._submission_problem(self, write=True)
-            if problem:
-                raise TransferSubmitError(problem)
+            # One expression for the common case; the slow path names the problem.
+            if not (
+                self._refusal is None
+                and type(buffer) is PinnedHostBuffer
+                and type(destination) is DeviceArray
+                and buffer._runtime is self
+                and destination._runtime is self
+                and buffer._state == _buffer.OWNED
+                and destination._state == _device_array.OWNED
+                and not destination._leases
+                and getrefcount(buffer._base) == _BASE_REFS
+                and buffer._nbytes >= destination._nbytes
+            ):
+                self._refuse_upload(buffer, destination)
+            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
+                self._maintain()
             nbytes = destination._nbytes
-            if buffer._nbytes < nbytes:
-                raise TransferSubmitError(
-                    f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {nbytes}"
-                )
-            self._maintain()
             record = self._enqueue(
                 self._h2d,
                 self._backend.memcpy_htod,
@@ -384,18 +397,21 @@ class Runtime:
             As for :meth:`upload_pending`; nothing was enqueued.
         """
         with self._lock:
-            self._refuse_if_unusable()
-            _expect(source, DeviceArray, "download_pending", "source", _DEVICE)
-            _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
-            problem = source._submission_problem(self, write=False) or buffer._submission_problem(self)
-            if problem:
-                raise TransferSubmitError(problem)
+            if not (
+                self._refusal is None
+                and type(source) is DeviceArray
+                and type(buffer) is PinnedHostBuffer
+                and buffer._runtime is self
+                and source._runtime is self
+                and buffer._state == _buffer.OWNED
+                and source._state == _device_array.OWNED
+                and getrefcount(buffer._base) == _BASE_REFS
+                and buffer._nbytes >= source._nbytes
+            ):
+                self._refuse_download(source, buffer)
+            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
+                self._maintain()
             nbytes = source._nbytes
-            if buffer._nbytes < nbytes:
-                raise TransferSubmitError(
-                    f"the pinned buffer holds {buffer._nbytes} bytes; the source has {nbytes}"
-                )
-            self._maintain()
             record = self._enqueue(
                 self._d2h,
                 self._backend.memcpy_dtoh,
@@ -410,10 +426,33 @@ class Runtime:
             source._leases += 1
         return PendingDownload(self, record)
 
-    def _refuse_if_unusable(self) -> None:
-        problem = self._unusable()
-        if problem is not None:
+    def _refuse_upload(self, buffer: Any, destination: Any) -> None:
+        """Raise the TransferSubmitError that explains why an upload cannot start."""
+        if self._refusal is not None:
+            raise TransferSubmitError(self._refusal)
+        _expect(buffer, PinnedHostBuffer, "upload_pending", "buffer", _PINNED)
+        _expect(destination, DeviceArray, "upload_pending", "destination", _DEVICE)
+        problem = buffer._submission_problem(self) or destination._submission_problem(self, write=True)
+        if problem:
             raise TransferSubmitError(problem)
+        if buffer._nbytes < destination._nbytes:
+            raise TransferSubmitError(
+                f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {destination._nbytes}"
+            )
+
+    def _refuse_download(self, source: Any, buffer: Any) -> None:
+        """Raise the TransferSubmitError that explains why a download cannot start."""
+        if self._refusal is not None:
+            raise TransferSubmitError(self._refusal)
+        _expect(source, DeviceArray, "download_pending", "source", _DEVICE)
+        _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
+        problem = source._submission_problem(self, write=False) or buffer._submission_problem(self)
+        if problem:
+            raise TransferSubmitError(problem)
+        if buffer._nbytes < source._nbytes:
+            raise TransferSubmitError(
+                f"the pinned buffer holds {buffer._nbytes} bytes; the source has {source._nbytes}"
+            )
 
     def _enqueue(
         self,
@@ -485,6 +524,24 @@ class Runtime:
             return ready
 
     def _wait_record(self, record: Record) -> tuple[Any, ...]:
+        if record.error is None and self._refusal is None:  # the common case
+            if not record.done:
+                try:
+                    self._backend.event_synchronize(record.event)
+                except DeviceError as exc:
+                    with self._lock:
+                        self._note(exc)
+                        self._fail(record, exc)
+                    raise failed_error(record) from exc
+            with self._lock:
+                if record in self._live and record.error is None:
+                    self._live.remove(record)
+                    record.done = True
+                    self._settle(record)
+                    return record.result
+        return self._wait_record_slow(record)
+
+    def _wait_record_slow(self, record: Record) -> tuple[Any, ...]:
         if record.error is not None:
             raise failed_error(record)
         self._check_open()
@@ -684,6 +741,7 @@ class Runtime:
                 return
             if self._forked:
                 self._closed = True
+                self._update_refusal()
                 return
             pending = [r for r in list(self._live) + self._retiring.records() if not r.done]
         for record in pending:  # outside the lock: a waiter must not stop submitters elsewhere
@@ -698,6 +756,7 @@ class Runtime:
                     self._fail(record, exc)
         with self._lock:
             self._closed = True
+            self._update_refusal()
             for record in list(self._live):
                 if record.error is None:
                     self._release_retired(record)

@@ -5,8 +5,12 @@ driver result tuple into a value or a :class:`DeviceError`; only
 :meth:`CudaBackend.event_query` treats ``CUDA_ERROR_NOT_READY`` as a value.
 
 Context: the device's primary context is retained once and made current on
-every thread that calls in (the driver's current context is per thread); a
-thread-local flag keeps that to one ``cuCtxSetCurrent`` per thread.
+every thread that calls in (the driver's current context is per thread).
+Allocation and setup calls bind first (a thread-local flag keeps that to one
+``cuCtxSetCurrent`` per thread). The hot calls (copies, event record, query,
+synchronize) skip that check: they call the driver at once and, only if it
+answers that no usable context is current, bind and call again, so the
+common case costs exactly one driver call.
 
 Probe: :func:`probe` is the narrow "is a GPU usable" test. Importing the
 bindings works without a driver; the first call (``cuInit``) raises
@@ -26,6 +30,9 @@ from .._errors import DeviceUnavailableError
 from ._base import DeviceError
 
 __all__: list[str] = []
+
+# Answers that mean "this thread has no (or the wrong) current context": bind and retry.
+_REBIND = {201, 400, 709}  # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
 # Errors after which the context is unusable (CUDA "sticky" errors).
 _STICKY = {
@@ -132,13 +139,21 @@ class CudaBackend:
             code = int(err)
             raise DeviceError(_error_text(self._d, err), code=code, sticky=code in _STICKY)
 
-    def _bind(self) -> None:
+    def _bind(self, force: bool = False) -> None:
         """Make the primary context current on this thread (once per thread)."""
-        if getattr(self._tls, "bound", False):
+        if not force and getattr(self._tls, "bound", False):
             return
         (err,) = self._d.cuCtxSetCurrent(self._ctx)
         self._check(err)
         self._tls.bound = True
+
+    def _retry(self, err: Any, fn: Any, *args: Any) -> None:
+        """A hot call failed: if for want of a current context, bind and call once more."""
+        if int(err) in _REBIND:
+            self._bind(force=True)
+            (err,) = fn(*args)
+        if err:
+            self._check(err)
 
     # -- identity ---------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -248,40 +263,42 @@ class CudaBackend:
         self._check(err)
 
     def event_record(self, event: Any, stream: Any) -> None:
-        self._bind()
         (err,) = self._cuEventRecord(event, stream)
         if err:
-            self._check(err)
+            self._retry(err, self._cuEventRecord, event, stream)
 
     def event_query(self, event: Any) -> bool:
-        self._bind()
         (err,) = self._cuEventQuery(event)
         if not err:
             return True
         if err == self._not_ready:
             return False
+        if int(err) in _REBIND:
+            self._bind(force=True)
+            (err,) = self._cuEventQuery(event)
+            if not err:
+                return True
+            if err == self._not_ready:
+                return False
         self._check(err)
-        return False  # unreachable
+        return False  # unreachable: _check raised
 
     def event_synchronize(self, event: Any) -> None:
-        self._bind()
         self.sync_calls += 1
         (err,) = self._cuEventSynchronize(event)
         if err:
-            self._check(err)
+            self._retry(err, self._cuEventSynchronize, event)
 
     # -- copies -----------------------------------------------------------------------------------
     def memcpy_htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._bind()
         (err,) = self._cuMemcpyHtoDAsync(dst, src, nbytes, stream)
         if err:
-            self._check(err)
+            self._retry(err, self._cuMemcpyHtoDAsync, dst, src, nbytes, stream)
 
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._bind()
         (err,) = self._cuMemcpyDtoHAsync(dst, src, nbytes, stream)
         if err:
-            self._check(err)
+            self._retry(err, self._cuMemcpyDtoHAsync, dst, src, nbytes, stream)
 
     # -- gates: cuStreamWaitValue32 on mapped pinned memory -------------------------------------
     def gate_create(self) -> _Gate:
