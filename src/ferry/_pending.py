@@ -20,8 +20,6 @@ from ._errors import FerryError, TransferFailedError
 
 if TYPE_CHECKING:
     from ._backends._base import DeviceError
-    from ._buffer import PinnedHostBuffer
-    from ._device_array import DeviceArray
     from ._runtime import Runtime
 
 __all__ = ["PendingUpload", "PendingDownload"]

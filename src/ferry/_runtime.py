@@ -16,9 +16,9 @@ import contextlib
 import os
 import threading
 import weakref
-from sys import getrefcount
 from collections.abc import Callable
 from dataclasses import dataclass
+from sys import getrefcount
 from typing import Any
 
 import numpy as np
