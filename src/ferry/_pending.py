@@ -20,6 +20,8 @@ from ._errors import FerryError, TransferFailedError
 
 if TYPE_CHECKING:
     from ._backends._base import DeviceError
+    from ._buffer import PinnedHostBuffer  # noqa: F401 - named in the handles' result types
+    from ._device_array import DeviceArray  # noqa: F401
     from ._runtime import Runtime
 
 __all__ = ["PendingUpload", "PendingDownload"]
