@@ -11,12 +11,14 @@ from that module's ``__all__``.
 
 from __future__ import annotations
 
-from . import _buffer, _device_array, _errors, _pending, _runtime
+from . import _buffer, _device_array, _errors, _pending, _register, _runtime, _staging
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
 from ._pending import *  # noqa: F403
+from ._register import *  # noqa: F403
 from ._runtime import *  # noqa: F403
+from ._staging import *  # noqa: F403
 
 __version__ = "0.1.0"
 
@@ -26,3 +28,5 @@ __all__ += _buffer.__all__
 __all__ += _device_array.__all__
 __all__ += _pending.__all__
 __all__ += _runtime.__all__
+__all__ += _staging.__all__
+__all__ += _register.__all__

@@ -20,7 +20,6 @@ from ._errors import FerryError, TransferFailedError
 
 if TYPE_CHECKING:
     from ._backends._base import DeviceError
-    from ._buffer import PinnedHostBuffer  # noqa: F401 - named in the handles' result types
     from ._device_array import DeviceArray  # noqa: F401
     from ._runtime import Runtime
 
@@ -40,6 +39,7 @@ class Record:
         "done",
         "error",
         "event",
+        "extra",
         "finish",
         "leased",
         "moved",
@@ -71,10 +71,33 @@ class Record:
         self.error: DeviceError | None = None
         self.finish: Callable[[], None] | None = None
         self.owns_event = True
+        self.extra: Extras | None = None
 
     def __repr__(self) -> str:
         status = "failed" if self.error else "done" if self.done else "pending"
         return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
+
+
+class Extras:
+    """What the pageable and registered routes add to a record.
+
+    ``job`` is a staged job whose lanes prove completion (the record then has
+    no event); ``blocks`` are pool blocks the copy uses (back to the pool on
+    completion, abandoned on failure); ``host`` are the caller's arrays flagged
+    read-only for the flight; ``regs`` are registrations the copy uses.
+    ``device_touches_host`` is true when the DMA reads or writes the caller's
+    array itself (registered route): a failure then keeps the array read-only
+    and its registration in use forever.
+    """
+
+    __slots__ = ("blocks", "device_touches_host", "host", "job", "regs")
+
+    def __init__(self) -> None:
+        self.job: Any = None
+        self.blocks: list[Any] = []
+        self.host: list[Any] = []
+        self.regs: list[Any] = []
+        self.device_touches_host = False
 
 
 _Result = TypeVar("_Result")
@@ -138,21 +161,25 @@ class _Pending(Generic[_Result]):
         return f"<{type(self).__name__} {status}>"
 
 
-class PendingUpload(_Pending["tuple[PinnedHostBuffer, DeviceArray]"]):
+class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
     """A host-to-device copy in flight.
 
-    ``wait()`` returns ``(buffer, destination)``: the pinned buffer and the
-    device array it was copied into, both owned again.
+    ``wait()`` returns ``(buffer, destination)``: the host side (the pinned
+    buffer of :meth:`~ferry.Runtime.upload_pending`, or the NumPy array of
+    :meth:`~ferry.Runtime.upload`) and the device array it was copied into,
+    both owned (and writable) again.
     """
 
     __slots__ = ()
 
 
-class PendingDownload(_Pending["tuple[DeviceArray, PinnedHostBuffer]"]):
+class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):
     """A device-to-host copy in flight.
 
     ``wait()`` returns ``(source, buffer)``: the device array that was read
-    (read-leased until then) and the pinned buffer that now holds its bytes.
+    (read-leased until then) and the host side that now holds its bytes (the
+    pinned buffer of :meth:`~ferry.Runtime.download_pending`, or the NumPy
+    array of :meth:`~ferry.Runtime.download`).
     """
 
     __slots__ = ()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import threading
 import weakref
@@ -34,9 +35,11 @@ from ._errors import (
     TransferFailedError,
     TransferSubmitError,
 )
-from ._pending import PendingDownload, PendingUpload, Record, failed_error
+from ._pending import Extras, PendingDownload, PendingUpload, Record, failed_error
 from ._pool import PinnedPool
+from ._register import Registration, check_releasable, new_registration
 from ._retire import RetirementQueue
+from ._staging import StagingConfig, StagingEngine, copy_in, copy_out, plan_chunks
 
 __all__ = ["Runtime", "RuntimeStats"]
 
@@ -72,6 +75,13 @@ class RuntimeStats:
         Transfers submitted; proven complete (waited or retired); failed.
     events
         Events created (the event pool reuses them).
+    host_copied_bytes
+        Bytes the pageable routes copied on the host (one per payload byte).
+    staging_pinned_bytes
+        Pinned memory held for staging: the lanes' slots plus the blocks of
+        direct pageable copies in flight.
+    registered_bytes
+        Host memory pinned in place by :meth:`Runtime.register`.
     """
 
     in_flight: int
@@ -86,6 +96,9 @@ class RuntimeStats:
     completed: int
     failed: int
     events: int
+    host_copied_bytes: int
+    staging_pinned_bytes: int
+    registered_bytes: int
 
 
 _runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -145,6 +158,9 @@ class Runtime:
     emulated_bandwidth, emulated_latency
         The emulated device's modelled copy bandwidth (bytes/s, per copy
         stream) and per-operation latency (s). Ignored on CUDA.
+    staging
+        How pageable NumPy arrays are staged (:class:`~ferry.StagingConfig`);
+        the default's lane count is capped at the machine's CPU count.
 
     Guarantees
     ----------
@@ -164,6 +180,7 @@ class Runtime:
         pinned_cache_bytes: int = 4 << 30,
         emulated_bandwidth: float = 25e9,
         emulated_latency: float = 5e-6,
+        staging: StagingConfig | None = None,
     ) -> None:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
             raise ValueError(f"device must be a non-negative int, got {device!r}")
@@ -188,6 +205,12 @@ class Runtime:
         self._buffers: weakref.WeakSet[PinnedHostBuffer] = weakref.WeakSet()
         self._device_bytes = 0
         self._seq = 0
+        self._staging = staging or _default_staging()
+        self._engines: dict[str, StagingEngine] = {}
+        self._host_leases: dict[int, list[Any]] = {}
+        self._registrations: list[Registration] = []
+        self._host_copied = 0
+        self._direct_bytes = 0  # pool blocks held by direct pageable copies in flight
         self._submitted = 0
         self._completed = 0
         self._failed = 0
@@ -514,7 +537,7 @@ class Runtime:
                 return True
             self._check_open()
             try:
-                ready = bool(self._backend.event_query(record.event))
+                ready = self._query(record)
             except DeviceError as exc:
                 self._note(exc)
                 self._fail(record, exc)
@@ -527,7 +550,10 @@ class Runtime:
         if record.error is None and self._refusal is None:  # the common case
             if not record.done:
                 try:
-                    self._backend.event_synchronize(record.event)
+                    if record.extra is None:
+                        self._backend.event_synchronize(record.event)
+                    else:
+                        self._block(record)
                 except DeviceError as exc:
                     with self._lock:
                         self._note(exc)
@@ -547,7 +573,7 @@ class Runtime:
         self._check_open()
         if not record.done:
             try:
-                self._backend.event_synchronize(record.event)
+                self._block(record)
             except DeviceError as exc:
                 with self._lock:
                     self._note(exc)
@@ -565,10 +591,34 @@ class Runtime:
             self._settle(record)
         return record.result
 
+    def _query(self, record: Record) -> bool:
+        """Whether the record's copy completed. Never blocks; raises DeviceError."""
+        extra = record.extra
+        if extra is not None and extra.job is not None:
+            job = extra.job
+            if not job.done.is_set():
+                return False
+            if job.error is not None:
+                raise job.error
+            return True
+        return bool(self._backend.event_query(record.event))
+
+    def _block(self, record: Record) -> None:
+        """Block until the record's copy completed; raises DeviceError."""
+        extra = record.extra
+        if extra is not None and extra.job is not None:
+            extra.job.done.wait()
+            if extra.job.error is not None:
+                raise extra.job.error
+            return
+        self._backend.event_synchronize(record.event)
+
     def _settle(self, record: Record) -> None:
         """A waited record: run its finisher, hand every object back owned."""
         if record.finish is not None:
             record.finish()
+        if record.extra is not None:
+            self._release_extras(record, failed=False)
         for obj in record.moved:
             obj._state = _buffer.OWNED  # same value for both kinds
         for array in record.leased:
@@ -589,11 +639,57 @@ class Runtime:
         self._live.discard(record)
         self._failed += 1
         self._abandoned.append(record)
+        if record.extra is not None:
+            self._release_extras(record, failed=True)
         for obj in record.moved + record.leased:
             if obj._state != _buffer.ABANDONED:
                 obj._state = _buffer.ABANDONED
                 self._abandoned_objects += 1
                 self._abandoned_bytes += _held_bytes(obj)
+
+    def _release_extras(self, record: Record, *, failed: bool) -> None:
+        """Pool blocks back (or abandoned), host arrays writable again, registrations free."""
+        extra = record.extra
+        assert extra is not None
+        for block in extra.blocks:
+            self._direct_bytes -= block.capacity
+            if failed:
+                self._abandoned_bytes += block.capacity  # the device may still touch it
+            else:
+                self._pool.release(block)
+        extra.blocks = []
+        if not (failed and extra.device_touches_host):
+            for array in extra.host:
+                self._unlease_host(array)
+            for registration in extra.regs:
+                registration._uses -= 1
+        extra.host = []
+        extra.regs = []
+        if extra.job is not None:
+            self._host_copied += extra.job.host_bytes
+            extra.job.array = None
+
+    def _lease_host(self, array: np.ndarray[Any, Any], extra: Extras) -> None:
+        """Flag the caller's array read-only for the flight (counted, restored at the end)."""
+        entry = self._host_leases.get(id(array))
+        if entry is None:
+            self._host_leases[id(array)] = [array, 1, bool(array.flags.writeable)]
+            if array.flags.writeable:
+                array.flags.writeable = False
+        else:
+            entry[1] += 1
+        extra.host.append(array)
+
+    def _unlease_host(self, array: np.ndarray[Any, Any]) -> None:
+        entry = self._host_leases.get(id(array))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._host_leases[id(array)]
+            if entry[2]:
+                with contextlib.suppress(ValueError):
+                    array.flags.writeable = True
 
     # -- retirement --------------------------------------------------------------------------------
     def _detach(self, record: Record) -> None:
@@ -611,7 +707,7 @@ class Runtime:
         if record.done or record.error is not None:
             return True
         try:
-            ready = bool(self._backend.event_query(record.event))
+            ready = self._query(record)
         except DeviceError as exc:
             self._note(exc)
             self._fail(record, exc)
@@ -623,6 +719,8 @@ class Runtime:
         """A dropped handle's copy is complete: free what it owned, end its leases."""
         if record.error is not None:
             return  # abandoned: kept forever in self._abandoned
+        if record.extra is not None:
+            self._release_extras(record, failed=False)
         for obj in record.moved:
             self._close_owned(obj)
         for array in record.leased:
@@ -671,44 +769,222 @@ class Runtime:
         with self._lock:
             self._maintain()
 
+    # -- pageable routes ----------------------------------------------------------------------------
+    def upload(self, source: np.ndarray[Any, Any], destination: DeviceArray | None = None) -> PendingUpload:
+        """Copy a NumPy array (pageable or registered) to the device without blocking.
+
+        ``destination`` must have the source's shape and dtype; when ``None`` a
+        new device array is allocated. ``wait()`` returns ``(source,
+        destination)``. Non-contiguous sources are accepted and copied once.
+
+        Routes: a registered source (:meth:`register`) is copied by one DMA
+        with no host copy; a payload up to ``StagingConfig.direct_bytes`` goes
+        through one pooled pinned block; anything larger is staged in chunks
+        through the lanes' pinned slots, host copies and DMAs overlapped.
+
+        While pending, ``source`` is flagged read-only (restored by ``wait()``).
+        That guards this array object only: other views of the same memory,
+        and raw pointers, are not guarded.
+
+        Raises
+        ------
+        TransferSubmitError
+            Nothing was enqueued; the arguments are unchanged (and a
+            destination ferry allocated for this call is freed again).
+        """
+        if not isinstance(source, np.ndarray):
+            raise TransferSubmitError(
+                f"upload: source must be a NumPy array, got {type(source).__name__}; "
+                "pinned buffers go through upload_pending"
+            )
+        _check_copyable(source, "upload")
+        created = destination is None
+        if created:
+            if self._refusal is not None:
+                raise TransferSubmitError(self._refusal)
+            destination = self.empty(source.shape, source.dtype)
+        try:
+            with self._lock:
+                if self._refusal is not None:
+                    raise TransferSubmitError(self._refusal)
+                _expect(destination, DeviceArray, "upload", "destination", _DEVICE)
+                assert destination is not None
+                problem = destination._submission_problem(self, write=True)
+                if problem:
+                    raise TransferSubmitError(problem)
+                _check_match(source, destination, "destination")
+                self._maintain()
+                record = self._submit_host_route("upload", source, destination)
+                destination._state = _device_array.IN_FLIGHT
+        except BaseException:
+            if created and destination is not None and destination._state == _device_array.OWNED:
+                destination.close()
+            raise
+        return PendingUpload(self, record)
+
+    def download(self, source: DeviceArray, out: np.ndarray[Any, Any] | None = None) -> PendingDownload:
+        """Copy a device array into a NumPy array without blocking.
+
+        ``out`` must be a writable array of the source's shape and dtype
+        (any layout); when ``None`` a new one is allocated (large ones with a
+        transparent-huge-page hint, so first-touch faults stay cheap).
+        ``wait()`` returns ``(source, out)``. The source is read-leased, as
+        for :meth:`download_pending`; ``out`` is flagged read-only while
+        pending and holds the bytes once ``wait()`` returns. A failed download
+        publishes nothing: ``wait()`` raises and ``out`` is not returned.
+
+        Raises
+        ------
+        TransferSubmitError
+            Nothing was enqueued; the arguments are unchanged.
+        """
+        with self._lock:
+            if self._refusal is not None:
+                raise TransferSubmitError(self._refusal)
+            _expect(source, DeviceArray, "download", "source", _DEVICE)
+            problem = source._submission_problem(self, write=False)
+            if problem:
+                raise TransferSubmitError(problem)
+            if out is None:
+                out = _fresh_host_array(source.shape, source.dtype)
+            else:
+                if not isinstance(out, np.ndarray):
+                    raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
+                _check_copyable(out, "download")
+                _check_match(out, source, "source")
+                if not out.flags.writeable:
+                    raise TransferSubmitError(
+                        "download: out is read-only (or the output of another pending download)"
+                    )
+            self._maintain()
+            record = self._submit_host_route("download", out, source)
+            source._leases += 1
+        return PendingDownload(self, record)
+
+    def _submit_host_route(self, direction: str, host: np.ndarray[Any, Any], device: DeviceArray) -> Record:
+        """Pick the route for a NumPy array <-> device array copy and enqueue it. Lock held."""
+        upload = direction == "upload"
+        extra = Extras()
+        nbytes = host.nbytes
+        stream = self._h2d if upload else self._d2h
+        copy = self._backend.memcpy_htod if upload else self._backend.memcpy_dtoh
+        moved: tuple[Any, ...] = (device,) if upload else ()
+        leased: tuple[Any, ...] = () if upload else (device,)
+        result = (host, device) if upload else (device, host)
+        alias = host if upload else host.view()  # lanes write through a view taken before read-only
+        registration = self._registered(host) if host.flags.c_contiguous and nbytes else None
+        config = self._staging
+        if registration is not None:
+            ptr = int(host.ctypes.data)
+            src, dst = (ptr, device._ptr) if upload else (device._ptr, ptr)
+            record = self._enqueue(stream, copy, dst, src, nbytes, moved=moved, leased=leased, result=result)
+            registration._uses += 1
+            extra.regs.append(registration)
+            extra.device_touches_host = True
+        elif nbytes <= config.direct_bytes or host.itemsize > config.slot_bytes:
+            block = self._pool.acquire(max(nbytes, 1))
+            self._direct_bytes += block.capacity
+            extra.blocks.append(block)
+            try:
+                chunks = plan_chunks(host, max(nbytes, 1))
+                base = _ptr(host)
+                if upload:
+                    for part in chunks:
+                        copy_in(block.ptr + part.offset, host, part, base)
+                    self._host_copied += nbytes
+                    record = self._enqueue(
+                        stream, copy, device._ptr, block.ptr, nbytes, moved=moved, leased=leased, result=result
+                    )
+                else:
+                    record = self._enqueue(
+                        stream, copy, block.ptr, device._ptr, nbytes, moved=moved, leased=leased, result=result
+                    )
+
+                    def publish() -> None:
+                        for part in chunks:
+                            copy_out(alias, part, block.ptr + part.offset, base)
+                        self._host_copied += nbytes
+
+                    record.finish = publish
+            except BaseException:
+                self._direct_bytes -= block.capacity
+                self._pool.release(block)
+                raise
+        else:
+            engine = self._engines.get(direction)
+            if engine is None:
+                engine = self._engines[direction] = StagingEngine(self._backend, self._pool, config, direction)
+            job = engine.submit(alias, device._ptr)
+            self._seq += 1
+            record = Record(self._seq, None, engine, moved, leased, result, nbytes)
+            extra.job = job
+            self._submitted += 1
+            self._live.add(record)
+        record.extra = extra
+        self._lease_host(host, extra)
+        return record
+
+    def register(self, array: np.ndarray[Any, Any]) -> Registration:
+        """Pin a C-contiguous NumPy array in place for repeated transfers.
+
+        Afterwards :meth:`upload` from it and :meth:`download` into it take the
+        pinned route: one DMA, no host copy. Undone by
+        :meth:`Registration.release` or :meth:`close`, never while a transfer
+        uses it. Pinning costs milliseconds per hundred MiB: register arrays
+        that are transferred many times.
+        """
+        self._check_open()
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
+            raise TypeError("register needs a non-empty C-contiguous NumPy array")
+        _check_copyable(array, "register")
+        ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
+        with self._lock:
+            for other in self._registrations:
+                if ptr < other._ptr + other._nbytes and other._ptr < ptr + nbytes:
+                    raise FerryError("this memory overlaps an active registration")
+            try:
+                self._backend.host_register(ptr, nbytes)
+            except DeviceError as exc:
+                self._note(exc)
+                raise FerryError(f"could not pin the array in place: {exc}") from exc
+            registration = new_registration(self, array)
+            self._registrations.append(registration)
+        return registration
+
+    def _registered(self, array: np.ndarray[Any, Any]) -> Registration | None:
+        if not self._registrations:
+            return None
+        ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
+        for registration in self._registrations:
+            if registration.covers(ptr, nbytes):
+                return registration
+        return None
+
+    def _unregister(self, registration: Registration) -> None:
+        with self._lock:
+            if registration._released:
+                return
+            check_releasable(registration)
+            registration._released = True
+            self._registrations.remove(registration)
+            if self._refusal is None:
+                try:
+                    self._backend.host_unregister(registration._ptr)
+                except DeviceError as exc:
+                    self._note(exc)
+                    raise FerryError(f"could not unpin the array: {exc}") from exc
+
     # -- blocking conveniences --------------------------------------------------------------------
     def to_device(self, array: Any) -> DeviceArray:
-        """Copy a host array to a new device array and wait. Blocking convenience.
-
-        Non-contiguous input is copied once into pinned memory on the way.
-        """
-        host = np.asarray(array)
-        check_dtype(host.dtype)
-        destination = self.empty(host.shape, host.dtype)
-        if host.nbytes == 0:
-            return destination
-        buffer = self.pinned(host.nbytes)
-        try:
-            view = buffer.as_array(host.dtype, host.shape)
-            np.copyto(view, host, casting="no")
-            del view
-            buffer, destination = self.upload_pending(buffer, destination).wait()
-        finally:
-            if buffer.state == _buffer.OWNED:
-                buffer.close()
+        """Copy a host array to a new device array and wait: ``upload(array).wait()[1]``."""
+        _, destination = self.upload(np.asarray(array)).wait()
         return destination
 
     def to_host(self, array: DeviceArray) -> np.ndarray[Any, Any]:
-        """Copy a device array into a new NumPy array and wait. Blocking convenience."""
-        if not isinstance(array, DeviceArray):
-            raise TransferSubmitError(f"to_host needs a DeviceArray, got {type(array).__name__}")
-        out = np.empty(array.shape, array.dtype)
-        if array.nbytes == 0:
-            self._check_open()
-            return out
-        buffer = self.pinned(array.nbytes)
-        try:
-            array, buffer = self.download_pending(array, buffer).wait()
-            np.copyto(out, buffer.as_array(array.dtype, array.shape))
-        finally:
-            if buffer.state == _buffer.OWNED:
-                buffer.close()
-        return out
+        """Copy a device array into a new NumPy array and wait: ``download(array).wait()[1]``."""
+        _, out = self.download(array).wait()
+        result: np.ndarray[Any, Any] = out
+        return result
 
     # -- stats and lifetime ---------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
@@ -727,6 +1003,10 @@ class Runtime:
                 completed=self._completed,
                 failed=self._failed,
                 events=self._event_count,
+                host_copied_bytes=self._host_copied,
+                staging_pinned_bytes=self._direct_bytes
+                + sum(e.held_bytes for e in self._engines.values()),
+                registered_bytes=sum(r._nbytes for r in self._registrations),
             )
 
     def close(self) -> None:
@@ -745,10 +1025,10 @@ class Runtime:
                 return
             pending = [r for r in list(self._live) + self._retiring.records() if not r.done]
         for record in pending:  # outside the lock: a waiter must not stop submitters elsewhere
-            if record.error is not None or record.event is None:
+            if record.error is not None:
                 continue
             try:
-                self._backend.event_synchronize(record.event)
+                self._block(record)
                 record.done = True
             except DeviceError as exc:
                 with self._lock:
@@ -765,6 +1045,14 @@ class Runtime:
                 self._release_retired(record)
             self._retiring.clear()
             usable = self._poisoned is None
+            for engine in self._engines.values():
+                engine.close()
+            self._engines.clear()
+            for registration in list(self._registrations):
+                if registration._uses == 0 and usable:
+                    _quietly(self._backend.host_unregister, registration._ptr)
+                registration._released = True
+            self._registrations.clear()
             for ptr, nbytes in self._deferred:
                 self._device_bytes -= nbytes
                 if usable:
@@ -787,6 +1075,42 @@ class Runtime:
             self._events.clear()
             _quietly(self._backend.close)
         _runtimes.discard(self)
+
+
+def _default_staging() -> StagingConfig:
+    lanes = max(2, min(StagingConfig.lanes, (os.cpu_count() or 2)))
+    return StagingConfig(lanes=lanes)
+
+
+def _ptr(array: np.ndarray[Any, Any]) -> int:
+    return int(array.ctypes.data)
+
+
+def _check_copyable(array: np.ndarray[Any, Any], call: str) -> None:
+    if array.dtype.hasobject or array.dtype.itemsize == 0:
+        raise TransferSubmitError(f"{call}: dtype {array.dtype} is not a fixed-size byte layout ferry copies")
+
+
+def _check_match(host: np.ndarray[Any, Any], device: DeviceArray, name: str) -> None:
+    if host.shape != device.shape or host.dtype != device.dtype:
+        raise TransferSubmitError(
+            f"shape/dtype mismatch: the NumPy array is {host.shape} {host.dtype}, "
+            f"the {name} is {device.shape} {device.dtype}"
+        )
+
+
+_HUGE_FROM = 4 << 20
+
+
+def _fresh_host_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """A new array; large ones are mmap-backed with a transparent-huge-page hint."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _HUGE_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    region = mmap.mmap(-1, nbytes)
+    with contextlib.suppress(OSError):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, dtype=dtype).reshape(shape)
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:
