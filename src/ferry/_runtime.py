@@ -911,9 +911,7 @@ class Runtime:
                 self._pool.release(block)
                 raise
         else:
-            engine = self._engines.get(direction)
-            if engine is None:
-                engine = self._engines[direction] = StagingEngine(self._backend, self._pool, config, direction)
+            engine = self._engine(direction)
             job = engine.submit(alias, device._ptr)
             self._seq += 1
             record = Record(self._seq, None, engine, moved, leased, result, nbytes)
@@ -923,6 +921,18 @@ class Runtime:
         record.extra = extra
         self._lease_host(host, extra)
         return record
+
+    def _lane_streams(self, direction: str) -> list[Any]:
+        """The copy streams of a direction's staging lanes (created if needed)."""
+        with self._lock:
+            engine = self._engine(direction)
+            return [lane.stream for lane in engine.lanes()]
+
+    def _engine(self, direction: str) -> StagingEngine:
+        engine = self._engines.get(direction)
+        if engine is None:
+            engine = self._engines[direction] = StagingEngine(self._backend, self._pool, self._staging, direction)
+        return engine
 
     def register(self, array: np.ndarray[Any, Any]) -> Registration:
         """Pin a C-contiguous NumPy array in place for repeated transfers.

@@ -347,6 +347,10 @@ class StagingEngine:
         self._lanes: list[Lane] = []
         self._next = 0
 
+    def lanes(self) -> list[Lane]:
+        """The lanes, started on first use."""
+        return self._ensure_lanes()
+
     def _ensure_lanes(self) -> list[Lane]:
         if not self._lanes:
             lanes = [Lane(self, i) for i in range(self.config.lanes)]

@@ -30,6 +30,7 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
 
     Work submitted inside the block is queued behind the gate and cannot
     complete until the block exits, so ``is_ready()`` is observably ``False``.
+    The staging lanes of that direction (pageable routes) are held too.
     Do not ``wait()`` inside the block: the wait would never return.
 
     Parameters
@@ -44,8 +45,10 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
     streams = []
     if direction in ("upload", "both"):
         streams.append(runtime._h2d)
+        streams.extend(runtime._lane_streams("upload"))
     if direction in ("download", "both"):
         streams.append(runtime._d2h)
+        streams.extend(runtime._lane_streams("download"))
     gate = backend.gate_create()
     try:
         for stream in streams:
@@ -55,16 +58,17 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
         backend.gate_open(gate)
 
 
-def fail_next_copy(runtime: Runtime, *, sticky: bool = False) -> None:
-    """Make the next submitted copy fail when it completes (emulated device only).
+def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) -> None:
+    """Make the next device copy fail when it completes (emulated device only).
 
-    With ``sticky=True`` the failure also poisons the device context, as a
-    CUDA sticky error does: every later call fails.
+    ``after`` copies are let through first, so a chunked transfer can be made
+    to fail in the middle. With ``sticky=True`` the failure also poisons the
+    device context, as a CUDA sticky error does: every later call fails.
     """
     backend = runtime._backend
     if not hasattr(backend, "fail_next_copy"):
         raise FerryError(f"fault injection needs the emulated device, not {runtime.backend}")
-    backend.fail_next_copy(sticky=sticky)
+    backend.fail_next_copy(sticky=sticky, after=after)
 
 
 def violations(runtime: Runtime) -> list[str]:

@@ -163,13 +163,15 @@ class EmulatedBackend:
         self._streams: list[_Stream] = []
         self._stream_count = 0
         self._fail_next: bool | None = None  # None: no fault armed; else: sticky?
+        self._fail_after = 0  # copies to let through before the armed fault
         self._poisoned: DeviceError | None = None
 
     # -- faults ---------------------------------------------------------------
-    def fail_next_copy(self, *, sticky: bool = False) -> None:
-        """Make the next enqueued copy fail when it runs (see module docstring)."""
+    def fail_next_copy(self, *, sticky: bool = False, after: int = 0) -> None:
+        """Make the copy enqueued after the next ``after`` ones fail when it runs."""
         with self._lock:
             self._fail_next = sticky
+            self._fail_after = after
 
     def _check(self) -> None:
         if self._poisoned is not None:
@@ -360,7 +362,12 @@ class EmulatedBackend:
                 alloc.busy += 1
                 touched.append(alloc)
                 addresses.append(alloc.real + (ptr - alloc.base))
-            fail, self._fail_next = self._fail_next, None
+            fail = None
+            if self._fail_next is not None:
+                if self._fail_after:
+                    self._fail_after -= 1
+                else:
+                    fail, self._fail_next = self._fail_next, None
         real_dst, real_src = addresses
         duration = self.latency + nbytes / self.bandwidth
         # keep the storages alive for the op even if freed (a violation is recorded instead)
