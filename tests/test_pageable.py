@@ -281,9 +281,8 @@ def test_a_registration_is_never_released_while_a_transfer_uses_it(srt: ferry.Ru
 
 def test_overlapping_registrations_are_refused(srt: ferry.Runtime) -> None:
     data = np.zeros(MiB, np.uint8)
-    with srt.register(data):
-        with pytest.raises(ferry.FerryError, match="overlaps"):
-            srt.register(data[1000:])
+    with srt.register(data), pytest.raises(ferry.FerryError, match="overlaps"):
+        srt.register(data[1000:])
     with pytest.raises(TypeError):
         srt.register(data[::2])
 
