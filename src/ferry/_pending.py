@@ -87,17 +87,47 @@ class Extras:
     read-only for the flight; ``regs`` are registrations the copy uses.
     ``device_touches_host`` is true when the DMA reads or writes the caller's
     array itself (registered route): a failure then keeps the array read-only
-    and its registration in use forever.
+    and its registration in use forever. ``batch``/``shared``: see :class:`Batch`.
     """
 
-    __slots__ = ("blocks", "device_touches_host", "host", "job", "regs")
+    __slots__ = ("batch", "blocks", "device_touches_host", "host", "job", "regs", "shared")
 
     def __init__(self) -> None:
         self.job: Any = None
+        self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
+        self.shared: SharedEvent | None = None  # the event this record shares with its batch
         self.blocks: list[Any] = []
         self.host: list[Any] = []
         self.regs: list[Any] = []
         self.device_touches_host = False
+
+
+class SharedEvent:
+    """One event recorded for several records; back to the pool after the last one."""
+
+    __slots__ = ("event", "users")
+
+    def __init__(self, event: Any, users: int) -> None:
+        self.event = event
+        self.users = users
+
+
+class Batch:
+    """Transfers submitted inside ``with rt.batch():`` on one thread.
+
+    Their copies are enqueued at once, but no per-transfer event is recorded:
+    each copy stream's records wait in a *segment*, and one event is recorded
+    for the whole segment when the block exits, or earlier when one of its
+    records is polled or waited (the segment is then closed and later
+    submissions start a new one). A shared event proves completion of every
+    copy enqueued before it on that stream, which is all its records.
+    """
+
+    __slots__ = ("depth", "segments")
+
+    def __init__(self) -> None:
+        self.segments: dict[int, tuple[Any, list[Record]]] = {}
+        self.depth = 0
 
 
 _Result = TypeVar("_Result")

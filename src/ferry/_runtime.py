@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from sys import getrefcount
 from typing import Any
@@ -35,7 +35,7 @@ from ._errors import (
     TransferFailedError,
     TransferSubmitError,
 )
-from ._pending import Extras, PendingDownload, PendingUpload, Record, failed_error
+from ._pending import Batch, Extras, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
 from ._retire import RetirementQueue
@@ -208,6 +208,7 @@ class Runtime:
         self._staging = staging or _default_staging()
         self._engines: dict[str, StagingEngine] = {}
         self._host_leases: dict[int, list[Any]] = {}
+        self._batches: dict[int, Batch] = {}  # thread ident -> open batch
         self._registrations: list[Registration] = []
         self._host_copied = 0
         self._direct_bytes = 0  # pool blocks held by direct pageable copies in flight
@@ -490,6 +491,10 @@ class Runtime:
         result: tuple[Any, ...],
     ) -> Record:
         """Enqueue one copy and its event; the caller holds the lock and moves states after."""
+        if self._batches:
+            batch = self._batches.get(threading.get_ident())
+            if batch is not None:
+                return self._enqueue_batched(batch, stream, copy, dst, src, nbytes, moved, leased, result)
         backend = self._backend
         events = self._events
         if events:
@@ -527,6 +532,99 @@ class Runtime:
         self._submitted += 1
         self._live.add(record)
         return record
+
+    def _enqueue_batched(
+        self,
+        batch: Batch,
+        stream: Any,
+        copy: Callable[[int, int, int, Any], None],
+        dst: int,
+        src: int,
+        nbytes: int,
+        moved: tuple[Any, ...],
+        leased: tuple[Any, ...],
+        result: tuple[Any, ...],
+    ) -> Record:
+        try:
+            if nbytes:
+                copy(dst, src, nbytes, stream)
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        self._seq += 1
+        record = Record(self._seq, None, stream, moved, leased, result, nbytes)
+        record.owns_event = False
+        record.extra = Extras()
+        record.extra.batch = batch
+        batch.segments.setdefault(id(stream), (stream, []))[1].append(record)
+        self._submitted += 1
+        self._live.add(record)
+        return record
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Share one completion event among the transfers submitted inside the block.
+
+        Inside ``with rt.batch():`` (on this thread) each copy is enqueued at
+        once but records no event of its own; one event per copy stream is
+        recorded when the block exits, or earlier when one of the batch's
+        handles is polled or waited. Use it for many small transfers that are
+        waited together: it saves an event record per transfer. Handles keep
+        their full contract (each is waited, dropped or fails on its own).
+        Nested blocks join the outer one.
+        """
+        self._check_open()
+        ident = threading.get_ident()
+        with self._lock:
+            batch = self._batches.get(ident)
+            if batch is None:
+                batch = self._batches[ident] = Batch()
+            batch.depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                batch.depth -= 1
+                if batch.depth == 0:
+                    del self._batches[ident]
+                    for key in list(batch.segments):
+                        self._flush_segment(batch, key)
+
+    def _flush_segment(self, batch: Batch, key: int) -> None:
+        """Record the shared event of one stream's open segment. Lock held."""
+        entry = batch.segments.pop(key, None)
+        if entry is None:
+            return
+        stream, records = entry
+        records = [r for r in records if r.error is None]
+        if not records:
+            return
+        try:
+            event = self._events.pop() if self._events else self._new_event()
+            self._backend.event_record(event, stream)
+        except DeviceError as exc:
+            self._note(exc)
+            for record in records:
+                self._fail(record, exc)
+            return
+        shared = SharedEvent(event, len(records))
+        for record in records:
+            record.event = event
+            assert record.extra is not None
+            record.extra.batch = None
+            record.extra.shared = shared
+
+    def _new_event(self) -> Any:
+        event = self._backend.event_create()
+        self._event_count += 1
+        return event
+
+    def _flush_for(self, record: Record) -> None:
+        """Make sure a batched record has its shared event recorded."""
+        with self._lock:
+            extra = record.extra
+            if extra is not None and extra.batch is not None:
+                self._flush_segment(extra.batch, id(record.stream))
 
     # -- completion (called by the handles) ---------------------------------------------------
     def _poll_record(self, record: Record) -> bool:
@@ -594,23 +692,29 @@ class Runtime:
     def _query(self, record: Record) -> bool:
         """Whether the record's copy completed. Never blocks; raises DeviceError."""
         extra = record.extra
-        if extra is not None and extra.job is not None:
-            job = extra.job
-            if not job.done.is_set():
-                return False
-            if job.error is not None:
-                raise job.error
-            return True
+        if extra is not None:
+            if extra.job is not None:
+                job = extra.job
+                if not job.done.is_set():
+                    return False
+                if job.error is not None:
+                    raise job.error
+                return True
+            if extra.batch is not None:
+                self._flush_for(record)
         return bool(self._backend.event_query(record.event))
 
     def _block(self, record: Record) -> None:
         """Block until the record's copy completed; raises DeviceError."""
         extra = record.extra
-        if extra is not None and extra.job is not None:
-            extra.job.done.wait()
-            if extra.job.error is not None:
-                raise extra.job.error
-            return
+        if extra is not None:
+            if extra.job is not None:
+                extra.job.done.wait()
+                if extra.job.error is not None:
+                    raise extra.job.error
+                return
+            if extra.batch is not None:
+                self._flush_for(record)
         self._backend.event_synchronize(record.event)
 
     def _settle(self, record: Record) -> None:
@@ -627,8 +731,15 @@ class Runtime:
         self._completed += 1
 
     def _recycle_event(self, record: Record) -> None:
-        if record.owns_event and record.event is not None:
-            self._events.append(record.event)
+        if record.owns_event:
+            if record.event is not None:
+                self._events.append(record.event)
+        elif record.extra is not None and record.extra.shared is not None:
+            shared = record.extra.shared
+            record.extra.shared = None
+            shared.users -= 1
+            if shared.users == 0:
+                self._events.append(shared.event)
         record.event = None
 
     def _fail(self, record: Record, exc: DeviceError) -> None:
@@ -918,6 +1029,8 @@ class Runtime:
             extra.job = job
             self._submitted += 1
             self._live.add(record)
+        if record.extra is not None:  # enqueued inside rt.batch(): keep its batch
+            extra.batch = record.extra.batch
         record.extra = extra
         self._lease_host(host, extra)
         return record

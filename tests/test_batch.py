@@ -1,0 +1,71 @@
+"""rt.batch(): one completion event shared by the transfers submitted inside it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import testing
+
+
+def test_a_batch_shares_one_event_per_stream_and_every_transfer_is_right(rt: ferry.Runtime) -> None:
+    n = 200
+    data = [np.full(4096, i % 251, np.uint8) for i in range(n)]
+    devs = [rt.empty(4096, np.uint8) for _ in range(n)]
+    bufs = [rt.pinned(4096) for _ in range(n)]
+    for b, d in zip(bufs, data, strict=True):
+        b.as_array()[:] = d
+    rt.upload_pending(rt.pinned(8), rt.empty(8, np.uint8)).wait()  # warm the event pool
+    events_before = rt.stats().events
+    with rt.batch():
+        handles = [rt.upload_pending(b, d) for b, d in zip(bufs, devs, strict=True)]
+        assert rt.stats().events == events_before  # no event per transfer
+    assert rt.stats().events <= events_before + 1
+    for h in reversed(handles):
+        h.wait()
+    outs = [rt.to_host(d) for d in devs]
+    assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+
+
+def test_polling_or_waiting_inside_a_batch_closes_its_segment(rt: ferry.Runtime) -> None:
+    dev = rt.to_device(np.arange(1000, dtype=np.int32))
+    with rt.batch():
+        first = rt.download_pending(dev, rt.pinned(4000))
+        deadline = time.monotonic() + 10
+        while not first.is_ready() and time.monotonic() < deadline:  # never deadlocks
+            time.sleep(0.001)
+        assert first.is_ready()
+        second = rt.download_pending(dev, rt.pinned(4000))
+        _, buf = second.wait()  # waits inside the block
+        assert np.array_equal(buf.as_array(np.int32), np.arange(1000))
+    first.wait()
+
+
+def test_dropped_batched_handles_are_retired(rt: ferry.Runtime) -> None:
+    dev = rt.empty(4096, np.uint8)
+    with rt.batch():
+        for _ in range(10):
+            rt.download_pending(dev, rt.pinned(4096))
+    deadline = time.monotonic() + 10
+    while rt.stats().retiring and time.monotonic() < deadline:
+        rt.poll()
+    stats = rt.stats()
+    assert stats.retiring == 0 and stats.completed == stats.submitted
+    assert dev.state == "owned"
+
+
+def test_a_failure_inside_a_batch_fails_the_transfers_sharing_its_event(emu: ferry.Runtime) -> None:
+    dev = emu.to_device(np.arange(100, dtype=np.int64))
+    testing.fail_next_copy(emu, after=1)
+    with emu.batch():
+        handles = [emu.download_pending(dev, emu.pinned(800)) for _ in range(3)]
+    failed = 0
+    for h in handles:
+        with pytest.raises(ferry.TransferFailedError):
+            h.wait()
+        failed += 1
+    assert failed == 3 and emu.stats().failed == 3  # completion of none can be proven
+    assert dev.state == "abandoned"
