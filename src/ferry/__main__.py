@@ -1,4 +1,4 @@
-"""``python -m ferry info | demo``: what ferry sees, and ferry at work.
+"""``python -m ferry info | demo | bench``: what ferry sees, ferry at work, and what each route costs.
 
 Both run on the emulated device when no GPU is usable and say which backend
 they use (``--backend`` or ``FERRY_BACKEND`` choose one explicitly).
@@ -158,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("info", help="backend, device, driver, PCIe link, pool state")
     demo = sub.add_parser("demo", help="uploads, overlapped download, verification, a table")
     demo.add_argument("--mib", type=int, default=64, help="payload size in MiB (default 64)")
+    from ._bench import add_arguments, run
+
+    add_arguments(sub.add_parser("bench", help="every route against the peers: table, JSON, plot"))
     args = parser.parse_args(argv)
     try:
         rt = Runtime(args.backend, args.device)
@@ -167,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with rt:
         if args.command == "info":
             return cmd_info(rt)
+        if args.command == "bench":
+            return run(rt, args)
         return cmd_demo(rt, args.mib)
 
 

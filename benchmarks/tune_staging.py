@@ -1,0 +1,65 @@
+"""Sweep the staging parameters on a GPU: lanes x slot size x slots per lane, and the
+direct/staged crossover. Prints one line per configuration; the defaults in
+ferry.StagingConfig come from these figures (docs/benchmarks.md).
+
+    PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick]
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import ferry
+
+MiB = 1 << 20
+
+
+def gbps(fn, nbytes: int, reps: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def measure(config: ferry.StagingConfig, sizes: list[int], reps: int) -> list[str]:
+    with ferry.Runtime(staging=config) as rt:
+        return [one_size(rt, n, reps) for n in sizes]
+
+
+def one_size(rt: ferry.Runtime, n: int, reps: int) -> str:
+    data = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+    out = np.empty_like(data)
+    dev = rt.empty(n, np.uint8)
+    up = gbps(lambda: rt.upload(data, dev).wait(), n, reps)
+    down = gbps(lambda: rt.download(dev, out).wait(), n, reps)
+    assert np.array_equal(out, data)
+    return f"{n / MiB:>6.2f} MiB up {up:5.1f} down {down:5.1f}"
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    lanes = [4, 8, 12, 16] if not quick else [8, 12]
+    slots = [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB] if not quick else [2 * MiB, 4 * MiB]
+    depth = [2, 3]
+    sizes = [8 * MiB, 256 * MiB]
+    print("lanes slot  depth | " + " | ".join(f"{s // MiB} MiB" for s in sizes))
+    for n_lanes, slot, d in itertools.product(lanes, slots, depth):
+        config = ferry.StagingConfig(slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0)
+        print(f"{n_lanes:5d} {slot // MiB:3d}M {d:5d} | " + " | ".join(measure(config, sizes, 5)), flush=True)
+    print("crossover: direct (one pooled block, calling thread) vs staged (lanes)")
+    for n in [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]:
+        direct = measure(ferry.StagingConfig(direct_bytes=1 << 40), [n], 50)
+        staged = measure(ferry.StagingConfig(direct_bytes=0, slot_bytes=max(n // 4, 64 << 10)), [n], 50)
+        print(f"{n >> 10:6d} KiB  direct: {direct[0]}  staged: {staged[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,526 @@
+"""The benchmark groups (the design record's section 3, extended).
+
+``transfer``     download and upload per size and route, with the peers
+``host_copies``  the pieces of a staged 8 MiB upload
+``large``        256 MiB both ways: pageable fresh / reused output / pinned
+``overlap``      copy alone, host work alone, serial, overlapped (8 and 256 MiB)
+``both``         both directions at once
+``latency``      small-transfer round trip
+``many_small``   1000 transfers of 4 KiB, with and without a shared event
+``pinned_alloc`` a pinned buffer fresh versus from the pool
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._peers import Case
+from ._protocol import Budget, Result, measure, payload, poison
+
+__all__: list[str] = []
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+FULL_SIZES = [16, 64, 32 * KiB, 8 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
+QUICK_SIZES = [16, 32 * KiB, 8 * MiB, 64 * MiB]
+
+
+@dataclass
+class Context:
+    """Everything a group needs: the runtime, the peers, the protocol, the sink."""
+
+    rt: Any
+    peers: dict[str, Any]
+    budget: Budget
+    quick: bool
+    progress: Callable[[str], None]
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def sizes(self) -> list[int]:
+        return QUICK_SIZES if self.quick else FULL_SIZES
+
+    def large(self) -> int:
+        return 64 * MiB if self.quick else 256 * MiB
+
+    def run(self, group: str, case: Case, budget: Budget | None = None) -> Result:
+        """Validate outside the timed region, then time."""
+        label = f"{group}: {case.impl} {case.route} {case.direction} {_size(case.nbytes)}"
+        self.progress(label)
+        result = Result(group, case.impl, case.route, case.direction, case.nbytes)
+        try:
+            result.valid = bool(case.check())
+            if result.valid:
+                result.samples = measure(case.op, budget or self.budget, setup=case.setup)
+            else:
+                result.note = "validation failed: not timed"
+        except Exception as exc:
+            result.valid = False
+            result.note = f"error: {exc!r}"
+        finally:
+            if case.close is not None:
+                case.close()
+        self.results.append(result)
+        return result
+
+    def record(self, result: Result) -> None:
+        self.progress(f"{result.group}: {result.impl} {result.route}")
+        self.results.append(result)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# -- ferry's cases ---------------------------------------------------------------------------------
+
+
+def ferry_pinned(rt: Any, direction: str, data: np.ndarray[Any, Any], *, wait_only: bool = False) -> Case:
+    """upload_pending/download_pending on a pooled pinned buffer, reused each repeat."""
+    n = data.nbytes
+    box: dict[str, Any] = {"buf": rt.pinned(n), "dev": rt.empty(n, np.uint8)}
+    if direction == "h2d":
+        box["buf"].as_array()[:] = data
+
+        def submit() -> None:
+            box["p"] = rt.upload_pending(box["buf"], box["dev"])
+
+        def finish() -> None:
+            box["buf"], box["dev"] = box.pop("p").wait()
+
+        def check() -> bool:
+            submit()
+            finish()
+            return bool(np.array_equal(rt.to_host(box["dev"]), data))
+    else:
+        box["dev"] = rt.to_device(data)
+
+        def submit() -> None:
+            box["p"] = rt.download_pending(box["dev"], box["buf"])
+
+        def finish() -> None:
+            box["dev"], box["buf"] = box.pop("p").wait()
+
+        def check() -> bool:
+            poison(box["buf"].as_array())
+            submit()
+            finish()
+            return bool(np.array_equal(box["buf"].as_array(), data))
+
+    def close() -> None:
+        box["buf"].close()
+
+    if wait_only:
+        return Case("ferry", "pinned_wait", direction, n, finish, check, setup=submit, close=close)
+
+    def op() -> None:
+        submit()
+        finish()
+
+    return Case("ferry", "pinned", direction, n, op, check, close=close)
+
+
+def ferry_pageable(rt: Any, direction: str, data: np.ndarray[Any, Any], *, registered: bool = False) -> Case:
+    """rt.upload / rt.download of a NumPy array (output reused), optionally registered."""
+    n = data.nbytes
+    host = np.empty(n, np.uint8)
+    registration = rt.register(host) if registered else None
+    route = "registered" if registered else "pageable"
+    box: dict[str, Any] = {}
+    if direction == "h2d":
+        host[:] = data
+        box["dev"] = rt.empty(n, np.uint8)
+
+        def op() -> None:
+            _, box["dev"] = rt.upload(host, box["dev"]).wait()
+
+        def check() -> bool:
+            op()
+            return bool(np.array_equal(rt.to_host(box["dev"]), data))
+    else:
+        box["dev"] = rt.to_device(data)
+
+        def op() -> None:
+            box["dev"], _ = rt.download(box["dev"], host).wait()
+
+        def check() -> bool:
+            poison(host)
+            op()
+            return bool(np.array_equal(host, data))
+
+    def close() -> None:
+        if registration is not None:
+            registration.release()
+
+    return Case("ferry", route, direction, n, op, check, close=close)
+
+
+def ferry_fresh_download(rt: Any, data: np.ndarray[Any, Any]) -> Case:
+    """rt.download(source) into a new output each time (first-touch included)."""
+    dev = rt.to_device(data)
+    box: dict[str, Any] = {}
+
+    def op() -> None:
+        box["out"] = None
+        box["out"] = rt.download(dev).wait()[1]
+
+    def check() -> bool:
+        op()
+        return bool(np.array_equal(box["out"], data))
+
+    return Case("ferry", "fresh", "d2h", data.nbytes, op, check)
+
+
+def _peer_cases(ctx: Context, direction: str, data: np.ndarray[Any, Any]) -> Iterator[Case]:
+    if "raw" in ctx.peers:
+        yield ctx.peers["raw"].case(direction, "pinned", data)
+        yield ctx.peers["raw"].case(direction, "pageable", data)
+    if "torch" in ctx.peers:
+        for route in ("pinned_non_blocking", "pinned", "pageable", "pageable_non_blocking"):
+            yield ctx.peers["torch"].case(direction, route, data)
+    if "cupy" in ctx.peers:
+        yield ctx.peers["cupy"].case(direction, "pinned", data)
+        yield ctx.peers["cupy"].case(direction, "pageable", data)
+
+
+def _free_peers(ctx: Context) -> None:
+    if "raw" in ctx.peers:
+        ctx.peers["raw"].release()
+    if "torch" in ctx.peers:
+        ctx.peers["torch"].torch.cuda.empty_cache()
+    if "cupy" in ctx.peers:
+        ctx.peers["cupy"].cupy.get_default_memory_pool().free_all_blocks()
+        ctx.peers["cupy"].cupy.get_default_pinned_memory_pool().free_all_blocks()
+    gc.collect()
+
+
+# -- groups ----------------------------------------------------------------------------------------------
+
+
+def group_transfer(ctx: Context) -> None:
+    rt = ctx.rt
+    for n in ctx.sizes:
+        data = payload(n, n)
+        for direction in ("h2d", "d2h"):
+            ctx.run("transfer", ferry_pinned(rt, direction, data))
+            ctx.run("transfer", ferry_pinned(rt, direction, data, wait_only=True))
+            ctx.run("transfer", ferry_pageable(rt, direction, data))
+            ctx.run("transfer", ferry_pageable(rt, direction, data, registered=True))
+            for case in _peer_cases(ctx, direction, data):
+                ctx.run("transfer", case)
+        _free_peers(ctx)
+        rt.poll()
+
+
+def group_host_copies(ctx: Context) -> None:
+    rt = ctx.rt
+    n = 8 * MiB
+    data = payload(n, 7)
+    pinned = rt.pinned(n)
+    holder = {"view": pinned.as_array()}
+
+    def clone() -> None:
+        data.copy()
+
+    def to_pinned() -> None:
+        np.copyto(holder["view"], data)
+
+    def to_pinned_check() -> bool:
+        to_pinned()
+        return bool(np.array_equal(holder["view"], data))
+
+    ctx.run("host_copies", Case("ferry", "pageable_clone", "host", n, clone, lambda: True))
+    ctx.run("host_copies", Case("ferry", "pageable_to_pinned", "host", n, to_pinned, to_pinned_check))
+    holder.clear()
+    pinned.close()
+    ctx.run("host_copies", ferry_pinned(rt, "h2d", data))
+    ctx.run("host_copies", ferry_pageable(rt, "h2d", data))
+
+
+def group_large(ctx: Context) -> None:
+    rt = ctx.rt
+    n = ctx.large()
+    data = payload(n, 11)
+    ctx.run("large", ferry_fresh_download(rt, data))
+    for direction in ("d2h", "h2d"):
+        ctx.run("large", ferry_pageable(rt, direction, data))
+        ctx.run("large", ferry_pinned(rt, direction, data))
+        if "raw" in ctx.peers:
+            ctx.run("large", ctx.peers["raw"].case(direction, "pageable", data))
+        if "torch" in ctx.peers:
+            ctx.run("large", ctx.peers["torch"].case(direction, "pageable", data))
+        if "cupy" in ctx.peers:
+            ctx.run("large", ctx.peers["cupy"].case(direction, "pageable", data))
+    if "torch" in ctx.peers:
+        ctx.run("large", ctx.peers["torch"].fresh_download(data))
+    if "cupy" in ctx.peers:
+        ctx.run("large", ctx.peers["cupy"].fresh_download(data))
+    _free_peers(ctx)
+
+
+def host_work(iterations: int) -> float:
+    """Compute-bound host work: 64 bytes of state, no memory traffic to speak of."""
+    x = 1.0
+    for i in range(iterations):
+        x = (x * 1.000001 + i) % 1000.0
+    return x
+
+
+def _calibrate(seconds: float) -> int:
+    import time
+
+    iterations = 20_000
+    while True:
+        start = time.perf_counter()
+        host_work(iterations)
+        elapsed = time.perf_counter() - start
+        if elapsed > 0.01 or iterations > 1 << 26:
+            return max(1, int(iterations * seconds / elapsed))
+        iterations *= 4
+
+
+def group_overlap(ctx: Context) -> None:
+    for n in (8 * MiB, ctx.large()):
+        _overlap_at(ctx, n)
+
+
+def _overlap_at(ctx: Context, n: int) -> None:
+    rt = ctx.rt
+    data = payload(n, 13)
+    copy_result = ctx.run("overlap", ferry_pinned(rt, "d2h", data))
+    copy_result.route = "copy_only"
+    iterations = _calibrate(copy_result.median * 0.9)
+    box: dict[str, Any] = {"buf": rt.pinned(n), "dev": rt.to_device(data)}
+
+    def host_only() -> None:
+        host_work(iterations)
+
+    def serial() -> None:
+        box["dev"], box["buf"] = rt.download_pending(box["dev"], box["buf"]).wait()
+        host_work(iterations)
+
+    def overlapped() -> None:
+        pending = rt.download_pending(box["dev"], box["buf"])
+        host_work(iterations)
+        box["dev"], box["buf"] = pending.wait()
+
+    def check() -> bool:
+        poison(box["buf"].as_array())
+        overlapped()
+        return bool(np.array_equal(box["buf"].as_array(), data))
+
+    ctx.run("overlap", Case("ferry", "host_only", "host", n, host_only, lambda: True))
+    ctx.run("overlap", Case("ferry", "serial", "d2h", n, serial, check))
+    ctx.run("overlap", Case("ferry", "overlapped", "d2h", n, overlapped, check))
+    box["buf"].close()
+
+
+def group_both(ctx: Context) -> None:
+    rt = ctx.rt
+    n = ctx.large()
+    up, down = payload(n, 17), payload(n, 19)
+    box: dict[str, Any] = {
+        "ubuf": rt.pinned(n),
+        "udev": rt.empty(n, np.uint8),
+        "dbuf": rt.pinned(n),
+        "ddev": rt.to_device(down),
+    }
+    box["ubuf"].as_array()[:] = up
+
+    def pinned_both() -> None:
+        pu = rt.upload_pending(box["ubuf"], box["udev"])
+        pd = rt.download_pending(box["ddev"], box["dbuf"])
+        box["ubuf"], box["udev"] = pu.wait()
+        box["ddev"], box["dbuf"] = pd.wait()
+
+    def check_pinned() -> bool:
+        poison(box["dbuf"].as_array())
+        pinned_both()
+        return bool(np.array_equal(box["dbuf"].as_array(), down)) and bool(
+            np.array_equal(rt.to_host(box["udev"]), up)
+        )
+
+    ctx.run("both", Case("ferry", "pinned", "both", 2 * n, pinned_both, check_pinned))
+    out = np.empty(n, np.uint8)
+
+    def pageable_both() -> None:
+        pu = rt.upload(up, box["udev"])
+        pd = rt.download(box["ddev"], out)
+        _, box["udev"] = pu.wait()
+        box["ddev"], _ = pd.wait()
+
+    def check_pageable() -> bool:
+        poison(out)
+        pageable_both()
+        return bool(np.array_equal(out, down)) and bool(np.array_equal(rt.to_host(box["udev"]), up))
+
+    ctx.run("both", Case("ferry", "pageable", "both", 2 * n, pageable_both, check_pageable))
+    box["ubuf"].close()
+    box["dbuf"].close()
+    if "raw" in ctx.peers:
+        raw = ctx.peers["raw"]
+        hu, hd = raw.pinned(n), raw.pinned(n)
+        du, dd = raw.device(n), raw.device(n)
+        hu[:] = up
+        hd[:] = down
+        raw.copy("h2d", hd, dd, n)
+        raw.sync()
+
+        def raw_both() -> None:
+            raw.copy("h2d", hu, du, n, lane=0)
+            raw.copy("d2h", hd, dd, n, lane=1)
+            raw.sync(0)
+            raw.sync(1)
+
+        def check_raw() -> bool:
+            poison(hd)
+            raw_both()
+            return bool(np.array_equal(hd, down))
+
+        ctx.run("both", Case("raw", "pinned", "both", 2 * n, raw_both, check_raw))
+        _free_peers(ctx)
+
+
+def group_latency(ctx: Context) -> None:
+    rt = ctx.rt
+    budget = Budget(ctx.budget.seconds * 2, 50, 20000, 100)
+    for n in (16, 64):
+        data = payload(n, 23)
+        for direction in ("h2d", "d2h"):
+            ctx.run("latency", ferry_pinned(rt, direction, data), budget)
+            if "raw" in ctx.peers:
+                ctx.run("latency", ctx.peers["raw"].case(direction, "pinned", data), budget)
+            if "torch" in ctx.peers:
+                ctx.run("latency", ctx.peers["torch"].case(direction, "pinned_non_blocking", data), budget)
+            if "cupy" in ctx.peers:
+                ctx.run("latency", ctx.peers["cupy"].case(direction, "pinned", data), budget)
+    _free_peers(ctx)
+
+
+def group_many_small(ctx: Context) -> None:
+    rt = ctx.rt
+    count, n = 1000, 4 * KiB
+    data = payload(count * n, 29).reshape(count, n)
+    box: dict[str, Any] = {
+        "bufs": [rt.pinned(n) for _ in range(count)],
+        "devs": [rt.empty(n, np.uint8) for _ in range(count)],
+    }
+    for buf, row in zip(box["bufs"], data, strict=True):
+        buf.as_array()[:] = row
+
+    def each(batched: bool) -> Callable[[], None]:
+        def op() -> None:
+            if batched:
+                with rt.batch():
+                    handles = [rt.upload_pending(b, d) for b, d in zip(box["bufs"], box["devs"], strict=True)]
+            else:
+                handles = [rt.upload_pending(b, d) for b, d in zip(box["bufs"], box["devs"], strict=True)]
+            pairs = [h.wait() for h in handles]
+            box["bufs"] = [p[0] for p in pairs]
+            box["devs"] = [p[1] for p in pairs]
+
+        return op
+
+    def checker(op: Callable[[], None]) -> Callable[[], bool]:
+        def check() -> bool:
+            op()
+            return all(np.array_equal(rt.to_host(d), row) for d, row in zip(box["devs"], data, strict=True))
+
+        return check
+
+    for batched in (False, True):
+        op = each(batched)
+        route = "shared_event" if batched else "event_each"
+        ctx.run("many_small", Case("ferry", route, "h2d", count * n, op, checker(op)))
+    for b in box["bufs"]:
+        b.close()
+    if "raw" in ctx.peers:
+        raw = ctx.peers["raw"]
+        host = raw.pinned(count * n)
+        host[:] = data.reshape(-1)
+        devs = [raw.device(n) for _ in range(count)]
+        d = raw.d
+
+        def raw_op() -> None:
+            base = int(host.ctypes.data)
+            for i, dev in enumerate(devs):
+                d.cuMemcpyHtoDAsync(dev, base + i * n, n, raw.streams[0])
+            d.cuEventRecord(raw.events[0], raw.streams[0])
+            raw.sync()
+
+        def raw_check() -> bool:
+            raw_op()
+            back = np.empty(n, np.uint8)
+            raw.copy("d2h", back, devs[-1], n)
+            raw.sync()
+            return bool(np.array_equal(back, data[-1]))
+
+        ctx.run("many_small", Case("raw", "shared_event", "h2d", count * n, raw_op, raw_check))
+        _free_peers(ctx)
+    if "torch" in ctx.peers:
+        torch = ctx.peers["torch"].torch
+        hosts = [torch.from_numpy(row.copy()).pin_memory() for row in data]
+        tdevs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(count)]
+
+        def torch_op() -> None:
+            for h, t in zip(hosts, tdevs, strict=True):
+                t.copy_(h, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+        def torch_check() -> bool:
+            torch_op()
+            return all(np.array_equal(t.cpu().numpy(), row) for t, row in zip(tdevs, data, strict=True))
+
+        ctx.run("many_small", Case("torch", "pinned_non_blocking", "h2d", count * n, torch_op, torch_check))
+        del hosts, tdevs
+        _free_peers(ctx)
+
+
+def group_pinned_alloc(ctx: Context) -> None:
+    for n in (8 * MiB, ctx.large()):
+        _alloc_at(ctx, n)
+
+
+def _alloc_at(ctx: Context, n: int) -> None:
+    rt = ctx.rt
+    box: dict[str, Any] = {}
+
+    def fresh_setup() -> None:
+        if "buf" in box:
+            box.pop("buf").close()
+        rt._pool.trim()
+
+    def pooled_setup() -> None:
+        if "buf" in box:
+            box.pop("buf").close()
+
+    def op() -> None:
+        box["buf"] = rt.pinned(n)
+
+    def check() -> bool:
+        op()
+        return bool(box["buf"].nbytes == n)
+
+    small = Budget(ctx.budget.seconds, 3, 50, 1)
+    ctx.run("pinned_alloc", Case("ferry", "fresh", "-", n, op, check, setup=fresh_setup), small)
+    ctx.run("pinned_alloc", Case("ferry", "pool", "-", n, op, check, setup=pooled_setup), small)
+    pooled_setup()
+
+
+GROUPS: dict[str, Callable[[Context], None]] = {
+    "transfer": group_transfer,
+    "host_copies": group_host_copies,
+    "large": group_large,
+    "overlap": group_overlap,
+    "both": group_both,
+    "latency": group_latency,
+    "many_small": group_many_small,
+    "pinned_alloc": group_pinned_alloc,
+}

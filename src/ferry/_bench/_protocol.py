@@ -1,0 +1,100 @@
+"""The measurement protocol: warm-up, repeats, median with min and max, validation.
+
+Every case is timed with the host's wall clock (``time.perf_counter``) around
+the whole operation, submit and wait included, as a user sees it. Before the
+timed repeats each case runs once against a poisoned destination and its
+result is compared with the random payload, outside the timed region; a case
+that fails validation is reported as invalid, never as fast. Payloads are
+random bytes, never zeros.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__: list[str] = []
+
+POISON = 0xA5
+
+
+@dataclass
+class Result:
+    """One case: what was timed, every sample, and whether its bytes were right."""
+
+    group: str
+    impl: str  # ferry | raw | torch | cupy
+    route: str  # pinned, pinned_wait, pageable, registered, fresh, ...
+    direction: str  # h2d | d2h | both | host | -
+    nbytes: int
+    samples: list[float] = field(default_factory=list)
+    valid: bool | None = None  # None: nothing to validate (host-only work)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples) if self.samples else float("nan")
+
+    @property
+    def gbps(self) -> float:
+        """Median bandwidth in GB/s (10^9 bytes per second)."""
+        m = self.median
+        return self.nbytes / m / 1e9 if self.samples and m > 0 and self.nbytes else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["median_s"] = self.median
+        out["min_s"] = min(self.samples) if self.samples else None
+        out["max_s"] = max(self.samples) if self.samples else None
+        out["gbps"] = self.gbps
+        return out
+
+
+@dataclass
+class Budget:
+    """How long each case is timed, and the repeat bounds."""
+
+    seconds: float = 0.4
+    min_reps: int = 5
+    max_reps: int = 3000
+    warmup: int = 3
+
+
+def measure(
+    op: Callable[[], Any],
+    budget: Budget,
+    *,
+    setup: Callable[[], Any] | None = None,
+) -> list[float]:
+    """Time ``op`` repeatedly; ``setup`` (untimed) runs before each repeat."""
+    for _ in range(budget.warmup):
+        if setup is not None:
+            setup()
+        op()
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget.seconds
+    clock = time.perf_counter
+    while len(samples) < budget.max_reps and (len(samples) < budget.min_reps or clock() < deadline):
+        if setup is not None:
+            setup()
+        start = clock()
+        op()
+        samples.append(clock() - start)
+    return samples
+
+
+def payload(nbytes: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Random bytes (not zeros), quickly."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 2**63, size=(nbytes + 7) // 8, dtype=np.int64)
+    return words.view(np.uint8)[:nbytes].copy()
+
+
+def poison(array: np.ndarray[Any, Any]) -> None:
+    """Fill a host destination with a pattern no payload byte run matches by chance."""
+    array.view(np.uint8).reshape(-1)[:] = POISON
