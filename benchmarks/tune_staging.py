@@ -46,19 +46,25 @@ def one_size(rt: ferry.Runtime, n: int, reps: int) -> str:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    lanes = [4, 8, 12, 16] if not quick else [8, 12]
-    slots = [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB] if not quick else [2 * MiB, 4 * MiB]
+    lanes = [8, 12, 16] if not quick else [8, 12]
+    slots = [2 * MiB, 4 * MiB, 8 * MiB] if not quick else [2 * MiB, 4 * MiB]
     depth = [2, 3]
     sizes = [8 * MiB, 256 * MiB]
     print("lanes slot  depth | " + " | ".join(f"{s // MiB} MiB" for s in sizes))
     for n_lanes, slot, d in itertools.product(lanes, slots, depth):
-        config = ferry.StagingConfig(slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0)
+        config = ferry.StagingConfig(
+            slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0, driver_bytes=0
+        )
         print(f"{n_lanes:5d} {slot // MiB:3d}M {d:5d} | " + " | ".join(measure(config, sizes, 5)), flush=True)
-    print("crossover: direct (one pooled block, calling thread) vs staged (lanes)")
-    for n in [64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]:
-        direct = measure(ferry.StagingConfig(direct_bytes=1 << 40), [n], 50)
-        staged = measure(ferry.StagingConfig(direct_bytes=0, slot_bytes=max(n // 4, 64 << 10)), [n], 50)
-        print(f"{n >> 10:6d} KiB  direct: {direct[0]}  staged: {staged[0]}", flush=True)
+    print("crossover: driver (its own pageable copy) vs direct (one pooled block) vs staged (lanes)")
+    routes = {
+        "driver": ferry.StagingConfig(driver_bytes=1 << 40),
+        "direct": ferry.StagingConfig(driver_bytes=0, direct_bytes=1 << 40),
+        "staged": ferry.StagingConfig(driver_bytes=0, direct_bytes=0),
+    }
+    for n in [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]:
+        cells = [f"{name}: {measure(config, [n], 50)[0]}" for name, config in routes.items()]
+        print(f"{n >> 10:6d} KiB  " + "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

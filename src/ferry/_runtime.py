@@ -389,8 +389,7 @@ class Runtime:
                 and buffer._nbytes >= destination._nbytes
             ):
                 self._refuse_upload(buffer, destination)
-            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
-                self._maintain()
+            self._maintain_if_needed()
             nbytes = destination._nbytes
             record = self._enqueue(
                 self._h2d,
@@ -433,8 +432,7 @@ class Runtime:
                 and buffer._nbytes >= source._nbytes
             ):
                 self._refuse_download(source, buffer)
-            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
-                self._maintain()
+            self._maintain_if_needed()
             nbytes = source._nbytes
             record = self._enqueue(
                 self._d2h,
@@ -850,6 +848,11 @@ class Runtime:
             obj._state = _buffer.OWNED
             obj._release_for_close()
 
+    def _maintain_if_needed(self) -> None:
+        """The cheap test every submission makes before :meth:`_maintain`. Lock held."""
+        if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
+            self._maintain()
+
     def _maintain(self) -> None:
         """Deferred frees, retirement drain and backpressure. Caller holds the lock."""
         if self._deferred:
@@ -924,7 +927,7 @@ class Runtime:
                 if problem:
                     raise TransferSubmitError(problem)
                 _check_match(source, destination, "destination")
-                self._maintain()
+                self._maintain_if_needed()
                 record = self._submit_host_route("upload", source, destination)
                 destination._state = _device_array.IN_FLIGHT
         except BaseException:
@@ -967,7 +970,7 @@ class Runtime:
                     raise TransferSubmitError(
                         "download: out is read-only (or the output of another pending download)"
                     )
-            self._maintain()
+            self._maintain_if_needed()
             record = self._submit_host_route("download", out, source)
             source._leases += 1
         return PendingDownload(self, record)
@@ -983,14 +986,18 @@ class Runtime:
         leased: tuple[Any, ...] = () if upload else (device,)
         result = (host, device) if upload else (device, host)
         alias = host if upload else host.view()  # lanes write through a view taken before read-only
-        registration = self._registered(host) if host.flags.c_contiguous and nbytes else None
+        contiguous = host.flags.c_contiguous
+        ptr = _ptr(host)
+        registration = self._registered(ptr, nbytes) if contiguous and nbytes else None
         config = self._staging
-        if registration is not None:
-            ptr = int(host.ctypes.data)
+        if registration is not None or (contiguous and nbytes <= config.driver_bytes):
+            # one DMA straight from/to the caller's memory: registered (pinned in place),
+            # or tiny and handed to the driver's own pageable staging
             src, dst = (ptr, device._ptr) if upload else (device._ptr, ptr)
             record = self._enqueue(stream, copy, dst, src, nbytes, moved=moved, leased=leased, result=result)
-            registration._uses += 1
-            extra.regs.append(registration)
+            if registration is not None:
+                registration._uses += 1
+                extra.regs.append(registration)
             extra.device_touches_host = True
         elif nbytes <= config.direct_bytes or host.itemsize > config.slot_bytes:
             block = self._pool.acquire(max(nbytes, 1))
@@ -998,7 +1005,7 @@ class Runtime:
             extra.blocks.append(block)
             try:
                 chunks = plan_chunks(host, max(nbytes, 1))
-                base = _ptr(host)
+                base = ptr
                 if upload:
                     for part in chunks:
                         copy_in(block.ptr + part.offset, host, part, base)
@@ -1074,10 +1081,9 @@ class Runtime:
             self._registrations.append(registration)
         return registration
 
-    def _registered(self, array: np.ndarray[Any, Any]) -> Registration | None:
+    def _registered(self, ptr: int, nbytes: int) -> Registration | None:
         if not self._registrations:
             return None
-        ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
         for registration in self._registrations:
             if registration.covers(ptr, nbytes):
                 return registration

@@ -73,22 +73,46 @@ class StagingConfig:
         Pinned slots per lane (2 = double buffering).
     lanes
         Worker threads per direction, each with its own copy stream.
+    driver_bytes
+        C-contiguous transfers up to this size are handed to the driver's own
+        pageable copy (it stages them itself): no pinned block, no worker, the
+        lowest latency for tiny payloads.
     direct_bytes
         Transfers up to this size skip the lanes: one pinned block from the
         pool, the host copy on the calling thread, one DMA (cheaper for small
         payloads than waking workers).
+    min_chunk_bytes
+        The smallest chunk a transfer is cut into. A transfer is cut into
+        ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
+        clamped to ``[min_chunk_bytes, slot_bytes]``.
     """
 
     slot_bytes: int = 4 << 20
     slots_per_lane: int = 2
     lanes: int = 12
     direct_bytes: int = 1 << 20
+    min_chunk_bytes: int = 256 << 10
+    driver_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        if self.slot_bytes < 4096 or self.slots_per_lane < 1 or self.lanes < 1 or self.direct_bytes < 0:
+        if (
+            self.slot_bytes < 4096
+            or self.slots_per_lane < 1
+            or self.lanes < 1
+            or self.direct_bytes < 0
+            or self.driver_bytes < 0
+            or not 4096 <= self.min_chunk_bytes <= self.slot_bytes
+        ):
             raise ValueError(
-                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0"
+                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 "
+                "and 4096 <= min_chunk_bytes <= slot_bytes"
             )
+
+    def chunk_bytes(self, nbytes: int) -> int:
+        """The chunk size for a transfer of ``nbytes``: spread over every lane, within the bounds."""
+        share = -(-nbytes // self.lanes)
+        share = -(-share // 65536) * 65536
+        return max(self.min_chunk_bytes, min(self.slot_bytes, share))
 
     @property
     def pinned_bytes(self) -> int:
@@ -230,7 +254,8 @@ class Lane:
 
     def _new_slot(self) -> _Slot:
         engine = self.engine
-        return _Slot(engine.pool.acquire(engine.config.slot_bytes), engine.backend.event_create())
+        # blocking-sync events: a lane waiting for its DMA sleeps instead of spinning a core
+        return _Slot(engine.pool.acquire(engine.config.slot_bytes), engine.backend.event_create(blocking=True))
 
     def _run(self) -> None:
         while True:
@@ -361,7 +386,7 @@ class StagingEngine:
     def submit(self, array: np.ndarray[Any, Any], device_ptr: int) -> StagedJob:
         """Deal ``array``'s chunks to the lanes; return the job at once."""
         lanes = self._ensure_lanes()
-        chunks = plan_chunks(array, self.config.slot_bytes)
+        chunks = plan_chunks(array, self.config.chunk_bytes(array.nbytes))
         job = StagedJob(self.direction, array, device_ptr, chunks, len(lanes))
         shares: list[list[Chunk]] = [[] for _ in lanes]
         for i, chunk in enumerate(chunks):

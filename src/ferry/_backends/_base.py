@@ -89,8 +89,13 @@ class Backend(Protocol):
         """Make later work on ``stream`` wait for ``event`` (no host wait)."""
         ...
 
-    def event_create(self) -> Any:
-        """Create an event (no timing)."""
+    def event_create(self, blocking: bool = False) -> Any:
+        """Create an event (no timing).
+
+        ``blocking``: a thread synchronizing on it sleeps instead of spinning
+        (for worker threads, so that many of them do not burn the cores the
+        host copies need).
+        """
         ...
 
     def event_destroy(self, event: Any) -> None:

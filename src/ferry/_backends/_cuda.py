@@ -251,9 +251,11 @@ class CudaBackend:
         (err,) = self._d.cuStreamWaitEvent(stream, event, 0)
         self._check(err)
 
-    def event_create(self) -> Any:
+    def event_create(self, blocking: bool = False) -> Any:
         self._bind()
-        err, event = self._d.cuEventCreate(self._d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        flags = self._d.CUevent_flags
+        mask = int(flags.CU_EVENT_DISABLE_TIMING) | (int(flags.CU_EVENT_BLOCKING_SYNC) if blocking else 0)
+        err, event = self._d.cuEventCreate(mask)
         self._check(err)
         return event
 

@@ -268,7 +268,7 @@ class EmulatedBackend:
         done.wait()
         self._check()
 
-    def event_create(self) -> _Event:
+    def event_create(self, blocking: bool = False) -> _Event:
         self._check()
         return _Event()
 
