@@ -53,14 +53,13 @@ def main() -> None:
     print("lanes slot  depth | " + " | ".join(f"{s // MiB} MiB" for s in sizes))
     for n_lanes, slot, d in itertools.product(lanes, slots, depth):
         config = ferry.StagingConfig(
-            slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0, driver_bytes=0
+            slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0
         )
         print(f"{n_lanes:5d} {slot // MiB:3d}M {d:5d} | " + " | ".join(measure(config, sizes, 5)), flush=True)
-    print("crossover: driver (its own pageable copy) vs direct (one pooled block) vs staged (lanes)")
+    print("crossover: direct (one pooled block) vs staged (lanes)")
     routes = {
-        "driver": ferry.StagingConfig(driver_bytes=1 << 40),
-        "direct": ferry.StagingConfig(driver_bytes=0, direct_bytes=1 << 40),
-        "staged": ferry.StagingConfig(driver_bytes=0, direct_bytes=0),
+        "direct": ferry.StagingConfig(direct_bytes=1 << 40),
+        "staged": ferry.StagingConfig(direct_bytes=0),
     }
     for n in [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]:
         cells = [f"{name}: {measure(config, [n], 50)[0]}" for name, config in routes.items()]

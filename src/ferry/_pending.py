@@ -30,21 +30,18 @@ class Record:
     """What one submitted transfer holds until its completion is proven.
 
     ``moved`` objects are in flight; ``leased`` device arrays are read-leased;
-    ``result`` is what ``wait()`` returns; ``finish`` (optional) runs once on
-    success before the objects are handed back (staging routes publish there).
+    ``result`` is what ``wait()`` returns. The pinned routes need nothing
+    else; everything the other routes add lives in ``extra``.
     """
 
     __slots__ = (
-        "__weakref__",
         "done",
         "error",
         "event",
         "extra",
-        "finish",
         "leased",
         "moved",
         "nbytes",
-        "owns_event",
         "result",
         "seq",
         "stream",
@@ -69,8 +66,6 @@ class Record:
         self.nbytes = nbytes
         self.done = False
         self.error: DeviceError | None = None
-        self.finish: Callable[[], None] | None = None
-        self.owns_event = True
         self.extra: Extras | None = None
 
     def __repr__(self) -> str:
@@ -87,12 +82,14 @@ class Extras:
     read-only for the flight; ``regs`` are registrations the copy uses.
     ``device_touches_host`` is true when the DMA reads or writes the caller's
     array itself (registered route): a failure then keeps the array read-only
-    and its registration in use forever. ``batch``/``shared``: see :class:`Batch`.
+    and its registration in use forever. ``batch``/``shared``: see :class:`Batch`
+    (a record of a batch shares its event instead of owning one).
     """
 
-    __slots__ = ("batch", "blocks", "device_touches_host", "host", "job", "regs", "shared")
+    __slots__ = ("batch", "blocks", "device_touches_host", "finish", "host", "job", "regs", "shared")
 
     def __init__(self) -> None:
+        self.finish: Callable[[], None] | None = None  # runs once on success, before publication
         self.job: Any = None
         self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
         self.shared: SharedEvent | None = None  # the event this record shares with its batch

@@ -45,6 +45,7 @@ __all__ = ["Runtime", "RuntimeStats"]
 
 _MAX_BYTES = 1 << 48  # larger requests are refused up front (no device has this much)
 _OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+_OWNED = _buffer.OWNED  # the same string as _device_array.OWNED
 _PINNED = "a PinnedHostBuffer (rt.pinned(n))"
 _DEVICE = "a DeviceArray (rt.empty(shape, dtype))"
 
@@ -382,18 +383,19 @@ class Runtime:
                 and type(destination) is DeviceArray
                 and buffer._runtime is self
                 and destination._runtime is self
-                and buffer._state == _buffer.OWNED
-                and destination._state == _device_array.OWNED
+                and buffer._state == _OWNED
+                and destination._state == _OWNED
                 and not destination._leases
                 and getrefcount(buffer._base) == _BASE_REFS
                 and buffer._nbytes >= destination._nbytes
             ):
                 self._refuse_upload(buffer, destination)
-            self._maintain_if_needed()
+            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
+                self._maintain()
             nbytes = destination._nbytes
             record = self._enqueue(
                 self._h2d,
-                self._backend.memcpy_htod,
+                self._backend.htod_record,
                 destination._ptr,
                 buffer._block.ptr,
                 nbytes,
@@ -426,17 +428,18 @@ class Runtime:
                 and type(buffer) is PinnedHostBuffer
                 and buffer._runtime is self
                 and source._runtime is self
-                and buffer._state == _buffer.OWNED
-                and source._state == _device_array.OWNED
+                and buffer._state == _OWNED
+                and source._state == _OWNED
                 and getrefcount(buffer._base) == _BASE_REFS
                 and buffer._nbytes >= source._nbytes
             ):
                 self._refuse_download(source, buffer)
-            self._maintain_if_needed()
+            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
+                self._maintain()
             nbytes = source._nbytes
             record = self._enqueue(
                 self._d2h,
-                self._backend.memcpy_dtoh,
+                self._backend.dtoh_record,
                 buffer._block.ptr,
                 source._ptr,
                 nbytes,
@@ -479,7 +482,7 @@ class Runtime:
     def _enqueue(
         self,
         stream: Any,
-        copy: Callable[[int, int, int, Any], None],
+        copy: Callable[[int, int, int, Any, Any], None],
         dst: int,
         src: int,
         nbytes: int,
@@ -488,38 +491,28 @@ class Runtime:
         leased: tuple[Any, ...],
         result: tuple[Any, ...],
     ) -> Record:
-        """Enqueue one copy and its event; the caller holds the lock and moves states after."""
+        """Enqueue one copy and its event; the caller holds the lock and moves states after.
+
+        ``copy`` is the backend's ``htod_record`` or ``dtoh_record``.
+        """
         if self._batches:
             batch = self._batches.get(threading.get_ident())
             if batch is not None:
                 return self._enqueue_batched(batch, stream, copy, dst, src, nbytes, moved, leased, result)
-        backend = self._backend
         events = self._events
-        if events:
-            event = events.pop()
-        else:
-            try:
-                event = backend.event_create()
-            except DeviceError as exc:
-                self._note(exc)
-                raise TransferSubmitError(f"could not create an event: {exc}") from exc
-            self._event_count += 1
-        try:
-            if nbytes:
-                copy(dst, src, nbytes, stream)
-        except DeviceError as exc:
-            events.append(event)
-            self._note(exc)
-            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        event = events.pop() if events else self._new_event_for_submit()
         self._seq += 1
         record = Record(self._seq, event, stream, moved, leased, result, nbytes)
         try:
-            backend.event_record(event, stream)
+            copy(dst, src, nbytes, stream, event)
         except DeviceError as exc:
-            # The copy is queued but cannot be tracked: prove it finished, or abandon.
             self._note(exc)
+            if not exc.enqueued:
+                events.append(event)
+                raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+            # The copy is queued but cannot be tracked: prove it finished, or abandon.
             try:
-                backend.stream_synchronize(stream)
+                self._backend.stream_synchronize(stream)
             except DeviceError as sync_exc:
                 self._note(sync_exc)
                 self._fail(record, sync_exc)
@@ -531,11 +524,18 @@ class Runtime:
         self._live.add(record)
         return record
 
+    def _new_event_for_submit(self) -> Any:
+        try:
+            return self._new_event()
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"could not create an event: {exc}") from exc
+
     def _enqueue_batched(
         self,
         batch: Batch,
         stream: Any,
-        copy: Callable[[int, int, int, Any], None],
+        copy: Callable[[int, int, int, Any, Any], None],
         dst: int,
         src: int,
         nbytes: int,
@@ -543,15 +543,15 @@ class Runtime:
         leased: tuple[Any, ...],
         result: tuple[Any, ...],
     ) -> Record:
+        plain = self._backend.memcpy_htod if copy == self._backend.htod_record else self._backend.memcpy_dtoh
         try:
             if nbytes:
-                copy(dst, src, nbytes, stream)
+                plain(dst, src, nbytes, stream)
         except DeviceError as exc:
             self._note(exc)
             raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
         self._seq += 1
         record = Record(self._seq, None, stream, moved, leased, result, nbytes)
-        record.owns_event = False
         record.extra = Extras()
         record.extra.batch = batch
         batch.segments.setdefault(id(stream), (stream, []))[1].append(record)
@@ -656,7 +656,7 @@ class Runtime:
                         self._fail(record, exc)
                     raise failed_error(record) from exc
             with self._lock:
-                if record in self._live and record.error is None:
+                if record.error is None and record in self._live:
                     self._live.remove(record)
                     record.done = True
                     self._settle(record)
@@ -717,27 +717,33 @@ class Runtime:
 
     def _settle(self, record: Record) -> None:
         """A waited record: run its finisher, hand every object back owned."""
-        if record.finish is not None:
-            record.finish()
-        if record.extra is not None:
+        extra = record.extra
+        if extra is None:
+            self._events.append(record.event)
+            record.event = None
+        else:
+            if extra.finish is not None:
+                extra.finish()
             self._release_extras(record, failed=False)
+            self._recycle_event(record)
         for obj in record.moved:
             obj._state = _buffer.OWNED  # same value for both kinds
         for array in record.leased:
             array._leases -= 1
-        self._recycle_event(record)
         self._completed += 1
 
     def _recycle_event(self, record: Record) -> None:
-        if record.owns_event:
-            if record.event is not None:
-                self._events.append(record.event)
-        elif record.extra is not None and record.extra.shared is not None:
-            shared = record.extra.shared
-            record.extra.shared = None
-            shared.users -= 1
-            if shared.users == 0:
-                self._events.append(shared.event)
+        """The record's event back to the pool (a shared one after its last user)."""
+        extra = record.extra
+        if extra is not None and (extra.shared is not None or extra.batch is not None):
+            shared = extra.shared
+            extra.shared = None
+            if shared is not None:
+                shared.users -= 1
+                if shared.users == 0:
+                    self._events.append(shared.event)
+        elif record.event is not None:
+            self._events.append(record.event)
         record.event = None
 
     def _fail(self, record: Record, exc: DeviceError) -> None:
@@ -981,7 +987,7 @@ class Runtime:
         extra = Extras()
         nbytes = host.nbytes
         stream = self._h2d if upload else self._d2h
-        copy = self._backend.memcpy_htod if upload else self._backend.memcpy_dtoh
+        copy = self._backend.htod_record if upload else self._backend.dtoh_record
         moved: tuple[Any, ...] = (device,) if upload else ()
         leased: tuple[Any, ...] = () if upload else (device,)
         result = (host, device) if upload else (device, host)
@@ -990,14 +996,13 @@ class Runtime:
         ptr = _ptr(host)
         registration = self._registered(ptr, nbytes) if contiguous and nbytes else None
         config = self._staging
-        if registration is not None or (contiguous and nbytes <= config.driver_bytes):
-            # one DMA straight from/to the caller's memory: registered (pinned in place),
-            # or tiny and handed to the driver's own pageable staging
+        if registration is not None:
+            # one DMA straight from/to the caller's memory, pinned in place. (The driver's own
+            # pageable copy is never used: it blocks the caller until the stream drains.)
             src, dst = (ptr, device._ptr) if upload else (device._ptr, ptr)
             record = self._enqueue(stream, copy, dst, src, nbytes, moved=moved, leased=leased, result=result)
-            if registration is not None:
-                registration._uses += 1
-                extra.regs.append(registration)
+            registration._uses += 1
+            extra.regs.append(registration)
             extra.device_touches_host = True
         elif nbytes <= config.direct_bytes or host.itemsize > config.slot_bytes:
             block = self._pool.acquire(max(nbytes, 1))
@@ -1023,7 +1028,7 @@ class Runtime:
                             copy_out(alias, part, block.ptr + part.offset, base)
                         self._host_copied += nbytes
 
-                    record.finish = publish
+                    extra.finish = publish
             except BaseException:
                 self._direct_bytes -= block.capacity
                 self._pool.release(block)

@@ -73,10 +73,6 @@ class StagingConfig:
         Pinned slots per lane (2 = double buffering).
     lanes
         Worker threads per direction, each with its own copy stream.
-    driver_bytes
-        C-contiguous transfers up to this size are handed to the driver's own
-        pageable copy (it stages them itself): no pinned block, no worker, the
-        lowest latency for tiny payloads.
     direct_bytes
         Transfers up to this size skip the lanes: one pinned block from the
         pool, the host copy on the calling thread, one DMA (cheaper for small
@@ -92,7 +88,6 @@ class StagingConfig:
     lanes: int = 12
     direct_bytes: int = 1 << 20
     min_chunk_bytes: int = 256 << 10
-    driver_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         if (
@@ -100,7 +95,6 @@ class StagingConfig:
             or self.slots_per_lane < 1
             or self.lanes < 1
             or self.direct_bytes < 0
-            or self.driver_bytes < 0
             or not 4096 <= self.min_chunk_bytes <= self.slot_bytes
         ):
             raise ValueError(

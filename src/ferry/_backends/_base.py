@@ -24,10 +24,11 @@ class DeviceError(Exception):
     sticky error); the runtime then refuses every later call.
     """
 
-    def __init__(self, message: str, *, code: int = -1, sticky: bool = False) -> None:
+    def __init__(self, message: str, *, code: int = -1, sticky: bool = False, enqueued: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.sticky = sticky
+        self.enqueued = enqueued  # raised after a copy was queued (its event could not be recorded)
 
 
 @runtime_checkable
@@ -121,6 +122,18 @@ class Backend(Protocol):
 
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """Enqueue a device-to-host copy of ``nbytes`` on ``stream``."""
+        ...
+
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
+        """Enqueue a host-to-device copy (skipped when ``nbytes`` is 0), then record ``event``.
+
+        One call for the hot path. A failure of the record raises a
+        :class:`DeviceError` with ``enqueued=True``: the copy is queued.
+        """
+        ...
+
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
+        """The device-to-host twin of :meth:`htod_record`."""
         ...
 
     # -- test gates --------------------------------------------------------

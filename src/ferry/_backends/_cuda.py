@@ -302,6 +302,31 @@ class CudaBackend:
         if err:
             self._retry(err, self._cuMemcpyDtoHAsync, dst, src, nbytes, stream)
 
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
+        if nbytes:
+            (err,) = self._cuMemcpyHtoDAsync(dst, src, nbytes, stream)
+            if err:
+                self._retry(err, self._cuMemcpyHtoDAsync, dst, src, nbytes, stream)
+        (err,) = self._cuEventRecord(event, stream)
+        if err:
+            self._record_failed(err, event, stream)
+
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
+        if nbytes:
+            (err,) = self._cuMemcpyDtoHAsync(dst, src, nbytes, stream)
+            if err:
+                self._retry(err, self._cuMemcpyDtoHAsync, dst, src, nbytes, stream)
+        (err,) = self._cuEventRecord(event, stream)
+        if err:
+            self._record_failed(err, event, stream)
+
+    def _record_failed(self, err: Any, event: Any, stream: Any) -> None:
+        try:
+            self._retry(err, self._cuEventRecord, event, stream)
+        except DeviceError as exc:
+            exc.enqueued = True
+            raise
+
     # -- gates: cuStreamWaitValue32 on mapped pinned memory -------------------------------------
     def gate_create(self) -> _Gate:
         self._bind()

@@ -399,6 +399,23 @@ class EmulatedBackend:
 
         stream.submit(run)
 
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event) -> None:
+        if nbytes:
+            self.memcpy_htod(dst, src, nbytes, stream)
+        self._record_after_copy(event, stream)
+
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event) -> None:
+        if nbytes:
+            self.memcpy_dtoh(dst, src, nbytes, stream)
+        self._record_after_copy(event, stream)
+
+    def _record_after_copy(self, event: _Event, stream: _Stream) -> None:
+        try:
+            self.event_record(event, stream)
+        except DeviceError as exc:
+            exc.enqueued = True
+            raise
+
     # -- gates ------------------------------------------------------------------------
     def gate_create(self) -> _Gate:
         return _Gate()
