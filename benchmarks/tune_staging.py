@@ -46,7 +46,7 @@ def one_size(rt: ferry.Runtime, n: int, reps: int) -> str:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    lanes = [8, 12, 16] if not quick else [8, 12, 16]
+    lanes = [8, 12, 16]
     slots = [2 * MiB, 4 * MiB, 8 * MiB] if not quick else [4 * MiB, 8 * MiB]
     depth = [2, 3] if not quick else [2]
     sizes = [8 * MiB, 256 * MiB]

@@ -311,3 +311,24 @@ def test_a_fresh_output_is_allocated_when_none_is_given(srt: ferry.Runtime) -> N
     del out
     gc.collect()
     assert alive() is None  # the caller owns it outright
+
+
+def test_fresh_outputs_reuse_resident_memory_only_after_every_view_died(srt: ferry.Runtime) -> None:
+    data = random_array((2 * MiB,), np.uint8, 16)
+    _, dev = srt.upload(data).wait()
+    _, first = srt.download(dev).wait()
+    first_addr = first.ctypes.data
+    view = first[10:20]
+    del first
+    gc.collect()
+    _, second = srt.download(dev).wait()
+    assert second.ctypes.data != first_addr  # a live view keeps the block out of reuse
+    second_addr = second.ctypes.data
+    assert same(second, data)
+    view[:] = 7  # still the caller's memory
+    del view, second
+    gc.collect()
+    assert srt.stats().host_cache_bytes >= 2 * 2 * MiB
+    _, third = srt.download(dev).wait()
+    assert third.ctypes.data in (first_addr, second_addr)
+    assert same(third, data)

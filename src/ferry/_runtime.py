@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import mmap
 import os
 import threading
 import weakref
@@ -35,6 +34,7 @@ from ._errors import (
     TransferFailedError,
     TransferSubmitError,
 )
+from ._hostcache import HostCache
 from ._pending import Batch, Extras, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
@@ -83,6 +83,8 @@ class RuntimeStats:
         direct pageable copies in flight.
     registered_bytes
         Host memory pinned in place by :meth:`Runtime.register`.
+    host_cache_bytes
+        Resident host memory cached for fresh download outputs.
     """
 
     in_flight: int
@@ -100,6 +102,7 @@ class RuntimeStats:
     host_copied_bytes: int
     staging_pinned_bytes: int
     registered_bytes: int
+    host_cache_bytes: int
 
 
 _runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -162,6 +165,9 @@ class Runtime:
     staging
         How pageable NumPy arrays are staged (:class:`~ferry.StagingConfig`);
         the default's lane count is capped at the machine's CPU count.
+    host_cache_bytes
+        Resident host memory kept for the fresh outputs of :meth:`download`
+        (first-touch page faults cost more than the copy); 0 disables it.
 
     Guarantees
     ----------
@@ -182,6 +188,7 @@ class Runtime:
         emulated_bandwidth: float = 25e9,
         emulated_latency: float = 5e-6,
         staging: StagingConfig | None = None,
+        host_cache_bytes: int = 2 << 30,
     ) -> None:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
             raise ValueError(f"device must be a non-negative int, got {device!r}")
@@ -209,6 +216,7 @@ class Runtime:
         self._staging = staging or _default_staging()
         self._engines: dict[str, StagingEngine] = {}
         self._host_leases: dict[int, list[Any]] = {}
+        self._host_cache = HostCache(host_cache_bytes)
         self._batches: dict[int, Batch] = {}  # thread ident -> open batch
         self._registrations: list[Registration] = []
         self._host_copied = 0
@@ -946,8 +954,9 @@ class Runtime:
         """Copy a device array into a NumPy array without blocking.
 
         ``out`` must be a writable array of the source's shape and dtype
-        (any layout); when ``None`` a new one is allocated (large ones with a
-        transparent-huge-page hint, so first-touch faults stay cheap).
+        (any layout); when ``None`` a new one is allocated, large ones on
+        resident memory recycled from earlier outputs that were dropped (see
+        ``host_cache_bytes``), so first-touch page faults stay out of the copy.
         ``wait()`` returns ``(source, out)``. The source is read-leased, as
         for :meth:`download_pending`; ``out`` is flagged read-only while
         pending and holds the bytes once ``wait()`` returns. A failed download
@@ -966,7 +975,7 @@ class Runtime:
             if problem:
                 raise TransferSubmitError(problem)
             if out is None:
-                out = _fresh_host_array(source.shape, source.dtype)
+                out = self._host_cache.array(source.shape, source.dtype)
             else:
                 if not isinstance(out, np.ndarray):
                     raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
@@ -1141,6 +1150,7 @@ class Runtime:
                 staging_pinned_bytes=self._direct_bytes
                 + sum(e.held_bytes for e in self._engines.values()),
                 registered_bytes=sum(r._nbytes for r in self._registrations),
+                host_cache_bytes=self._host_cache.free_bytes,
             )
 
     def close(self) -> None:
@@ -1201,6 +1211,7 @@ class Runtime:
             for buffer in list(self._buffers):
                 buffer._release_for_close()
             _quietly(self._pool.close)
+            self._host_cache.clear()
             if usable:
                 for event in self._events:
                     _quietly(self._backend.event_destroy, event)
@@ -1231,20 +1242,6 @@ def _check_match(host: np.ndarray[Any, Any], device: DeviceArray, name: str) -> 
             f"shape/dtype mismatch: the NumPy array is {host.shape} {host.dtype}, "
             f"the {name} is {device.shape} {device.dtype}"
         )
-
-
-_HUGE_FROM = 4 << 20
-
-
-def _fresh_host_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A new array; large ones are mmap-backed with a transparent-huge-page hint."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < _HUGE_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    region = mmap.mmap(-1, nbytes)
-    with contextlib.suppress(OSError):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(region, dtype=dtype).reshape(shape)
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:
