@@ -46,9 +46,9 @@ def one_size(rt: ferry.Runtime, n: int, reps: int) -> str:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    lanes = [8, 12, 16]
-    slots = [2 * MiB, 4 * MiB, 8 * MiB] if not quick else [4 * MiB, 8 * MiB]
-    depth = [2, 3] if not quick else [2]
+    lanes = [8, 12, 16] if not quick else [12, 16]
+    slots = [2 * MiB, 4 * MiB, 8 * MiB] if not quick else [4 * MiB]
+    depth = [2, 3]
     sizes = [8 * MiB, 256 * MiB]
     print("lanes slot  depth | " + " | ".join(f"{s // MiB} MiB" for s in sizes))
     for n_lanes, slot, d in itertools.product(lanes, slots, depth):
@@ -56,6 +56,8 @@ def main() -> None:
             slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0
         )
         print(f"{n_lanes:5d} {slot // MiB:3d}M {d:5d} | " + " | ".join(measure(config, sizes, 5)), flush=True)
+    if quick:
+        return
     print("crossover: direct (one pooled block) vs staged (lanes)")
     routes = {
         "direct": ferry.StagingConfig(direct_bytes=1 << 40),

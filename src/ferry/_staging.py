@@ -84,7 +84,7 @@ class StagingConfig:
     """
 
     slot_bytes: int = 4 << 20
-    slots_per_lane: int = 2
+    slots_per_lane: int = 3
     lanes: int = 12
     direct_bytes: int = 1 << 20
     min_chunk_bytes: int = 256 << 10
