@@ -102,11 +102,12 @@ class Extras:
 class SharedEvent:
     """One event recorded for several records; back to the pool after the last one."""
 
-    __slots__ = ("event", "users")
+    __slots__ = ("done", "event", "users")
 
     def __init__(self, event: Any, users: int) -> None:
         self.event = event
         self.users = users
+        self.done = False  # proven complete once: the other records need not ask again
 
 
 class Batch:

@@ -708,6 +708,11 @@ class Runtime:
                 return True
             if extra.batch is not None:
                 self._flush_for(record)
+            shared = extra.shared
+            if shared is not None:
+                if not shared.done:
+                    shared.done = bool(self._backend.event_query(record.event))
+                return shared.done
         return bool(self._backend.event_query(record.event))
 
     def _block(self, record: Record) -> None:
@@ -721,6 +726,12 @@ class Runtime:
                 return
             if extra.batch is not None:
                 self._flush_for(record)
+            shared = extra.shared
+            if shared is not None:
+                if not shared.done:
+                    self._backend.event_synchronize(record.event)
+                    shared.done = True
+                return
         self._backend.event_synchronize(record.event)
 
     def _settle(self, record: Record) -> None:
