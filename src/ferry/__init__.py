@@ -11,7 +11,7 @@ from that module's ``__all__``.
 
 from __future__ import annotations
 
-from . import _buffer, _device_array, _errors, _pending, _register, _runtime, _staging
+from . import _buffer, _device_array, _errors, _pending, _register, _runtime, _staging, _waiting
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
@@ -19,6 +19,7 @@ from ._pending import *  # noqa: F403
 from ._register import *  # noqa: F403
 from ._runtime import *  # noqa: F403
 from ._staging import *  # noqa: F403
+from ._waiting import *  # noqa: F403
 
 __version__ = "0.1.0"
 
@@ -30,3 +31,4 @@ __all__ += _pending.__all__
 __all__ += _runtime.__all__
 __all__ += _staging.__all__
 __all__ += _register.__all__
+__all__ += _waiting.__all__

@@ -11,9 +11,10 @@ call, nothing freed early.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._errors import FerryError, TransferFailedError
@@ -132,12 +133,14 @@ _Result = TypeVar("_Result")
 
 
 class _Pending(Generic[_Result]):
-    __slots__ = ("_record", "_runtime", "_waited")
+    __slots__ = ("__weakref__", "_claimed", "_future", "_record", "_runtime", "_waited")
 
     def __init__(self, runtime: Runtime, record: Record) -> None:
         self._runtime = runtime
         self._record = record
-        self._waited = False
+        self._waited = False  # the record was settled (by wait() or by the watcher)
+        self._claimed = False  # wait() returned (or raised) to the caller: at most once
+        self._future: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -171,11 +174,46 @@ class _Pending(Generic[_Result]):
             The handle was already waited (a handle is waited at most once), or
             the runtime was closed.
         """
-        if self._waited:
+        if self._claimed:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
-        result = self._runtime._wait_record(self._record)
-        self._waited = True
-        return result  # type: ignore[return-value]
+        future = self._future
+        if future is not None and not future.cancelled():
+            result = future.result()  # the watcher performs the one wait
+        else:
+            result = self._runtime._wait_record(self._record)
+        self._waited = self._claimed = True
+        return result  # type: ignore[no-any-return]
+
+    def future(self) -> concurrent.futures.Future[_Result]:
+        """A :class:`concurrent.futures.Future` resolved with what ``wait()`` returns.
+
+        The runtime's watcher (one per runtime, sleeping until the device
+        reports completion, never polling) performs the wait and resolves the
+        future, or sets its :class:`~ferry.TransferFailedError`. Calling
+        ``wait()`` afterwards returns the same result. The same future is
+        returned on every call. Cancelling the future never cancels or frees
+        the copy: the handle is released, and retires like any dropped handle.
+        """
+        if self._future is None:
+            if self._claimed:
+                raise FerryError("this transfer was already waited; there is nothing left to wait for")
+            self._future = self._runtime._watch(self)
+        return self._future  # type: ignore[no-any-return]
+
+    def add_done_callback(self, fn: Callable[[_Pending[_Result]], object]) -> None:
+        """Call ``fn(handle)`` once the transfer completed or failed.
+
+        The callback runs on the watcher's thread (or at once, if the transfer
+        is already resolved); inside it, ``handle.wait()`` returns (or raises)
+        without blocking.
+        """
+        self.future().add_done_callback(lambda _future: fn(self))
+
+    def __await__(self) -> Generator[Any, None, _Result]:
+        """``await handle`` in asyncio: the result of ``wait()``, without blocking the loop."""
+        import asyncio
+
+        return asyncio.wrap_future(self.future()).__await__()
 
     def __del__(self) -> None:
         # Never blocks, never calls the device: detach the record, nothing more.

@@ -40,6 +40,7 @@ from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
 from ._retire import RetirementQueue
 from ._staging import StagingConfig, StagingEngine, copy_in, copy_out, plan_chunks
+from ._waiting import TransferFuture, Watcher
 
 __all__ = ["Runtime", "RuntimeStats"]
 
@@ -218,6 +219,7 @@ class Runtime:
         self._host_leases: dict[int, list[Any]] = {}
         self._host_cache = HostCache(host_cache_bytes)
         self._batches: dict[int, Batch] = {}  # thread ident -> open batch
+        self._watcher: Watcher | None = None
         self._registrations: list[Registration] = []
         self._host_copied = 0
         self._direct_bytes = 0  # pool blocks held by direct pageable copies in flight
@@ -825,6 +827,21 @@ class Runtime:
                 with contextlib.suppress(ValueError):
                     array.flags.writeable = True
 
+    def _watch(self, handle: Any) -> TransferFuture:
+        """A future for ``handle``, resolved by the watcher (created on first use)."""
+        self._check_open()
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = Watcher(self)
+            watcher = self._watcher
+        future = TransferFuture(handle)
+        record = handle._record
+        if record.error is not None or record.done:
+            future._resolve()
+        else:
+            watcher.watch(record, future)
+        return future
+
     # -- retirement --------------------------------------------------------------------------------
     def _detach(self, record: Record) -> None:
         """A handle was dropped unwaited: its record goes to the retirement queue.
@@ -1189,6 +1206,8 @@ class Runtime:
                 with self._lock:
                     self._note(exc)
                     self._fail(record, exc)
+        if self._watcher is not None:  # resolves the futures of what was watched, then stops
+            self._watcher.close()
         with self._lock:
             self._closed = True
             self._update_refusal()
