@@ -51,7 +51,7 @@ def test_public_types_cannot_be_constructed_directly() -> None:
 def test_ruff_is_clean() -> None:
     pytest.importorskip("ruff", reason="ruff is part of the test extra")
     ruff = shutil.which("ruff") or f"{sys.executable} -m ruff"
-    result = subprocess.run(f"{ruff} check src tests benchmarks", shell=True, cwd=ROOT,
+    result = subprocess.run(f"{ruff} check src tests benchmarks examples", shell=True, cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -159,3 +159,17 @@ def test_a_hundred_pending_transfers_cost_no_cpu_while_they_wait(rt: ferry.Runti
     assert cpu / wall < 0.25, f"{cpu / wall:.2f} of a core while waiting"
     results = ferry.wait_all(handles, timeout=30)
     assert len(results) == 100
+
+
+def test_the_prefetch_loader_example_runs_and_verifies_its_bytes(backend_name: str) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "prefetch_loader.py"
+    spec = importlib.util.spec_from_file_location("prefetch_loader", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures = module.main(["--batches", "5", "--mib", "2", "--consume-ms", "1", "--backend", backend_name])
+    assert set(figures) == {"transfer", "serial", "prefetched", "hidden"}
+    assert figures["serial"] > 0 and figures["prefetched"] > 0
