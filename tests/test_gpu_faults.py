@@ -62,6 +62,11 @@ print("closed")
 """
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="on the H200 (2026-11-29) the child hung after the fault and was killed at the timeout; "
+    "where it hangs is not yet known (the output so far is in the failure message)",
+)
 def test_a_faulting_producer_fails_the_next_transfer_and_every_call_after() -> None:
     reason = cuda_unavailable_reason()
     if reason is not None:
@@ -70,10 +75,13 @@ def test_a_faulting_producer_fails_the_next_transfer_and_every_call_after() -> N
         import cupy  # noqa: F401 - only to launch the faulting kernel
     except ImportError:
         pytest.skip("CuPy (the kernel launcher of this test) is not installed")
-    env = dict(os.environ, PYTHONPATH=SRC)
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD)], capture_output=True, text=True, timeout=60, env=env
-    )
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(CHILD)], capture_output=True, text=True, timeout=30, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child hung after the fault; its output so far: {exc.stdout!r} {exc.stderr!r}")
     lines = result.stdout.splitlines()
     assert result.returncode == 0, result.stdout + result.stderr
     assert lines[0].startswith("producer fault:")
