@@ -400,8 +400,7 @@ class Runtime:
                 and buffer._nbytes >= destination._nbytes
             ):
                 self._refuse_upload(buffer, destination)
-            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
-                self._maintain()
+            self._maintain_if_needed()
             nbytes = destination._nbytes
             record = self._enqueue(
                 self._h2d,
@@ -444,8 +443,7 @@ class Runtime:
                 and buffer._nbytes >= source._nbytes
             ):
                 self._refuse_download(source, buffer)
-            if self._retiring._count or self._retiring._incoming or self._deferred or self._pool._doomed:
-                self._maintain()
+            self._maintain_if_needed()
             nbytes = source._nbytes
             record = self._enqueue(
                 self._d2h,
