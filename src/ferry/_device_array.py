@@ -44,7 +44,7 @@ class DeviceArray:
     Create one with :meth:`ferry.Runtime.empty` or :meth:`ferry.Runtime.to_device`.
     """
 
-    __slots__ = ("__weakref__", "_dtype", "_leases", "_nbytes", "_ptr", "_runtime", "_shape", "_state")
+    __slots__ = ("__weakref__", "_dtype", "_leases", "_nbytes", "_ptr", "_ready", "_runtime", "_shape", "_state")
 
     def __init__(
         self,
@@ -65,6 +65,7 @@ class DeviceArray:
         self._nbytes = nbytes
         self._state = OWNED
         self._leases = 0
+        self._ready: Any = None  # the pending upload this array was handed off by (see hand_off)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -107,6 +108,23 @@ class DeviceArray:
         if self._state != OWNED:
             raise BufferMovedError(f"cannot take the address of a device array that is {self._state}")
         return self._ptr
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface, version 3, for CuPy, Numba, PyTorch and others.
+
+        Available while the array is owned (writable) or read-leased (marked
+        read-only). If an upload handed the array off before it completed,
+        ``stream`` names ferry's copy stream so that the consumer orders its
+        work after the copy; otherwise it is ``None`` (nothing to wait for).
+        Raises :class:`~ferry.BufferMovedError` while in flight, abandoned or
+        closed. Like ``ptr``, what the consumer then does with the memory is
+        outside ferry's checks: do not hand the array to a transfer while a
+        consumer still uses it.
+        """
+        from ._interop import export_cai
+
+        return export_cai(self)
 
     def close(self) -> None:
         """Free the device memory now.

@@ -87,10 +87,11 @@ class Extras:
     (a record of a batch shares its event instead of owning one).
     """
 
-    __slots__ = ("batch", "blocks", "device_touches_host", "finish", "host", "job", "regs", "shared")
+    __slots__ = ("batch", "blocks", "device_touches_host", "finish", "handed", "host", "job", "regs", "shared")
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None  # runs once on success, before publication
+        self.handed: Any = None  # the destination an upload handed off before completing
         self.job: Any = None
         self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
         self.shared: SharedEvent | None = None  # the event this record shares with its batch
@@ -237,6 +238,26 @@ class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
     """
 
     __slots__ = ()
+
+    def hand_off(self, stream: Any = None) -> Any:
+        """Hand the destination to GPU work before the copy is known complete, with no host wait.
+
+        With ``stream`` (an int handle, a ``torch.cuda.Stream``, a
+        ``cupy.cuda.Stream``, or anything with ``__cuda_stream__``), that
+        stream waits for the copy on the device (``cuStreamWaitEvent``), so
+        kernels launched there afterwards see the bytes; like PyTorch's
+        ``Stream.wait_event``. In every case the returned destination is
+        usable at once: ferry's own later transfers involving it are ordered
+        after the copy on the device, and its CUDA Array Interface names
+        ferry's copy stream until the copy is waited, so protocol-honouring
+        consumers order themselves too. The pinned buffer stays in flight
+        until ``wait()``, which still returns ``(buffer, destination)``.
+
+        Staged pageable uploads (``rt.upload`` of more than
+        ``StagingConfig.direct_bytes``) cannot be handed off: their bytes
+        arrive over several streams; wait for them instead.
+        """
+        return self._runtime._hand_off(self, stream)
 
 
 class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):

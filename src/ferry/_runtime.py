@@ -35,6 +35,7 @@ from ._errors import (
     TransferSubmitError,
 )
 from ._hostcache import HostCache
+from ._interop import Foreign, foreign_from, is_foreign, stream_handle_of
 from ._pending import Batch, Extras, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
@@ -220,6 +221,7 @@ class Runtime:
         self._host_cache = HostCache(host_cache_bytes)
         self._batches: dict[int, Batch] = {}  # thread ident -> open batch
         self._watcher: Watcher | None = None
+        self._side_streams: list[Any] = []  # made by ferry.testing.side_stream
         self._registrations: list[Registration] = []
         self._host_copied = 0
         self._direct_bytes = 0  # pool blocks held by direct pageable copies in flight
@@ -396,10 +398,11 @@ class Runtime:
                 and buffer._state == _OWNED
                 and destination._state == _OWNED
                 and not destination._leases
+                and destination._ready is None
                 and getrefcount(buffer._base) == _BASE_REFS
                 and buffer._nbytes >= destination._nbytes
             ):
-                self._refuse_upload(buffer, destination)
+                return self._upload_slow(buffer, destination)
             self._maintain_if_needed()
             nbytes = destination._nbytes
             record = self._enqueue(
@@ -439,10 +442,11 @@ class Runtime:
                 and source._runtime is self
                 and buffer._state == _OWNED
                 and source._state == _OWNED
+                and source._ready is None
                 and getrefcount(buffer._base) == _BASE_REFS
                 and buffer._nbytes >= source._nbytes
             ):
-                self._refuse_download(source, buffer)
+                return self._download_slow(source, buffer)
             self._maintain_if_needed()
             nbytes = source._nbytes
             record = self._enqueue(
@@ -459,33 +463,106 @@ class Runtime:
             source._leases += 1
         return PendingDownload(self, record)
 
-    def _refuse_upload(self, buffer: Any, destination: Any) -> None:
-        """Raise the TransferSubmitError that explains why an upload cannot start."""
+    def _device_side(self, obj: Any, call: str, name: str, *, write: bool) -> Any:
+        """A ferry array (checked) or a foreign one (wrapped); anything else is refused."""
+        if isinstance(obj, DeviceArray):
+            problem = obj._submission_problem(self, write=write)
+            if problem:
+                raise TransferSubmitError(problem)
+            return obj
+        if is_foreign(obj):
+            return foreign_from(obj, write=write)
+        _expect(obj, DeviceArray, call, name, _DEVICE)
+        return obj  # unreachable: _expect raised
+
+    def _order_before(self, streams: list[Any], device: Any) -> None:
+        """Make ``streams`` wait, on the device, for the work ``device``'s bytes depend on.
+
+        A ferry array handed off by a pending upload waits for that upload's
+        event; a foreign array waits for its producer stream (an event recorded
+        there). No host wait either way. Lock held.
+        """
+        backend = self._backend
+        ready = getattr(device, "_ready", None)
+        if ready is not None and not ready.done and ready.event is not None:
+            for stream in streams:
+                backend.stream_wait_event(stream, ready.event)
+        producer = getattr(device, "stream", None)
+        if isinstance(device, Foreign) and producer is not None:
+            event = self._events.pop() if self._events else self._new_event()
+            try:
+                backend.event_record(event, backend.stream_from_handle(producer))
+                for stream in streams:
+                    backend.stream_wait_event(stream, event)
+            finally:
+                self._events.append(event)  # a wait captured the record: the event is reusable
+
+    def _upload_slow(self, buffer: Any, destination: Any) -> PendingUpload:
+        """Every upload the one-expression test did not admit: refuse it clearly, or submit it
+        (a foreign destination, or a ferry array an earlier upload handed off)."""
         if self._refusal is not None:
             raise TransferSubmitError(self._refusal)
         _expect(buffer, PinnedHostBuffer, "upload_pending", "buffer", _PINNED)
-        _expect(destination, DeviceArray, "upload_pending", "destination", _DEVICE)
-        problem = buffer._submission_problem(self) or destination._submission_problem(self, write=True)
+        problem = buffer._submission_problem(self)
         if problem:
             raise TransferSubmitError(problem)
-        if buffer._nbytes < destination._nbytes:
+        device = self._device_side(destination, "upload_pending", "destination", write=True)
+        if buffer._nbytes < device._nbytes:
             raise TransferSubmitError(
-                f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {destination._nbytes}"
+                f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {device._nbytes}"
             )
+        try:
+            self._order_before([self._h2d], device)
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"could not order the copy after the destination's producer: {exc}") from exc
+        self._maintain_if_needed()
+        record = self._enqueue(
+            self._h2d,
+            self._backend.htod_record,
+            device._ptr,
+            buffer._block.ptr,
+            device._nbytes,
+            moved=(buffer, device),
+            leased=(),
+            result=(buffer, destination),
+        )
+        buffer._state = _buffer.IN_FLIGHT
+        device._state = _device_array.IN_FLIGHT
+        return PendingUpload(self, record)
 
-    def _refuse_download(self, source: Any, buffer: Any) -> None:
-        """Raise the TransferSubmitError that explains why a download cannot start."""
+    def _download_slow(self, source: Any, buffer: Any) -> PendingDownload:
+        """Every download the one-expression test did not admit (see :meth:`_upload_slow`)."""
         if self._refusal is not None:
             raise TransferSubmitError(self._refusal)
-        _expect(source, DeviceArray, "download_pending", "source", _DEVICE)
+        device = self._device_side(source, "download_pending", "source", write=False)
         _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
-        problem = source._submission_problem(self, write=False) or buffer._submission_problem(self)
+        problem = buffer._submission_problem(self)
         if problem:
             raise TransferSubmitError(problem)
-        if buffer._nbytes < source._nbytes:
+        if buffer._nbytes < device._nbytes:
             raise TransferSubmitError(
-                f"the pinned buffer holds {buffer._nbytes} bytes; the source has {source._nbytes}"
+                f"the pinned buffer holds {buffer._nbytes} bytes; the source has {device._nbytes}"
             )
+        try:
+            self._order_before([self._d2h], device)
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"could not order the copy after the source's producer: {exc}") from exc
+        self._maintain_if_needed()
+        record = self._enqueue(
+            self._d2h,
+            self._backend.dtoh_record,
+            buffer._block.ptr,
+            device._ptr,
+            device._nbytes,
+            moved=(buffer,),
+            leased=(device,),
+            result=(source, buffer),
+        )
+        buffer._state = _buffer.IN_FLIGHT
+        device._leases += 1
+        return PendingDownload(self, record)
 
     def _enqueue(
         self,
@@ -799,6 +876,15 @@ class Runtime:
                 registration._uses -= 1
         extra.host = []
         extra.regs = []
+        handed = extra.handed
+        if handed is not None:
+            extra.handed = None
+            if handed._ready is record:
+                handed._ready = None
+            if failed and handed._state != _buffer.ABANDONED:  # its bytes never arrived, or partly
+                handed._state = _buffer.ABANDONED
+                self._abandoned_objects += 1
+                self._abandoned_bytes += handed._nbytes
         if extra.job is not None:
             self._host_copied += extra.job.host_bytes
             extra.job.array = None
@@ -824,6 +910,42 @@ class Runtime:
             if entry[2]:
                 with contextlib.suppress(ValueError):
                     array.flags.writeable = True
+
+    def _hand_off(self, handle: Any, stream: Any) -> Any:
+        with self._lock:
+            self._check_open()
+            record = handle._record
+            if handle._claimed or handle._waited:
+                raise FerryError("this upload was already waited: its destination is yours")
+            if record.error is not None:
+                raise failed_error(record)
+            if record not in self._live:
+                raise FerryError("this upload is no longer pending")
+            extra = record.extra
+            if extra is not None and extra.job is not None:
+                raise FerryError(
+                    "a staged pageable upload cannot be handed off (its bytes arrive over several "
+                    "streams); wait() for it, or upload through a pinned buffer or a registered array"
+                )
+            if extra is not None and extra.batch is not None:
+                self._flush_segment(extra.batch, id(record.stream))
+            destination = record.result[1]
+            if stream is not None and not record.done:
+                try:
+                    self._backend.stream_wait_event(
+                        self._backend.stream_from_handle(stream_handle_of(stream)), record.event
+                    )
+                except DeviceError as exc:
+                    self._note(exc)
+                    raise FerryError(f"could not make the stream wait for the upload: {exc}") from exc
+            if isinstance(destination, DeviceArray) and destination._state == _device_array.IN_FLIGHT:
+                destination._state = _device_array.OWNED
+                destination._ready = record
+                record.moved = tuple(o for o in record.moved if o is not destination)
+                if record.extra is None:
+                    record.extra = Extras()
+                record.extra.handed = destination
+            return destination
 
     def _watch(self, handle: Any) -> TransferFuture:
         """A future for ``handle``, resolved by the watcher (created on first use)."""
@@ -1245,6 +1367,8 @@ class Runtime:
                     _quietly(self._backend.event_destroy, event)
                 _quietly(self._backend.stream_destroy, self._h2d)
                 _quietly(self._backend.stream_destroy, self._d2h)
+                for stream in self._side_streams:
+                    _quietly(self._backend.stream_destroy, stream)
             self._events.clear()
             _quietly(self._backend.close)
         _runtimes.discard(self)

@@ -11,6 +11,7 @@ alive so a test can prove nothing leaked.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,18 @@ from ._errors import FerryError
 from ._pending import _Pending
 from ._runtime import Runtime
 
-__all__ = ["hold", "fail_next_copy", "violations", "host_waits", "live_objects"]
+__all__ = [
+    "hold",
+    "fail_next_copy",
+    "violations",
+    "host_waits",
+    "live_objects",
+    "side_stream",
+    "produce",
+    "consume",
+    "Read",
+    "ForeignArray",
+]
 
 _DIRECTIONS = ("upload", "download", "both")
 
@@ -102,3 +114,77 @@ def live_objects(runtime: Runtime) -> dict[str, Any]:
         "retiring": stats.retiring,
         "abandoned": stats.abandoned,
     }
+
+
+# -- a producer and a consumer on their own streams (emulated device) --------------------------------
+
+
+def side_stream(runtime: Runtime) -> int:
+    """A new stream of the runtime's device, as the integer handle other libraries use."""
+    runtime._check_open()
+    backend = runtime._backend
+    stream = backend.stream_create()
+    runtime._side_streams.append(stream)
+    return int(backend.stream_handle(stream))
+
+
+def _emulated(runtime: Runtime) -> Any:
+    backend = runtime._backend
+    if not hasattr(backend, "enqueue_fill"):
+        raise FerryError(f"simulated producers and consumers need the emulated device, not {runtime.backend}")
+    return backend
+
+
+def produce(runtime: Runtime, stream: int, ptr: int, nbytes: int, value: int, *, delay: float = 0.05,
+            fail: bool = False) -> None:
+    """A stand-in for a producer kernel on ``stream``: after ``delay`` seconds it fills
+    ``nbytes`` of device memory at ``ptr`` with ``value`` (emulated device). With
+    ``fail=True`` the producer fails instead, as a faulting kernel would."""
+    backend = _emulated(runtime)
+    backend.enqueue_fill(backend.stream_from_handle(stream), ptr, nbytes, value, delay, fail=fail)
+
+
+class Read:
+    """A consumer's read enqueued on a stream (see :func:`consume`)."""
+
+    def __init__(self, backend: Any, stream: Any, out: Any) -> None:
+        self._backend = backend
+        self._stream = stream
+        self._out = out
+        self._ran = threading.Event()
+        stream.submit(self._ran.set)  # runs right after the read, in stream order
+
+    def ran(self) -> bool:
+        """Whether the read has run (never blocks)."""
+        return self._ran.is_set()
+
+    def result(self) -> Any:
+        """Wait for the consumer's stream only; the bytes the read saw."""
+        self._backend.stream_synchronize(self._stream)
+        return self._out
+
+
+def consume(runtime: Runtime, stream: int, ptr: int, nbytes: int) -> Read:
+    """A stand-in for a consumer kernel on ``stream``: enqueue a read of ``nbytes`` of device
+    memory at ``ptr`` in stream order (emulated device)."""
+    import numpy as np
+
+    backend = _emulated(runtime)
+    target = backend.stream_from_handle(stream)
+    out = np.full(nbytes, 0xEE, np.uint8)
+    backend.memcpy_dtoh(int(out.ctypes.data), ptr, nbytes, target)
+    return Read(backend, target, out)
+
+
+class ForeignArray:
+    """A device array "of another library": it exposes only the CUDA Array Interface
+    (version 3, with the producer's stream), over memory that ``owner`` keeps alive."""
+
+    def __init__(self, owner: Any, *, stream: int | None, readonly: bool = False,
+                 strides: tuple[int, ...] | None = None) -> None:
+        self.owner = owner
+        interface = dict(owner.__cuda_array_interface__)
+        interface["stream"] = stream
+        interface["data"] = (interface["data"][0], readonly)
+        interface["strides"] = strides
+        self.__cuda_array_interface__ = interface

@@ -82,6 +82,14 @@ class Backend(Protocol):
         """Destroy a stream (its queued work still completes)."""
         ...
 
+    def stream_handle(self, stream: Any) -> int:
+        """The integer handle other libraries use for ``stream`` (CUDA: the ``CUstream`` value)."""
+        ...
+
+    def stream_from_handle(self, handle: int) -> Any:
+        """A stream object for a foreign integer handle (1: legacy default, 2: per-thread default)."""
+        ...
+
     def stream_synchronize(self, stream: Any) -> None:
         """Block until everything queued on ``stream`` has run."""
         ...

@@ -240,6 +240,12 @@ class CudaBackend:
         (err,) = self._d.cuStreamDestroy(stream)
         self._check(err)
 
+    def stream_handle(self, stream: Any) -> int:
+        return int(stream)
+
+    def stream_from_handle(self, handle: int) -> Any:
+        return self._d.CUstream(handle)
+
     def stream_synchronize(self, stream: Any) -> None:
         self._bind()
         self.sync_calls += 1

@@ -40,6 +40,7 @@ __all__: list[str] = []
 _DEVICE_BASE = 0x7E00_0000_0000  # fake device addresses live here
 _DEVICE_ALIGN = 512
 _DEVICE_GAP = 1 << 20  # never adjacent: an overrun hits unmapped space
+_HANDLE_BASE = 0x5EED_0000  # integer handles of emulated streams (what CUDA's CUstream values are)
 _SLEEP_FLOOR = 20e-6  # below this, modelled time is not slept (timer granularity)
 
 
@@ -260,6 +261,16 @@ class EmulatedBackend:
             if stream in self._streams:
                 self._streams.remove(stream)
 
+    def stream_handle(self, stream: _Stream) -> int:
+        return _HANDLE_BASE + stream.index
+
+    def stream_from_handle(self, handle: int) -> _Stream:
+        with self._lock:
+            for stream in self._streams:
+                if _HANDLE_BASE + stream.index == handle:
+                    return stream
+        raise DeviceError(f"invalid stream handle {handle:#x} for the emulated device", code=400)
+
     def stream_synchronize(self, stream: _Stream) -> None:
         self._check()
         self.sync_calls += 1
@@ -415,6 +426,32 @@ class EmulatedBackend:
         except DeviceError as exc:
             exc.enqueued = True
             raise
+
+    def enqueue_fill(
+        self, stream: _Stream, ptr: int, nbytes: int, value: int, delay: float, *, fail: bool = False
+    ) -> None:
+        """A stand-in for a producer kernel: after ``delay`` seconds, fill device memory
+        (or, with ``fail``, report a failure on the stream as a faulting kernel would)."""
+        self._check()
+        with self._lock:
+            alloc = self._device_map.find(ptr, max(nbytes, 1))
+            if alloc is None:
+                raise DeviceError(f"illegal address {ptr:#x}", code=700)
+            alloc.busy += 1
+        real = alloc.real + (ptr - alloc.base)
+
+        def run() -> None:
+            try:
+                time.sleep(delay)
+                if fail:
+                    stream.pending_error = DeviceError("producer kernel failed", code=719)
+                else:
+                    ctypes.memset(real, value, nbytes)
+            finally:
+                with self._lock:
+                    alloc.busy -= 1
+
+        stream.submit(run)
 
     # -- gates ------------------------------------------------------------------------
     def gate_create(self) -> _Gate:

@@ -1,0 +1,146 @@
+"""Interop with other GPU libraries: the CUDA Array Interface, foreign arrays, stream handles.
+
+Stream-ordered, never host-waited
+---------------------------------
+A device array made by another library (PyTorch, CuPy, Numba, JAX, ...) may
+still be written by kernels on that library's stream when it is handed to
+ferry. ferry does not wait on the host for them: it records an event on the
+producer's stream (the CUDA Array Interface v3 ``stream`` field) and makes its
+copy stream wait for that event (``cuStreamWaitEvent``), so the copy runs
+after the producer's work and the call returns at once. A producer failure is
+a device error the copy's event reports: it surfaces as the transfer's
+``TransferFailedError``. The foreign object is retained until the transfer is
+settled; ferry cannot stop other code from using it meanwhile, so the rules
+for a foreign array in flight are the caller's to keep.
+
+In the other direction, a ferry array exported while an upload into it may
+still be running (after :meth:`~ferry.PendingUpload.hand_off`) names ferry's
+copy stream in its interface, so a consumer that honours the protocol orders
+its work after the copy; :meth:`~ferry.PendingUpload.hand_off` with a stream
+does the same with an event, without naming ferry's stream.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import BufferMovedError, TransferSubmitError
+
+if TYPE_CHECKING:
+    from ._device_array import DeviceArray
+
+__all__: list[str] = []
+
+CAI_VERSION = 3
+
+
+def stream_handle_of(stream: Any) -> int:
+    """The integer handle of a stream given as an int, a PyTorch or CuPy stream, or
+    anything with ``__cuda_stream__`` (the CUDA stream protocol)."""
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool):
+        return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    if hasattr(stream, "ptr"):  # cupy.cuda.Stream
+        return int(stream.ptr)
+    raise TypeError(f"not a stream: {type(stream).__name__} (give an int handle, a PyTorch or a CuPy stream)")
+
+
+class Foreign:
+    """A foreign device array taking part in one transfer (retained until it is settled)."""
+
+    __slots__ = ("_leases", "_nbytes", "_ptr", "_state", "dtype", "obj", "readonly", "shape", "stream")
+
+    def __init__(
+        self, obj: Any, ptr: int, nbytes: int, shape: tuple[int, ...], dtype: np.dtype[Any],
+        stream: int | None, readonly: bool,
+    ) -> None:
+        self.obj = obj
+        self._ptr = ptr
+        self._nbytes = nbytes
+        self.shape = shape
+        self.dtype = dtype
+        self.stream = stream
+        self.readonly = readonly
+        self._state = "owned"
+        self._leases = 0
+
+    def _release_for_close(self) -> None:
+        self._state = "closed"
+
+
+def is_foreign(obj: Any) -> bool:
+    """Whether ``obj`` is a device array of another library that ferry can copy."""
+    return hasattr(obj, "__cuda_array_interface__") and not _is_ferry(obj)
+
+
+def _is_ferry(obj: Any) -> bool:
+    from ._device_array import DeviceArray
+
+    return isinstance(obj, DeviceArray)
+
+
+def foreign_from(obj: Any, *, write: bool) -> Foreign:
+    """Read a foreign array's CUDA Array Interface; refuse what ferry cannot copy."""
+    try:
+        cai = obj.__cuda_array_interface__
+    except BufferMovedError:
+        raise
+    except Exception as exc:
+        raise TransferSubmitError(f"could not read the CUDA Array Interface of {type(obj).__name__}: {exc}") from exc
+    shape = tuple(int(s) for s in cai["shape"])
+    dtype = np.dtype(cai.get("descr") if cai.get("descr") and len(cai["descr"]) > 1 else cai["typestr"])
+    if dtype.hasobject:
+        raise TransferSubmitError(f"{type(obj).__name__} holds objects, not bytes")
+    ptr, readonly = cai["data"]
+    strides = cai.get("strides")
+    if strides is not None and tuple(strides) != _c_strides(shape, dtype.itemsize):
+        raise TransferSubmitError(
+            f"the {type(obj).__name__} is not C-contiguous (strides {tuple(strides)}); "
+            "make it contiguous before handing it to ferry"
+        )
+    if cai.get("mask") is not None:
+        raise TransferSubmitError("masked CUDA arrays are not copied")
+    if write and readonly:
+        raise TransferSubmitError(f"the {type(obj).__name__} is read-only; it cannot be an upload destination")
+    count = 1
+    for s in shape:
+        count *= s
+    stream = cai.get("stream") if int(cai.get("version", 0)) >= CAI_VERSION else None
+    if stream == 0:
+        raise TransferSubmitError("CUDA Array Interface stream 0 is ambiguous (use 1 or 2 for default streams)")
+    return Foreign(obj, int(ptr or 0), count * dtype.itemsize, shape, dtype, stream, bool(readonly))
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    step = itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def export_cai(array: DeviceArray) -> dict[str, Any]:
+    """The CUDA Array Interface (version 3) of a ferry array that is owned or read-leased."""
+    state = array.state
+    if state not in ("owned", "read_leased"):
+        raise BufferMovedError(f"cannot export a device array that is {state}")
+    stream = None
+    ready = array._ready
+    if ready is not None and not ready.done:
+        stream = array._runtime._backend.stream_handle(ready.stream)
+    descr = array.dtype.descr if array.dtype.names else [("", array.dtype.str)]
+    return {
+        "shape": array.shape,
+        "typestr": array.dtype.str,
+        "descr": descr,
+        "data": (array._ptr, state == "read_leased"),
+        "strides": None,
+        "version": CAI_VERSION,
+        "stream": stream,
+    }

@@ -1,0 +1,100 @@
+"""Interop: the CUDA Array Interface both ways, foreign arrays ordered after their producer
+without a host wait, and the upload hand-off. Emulated analogues of the GPU tests."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import testing
+
+
+def test_the_cuda_array_interface_follows_the_array_state(rt: ferry.Runtime) -> None:
+    dev = rt.to_device(np.arange(12, dtype=np.float32).reshape(3, 4))
+    cai = dev.__cuda_array_interface__
+    assert cai["version"] == 3 and cai["shape"] == (3, 4) and cai["typestr"] == "<f4"
+    assert cai["data"] == (dev.ptr, False) and cai["strides"] is None and cai["stream"] is None
+    with testing.hold(rt, "both"):
+        pending = rt.download_pending(dev, rt.pinned(48))
+        assert dev.__cuda_array_interface__["data"][1] is True  # read-leased: read-only
+        target = rt.empty(4, np.uint8)
+        upload = rt.upload_pending(rt.pinned(4), target)
+        with pytest.raises(ferry.BufferMovedError):
+            target.__cuda_array_interface__  # in flight
+    pending.wait()
+    upload.wait()
+
+
+def test_a_foreign_source_is_copied_after_its_producer_without_a_host_wait(emu: ferry.Runtime) -> None:
+    backing = emu.empty(1 << 20, np.uint8)
+    producer = testing.side_stream(emu)
+    foreign = testing.ForeignArray(backing, stream=producer)
+    testing.produce(emu, producer, backing.ptr, 1 << 20, 0x5A, delay=0.05)  # a slow "kernel"
+    waits = testing.host_waits(emu)
+    pending = emu.download_pending(foreign, emu.pinned(1 << 20))
+    assert testing.host_waits(emu) == waits  # submission did not wait on the host
+    source, buf = pending.wait()
+    assert source is foreign
+    assert np.all(buf.as_array() == 0x5A)  # the copy ran after the producer
+
+
+def test_a_foreign_destination_receives_the_bytes(emu: ferry.Runtime) -> None:
+    backing = emu.empty(4096, np.uint8)
+    foreign = testing.ForeignArray(backing, stream=testing.side_stream(emu))
+    buf = emu.pinned(4096)
+    buf.as_array()[:] = np.arange(4096) % 251
+    got_buf, got = emu.upload_pending(buf, foreign).wait()
+    assert got is foreign and got_buf is buf
+    assert np.array_equal(emu.to_host(backing), np.arange(4096) % 251)
+    readonly = testing.ForeignArray(backing, stream=None, readonly=True)
+    with pytest.raises(ferry.TransferSubmitError, match="read-only"):
+        emu.upload_pending(buf, readonly)
+    strided = testing.ForeignArray(backing, stream=None, strides=(2,))
+    with pytest.raises(ferry.TransferSubmitError, match="not C-contiguous"):
+        emu.download_pending(strided, buf)
+    assert buf.state == "owned"
+
+
+def test_a_producer_failure_surfaces_as_the_transfers_error(emu: ferry.Runtime) -> None:
+    backing = emu.empty(4096, np.uint8)
+    producer = testing.side_stream(emu)
+    testing.produce(emu, producer, backing.ptr, 4096, 1, delay=0.01, fail=True)
+    pending = emu.download_pending(testing.ForeignArray(backing, stream=producer), emu.pinned(4096))
+    with pytest.raises(ferry.TransferFailedError):
+        pending.wait()
+
+
+def test_hand_off_orders_consumers_after_the_copy_without_a_host_wait(emu: ferry.Runtime) -> None:
+    data = (np.arange(1 << 16) % 253).astype(np.uint8)
+    buf = emu.pinned(data.nbytes)
+    buf.as_array()[:] = data
+    dev = emu.empty(data.nbytes, np.uint8)
+    consumer = testing.side_stream(emu)
+    out = emu.pinned(data.nbytes)
+    with testing.hold(emu, "upload"):
+        pending = emu.upload_pending(buf, dev)
+        waits = testing.host_waits(emu)
+        handed = pending.hand_off(consumer)
+        assert handed is dev and dev.state == "owned" and buf.state == "in_flight"
+        assert dev.__cuda_array_interface__["stream"] is not None  # names ferry's copy stream
+        seen = testing.consume(emu, consumer, dev.ptr, data.nbytes)  # a "kernel" on the consumer stream
+        later = emu.download_pending(dev, out)  # ferry orders its own work after the copy
+        assert testing.host_waits(emu) == waits
+        time.sleep(0.05)  # room for the consumer to run, if nothing held it back
+        assert not seen.ran()  # held back on the device until the copy completes
+        assert later.is_ready() is False
+    assert np.array_equal(seen.result(), data)  # and then it saw the bytes
+    _, out = later.wait()
+    assert np.array_equal(out.as_array(), data)
+    got_buf, got_dev = pending.wait()
+    assert got_buf is buf and got_dev is dev and dev.__cuda_array_interface__["stream"] is None
+
+
+def test_staged_uploads_cannot_be_handed_off(emu: ferry.Runtime) -> None:
+    pending = emu.upload(np.zeros(8 << 20, np.uint8))
+    with pytest.raises(ferry.FerryError, match="staged"):
+        pending.hand_off()
+    pending.wait()

@@ -1,0 +1,82 @@
+"""Interop on a GPU with CuPy: stream-ordered hand-off in both directions, no host wait.
+
+Skipped where no GPU is usable or CuPy is not installed (narrow probes). Written
+on 2026-11-29 after the session's device time was spent: not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ferry
+from conftest import cuda_unavailable_reason
+from ferry import testing
+
+
+@pytest.fixture
+def gpu() -> ferry.Runtime:
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no usable GPU: {reason}")
+    return ferry.Runtime("cuda")
+
+
+@pytest.fixture
+def cupy():  # type: ignore[no-untyped-def]
+    try:
+        import cupy
+    except ImportError:
+        pytest.skip("CuPy is not installed")
+    return cupy
+
+
+def test_a_cupy_producer_then_an_immediate_download_returns_the_right_bytes(gpu, cupy) -> None:  # type: ignore[no-untyped-def]
+    n = 64 << 20
+    stream = cupy.cuda.Stream(non_blocking=True)
+    spin = cupy.RawKernel(
+        r'''
+        extern "C" __global__ void slow_fill(unsigned char* p, size_t n, unsigned char v, long long cycles) {
+            long long start = clock64();
+            while (clock64() - start < cycles) {}
+            for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v;
+        }''',
+        "slow_fill",
+    )
+    buf = gpu.pinned(n)
+    try:
+        for value in range(1, 21):
+            with stream:
+                source = cupy.empty(n, cupy.uint8)
+                spin((264,), (256,), (source, cupy.uint64(n), cupy.uint8(value), cupy.int64(2_000_000)))
+                waits = testing.host_waits(gpu)
+                pending = gpu.download_pending(source, buf)  # CAI v3 names the producer stream
+                assert testing.host_waits(gpu) == waits
+            _, buf = pending.wait()
+            view = buf.as_array()
+            assert view[0] == value and view[-1] == value and np.all(view[:: 1 << 16] == value)
+            del view
+    finally:
+        gpu.close()
+
+
+def test_an_upload_handed_off_to_a_cupy_stream_is_read_there(gpu, cupy) -> None:  # type: ignore[no-untyped-def]
+    n = 16 << 20
+    data = (np.arange(n) % 251).astype(np.uint8)
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    try:
+        for _ in range(10):
+            buf = gpu.pinned(n)
+            buf.as_array()[:] = data
+            dev = gpu.empty(n, np.uint8)
+            pending = gpu.upload_pending(buf, dev)
+            waits = testing.host_waits(gpu)
+            handed = pending.hand_off(consumer)
+            assert testing.host_waits(gpu) == waits
+            with consumer:
+                total = int(cupy.asarray(handed).astype(cupy.int64).sum())  # a kernel on the consumer stream
+            assert total == int(data.astype(np.int64).sum())
+            pending.wait()
+            buf.close()
+    finally:
+        gpu.close()
