@@ -98,3 +98,64 @@ def test_staged_uploads_cannot_be_handed_off(emu: ferry.Runtime) -> None:
     with pytest.raises(ferry.FerryError, match="staged"):
         pending.hand_off()
     pending.wait()
+
+
+class DLPackOnly:
+    """A device array of "another library" that speaks DLPack only (no CUDA Array Interface)."""
+
+    def __init__(self, owner: ferry.DeviceArray) -> None:
+        self.__dlpack__ = owner.__dlpack__
+        self.__dlpack_device__ = owner.__dlpack_device__
+
+
+def test_dlpack_round_trip_and_release(rt: ferry.Runtime) -> None:
+    import gc
+    import weakref
+
+    data = np.arange(3000, dtype=np.int16).reshape(30, 100)
+    dev = rt.to_device(data)
+    assert dev.__dlpack_device__() == (2, rt.device)
+    alive = weakref.ref(dev)
+    foreign = DLPackOnly(dev)
+    del dev
+    pending = rt.download_pending(foreign, rt.pinned(data.nbytes))
+    del foreign
+    gc.collect()
+    assert alive() is not None  # the exported array lives while the capsule is in use
+    source, buf = pending.wait()
+    assert isinstance(source, DLPackOnly)
+    assert np.array_equal(buf.as_array(np.int16, data.shape), data)
+    del pending, source
+    gc.collect()
+    assert alive() is None  # the deleter ran once the transfer was settled
+
+
+def test_an_unconsumed_capsule_releases_its_array(rt: ferry.Runtime) -> None:
+    import gc
+    import weakref
+
+    dev = rt.empty(16, np.float32)
+    alive = weakref.ref(dev)
+    capsule = dev.__dlpack__()
+    del dev
+    gc.collect()
+    assert alive() is not None
+    del capsule
+    gc.collect()
+    assert alive() is None
+
+
+def test_dlpack_refusals(rt: ferry.Runtime) -> None:
+    dev = rt.empty(4, np.float32)
+    with pytest.raises(BufferError):
+        dev.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        dev.__dlpack__(dl_device=(1, 0))
+    structured = rt.empty(2, np.dtype([("a", "<i4"), ("b", "<f4")]))
+    with pytest.raises(BufferError):
+        structured.__dlpack__()
+    with testing.hold(rt, "upload"):
+        pending = rt.upload_pending(rt.pinned(16), dev)
+        with pytest.raises(ferry.BufferMovedError):
+            dev.__dlpack__()
+    pending.wait()

@@ -80,3 +80,26 @@ def test_an_upload_handed_off_to_a_cupy_stream_is_read_there(gpu, cupy) -> None:
             buf.close()
     finally:
         gpu.close()
+
+
+def test_a_torch_producer_on_a_side_stream_then_a_download_through_dlpack(gpu) -> None:  # type: ignore[no-untyped-def]
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("PyTorch is not installed")
+    n = 32 << 20
+    side = torch.cuda.Stream()
+    buf = gpu.pinned(n)
+    try:
+        for value in range(1, 11):
+            with torch.cuda.stream(side):
+                source = torch.empty(n, dtype=torch.uint8, device="cuda")
+                torch.cuda._sleep(2_000_000)  # a long producer kernel on the side stream
+                source.fill_(value)
+                pending = gpu.download_pending(source, buf)  # DLPack: torch orders ferry's stream
+            _, buf = pending.wait()
+            view = buf.as_array()
+            assert view[0] == value and view[-1] == value and np.all(view[:: 1 << 16] == value)
+            del view
+    finally:
+        gpu.close()

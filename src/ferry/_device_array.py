@@ -126,6 +126,38 @@ class DeviceArray:
 
         return export_cai(self)
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, device)``."""
+        return (2, self.device)
+
+    def __dlpack__(
+        self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None, copy: bool | None = None
+    ) -> Any:
+        """A DLPack capsule over the array (no copy), for ``torch.from_dlpack``, ``cupy.from_dlpack``,
+        ``jax.dlpack.from_dlpack``.
+
+        Producer obligation: if an upload into the array may still be running
+        (a hand-off), ``stream`` (the consumer's stream; ``None`` means the
+        legacy default stream, ``-1`` no synchronization) is made to wait for
+        it on the device, without a host wait. Same conditions as
+        ``__cuda_array_interface__``; ``copy=True`` and other devices are
+        refused with ``BufferError``.
+        """
+        from ._dlpack import export_capsule
+
+        if copy:
+            raise BufferError("ferry exports its memory without copies")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"the array lives on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+        state = self.state
+        if state not in (OWNED, READ_LEASED):
+            raise BufferMovedError(f"cannot export a device array that is {state}")
+        ready = self._ready
+        if ready is not None and not ready.done and stream != -1 and ready.event is not None:
+            backend = self._runtime._backend
+            backend.stream_wait_event(backend.stream_from_handle(1 if stream is None else int(stream)), ready.event)
+        return export_capsule(self, self._ptr, self._shape, self._dtype, self.__dlpack_device__())
+
     def close(self) -> None:
         """Free the device memory now.
 

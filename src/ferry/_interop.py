@@ -53,7 +53,7 @@ def stream_handle_of(stream: Any) -> int:
 class Foreign:
     """A foreign device array taking part in one transfer (retained until it is settled)."""
 
-    __slots__ = ("_leases", "_nbytes", "_ptr", "_state", "dtype", "obj", "readonly", "shape", "stream")
+    __slots__ = ("_leases", "_nbytes", "_ptr", "_state", "dtype", "imported", "obj", "readonly", "shape", "stream")
 
     def __init__(
         self, obj: Any, ptr: int, nbytes: int, shape: tuple[int, ...], dtype: np.dtype[Any],
@@ -68,6 +68,7 @@ class Foreign:
         self.readonly = readonly
         self._state = "owned"
         self._leases = 0
+        self.imported: Any = None  # the consumed DLPack capsule, when the array came that way
 
     def _release_for_close(self) -> None:
         self._state = "closed"
@@ -76,6 +77,14 @@ class Foreign:
 def is_foreign(obj: Any) -> bool:
     """Whether ``obj`` is a device array of another library that ferry can copy."""
     return hasattr(obj, "__cuda_array_interface__") and not _is_ferry(obj)
+
+
+def cai_version(obj: Any) -> int:
+    """The version of ``obj``'s CUDA Array Interface (0 if unreadable)."""
+    try:
+        return int(obj.__cuda_array_interface__.get("version", 0))
+    except Exception:
+        return 0
 
 
 def _is_ferry(obj: Any) -> bool:
@@ -114,6 +123,35 @@ def foreign_from(obj: Any, *, write: bool) -> Foreign:
     if stream == 0:
         raise TransferSubmitError("CUDA Array Interface stream 0 is ambiguous (use 1 or 2 for default streams)")
     return Foreign(obj, int(ptr or 0), count * dtype.itemsize, shape, dtype, stream, bool(readonly))
+
+
+def foreign_from_dlpack(obj: Any, runtime: Any, copy_stream: int) -> Foreign:
+    """Consume ``obj.__dlpack__(stream=<ferry's copy stream>)``: the producer orders that
+    stream after its pending work, so no event is needed here."""
+    from ._dlpack import KDL_CUDA, Imported
+
+    device = tuple(obj.__dlpack_device__())
+    if device != (KDL_CUDA, runtime.device):
+        raise TransferSubmitError(
+            f"the {type(obj).__name__} lives on DLPack device {device}, not CUDA device {runtime.device}"
+        )
+    try:
+        capsule = obj.__dlpack__(stream=copy_stream)
+    except Exception as exc:
+        raise TransferSubmitError(f"{type(obj).__name__}.__dlpack__ failed: {exc}") from exc
+    imported = Imported(capsule)
+    itemsize = imported.dtype.itemsize
+    if imported.strides is not None and imported.strides != tuple(
+        s // itemsize for s in _c_strides(imported.shape, itemsize)
+    ):
+        imported.release()
+        raise TransferSubmitError(f"the {type(obj).__name__} is not C-contiguous; make it contiguous first")
+    count = 1
+    for s in imported.shape:
+        count *= s
+    foreign = Foreign(obj, imported.ptr, count * itemsize, imported.shape, imported.dtype, None, False)
+    foreign.imported = imported
+    return foreign
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

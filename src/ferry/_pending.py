@@ -87,11 +87,14 @@ class Extras:
     (a record of a batch shares its event instead of owning one).
     """
 
-    __slots__ = ("batch", "blocks", "device_touches_host", "finish", "handed", "host", "job", "regs", "shared")
+    __slots__ = (
+        "batch", "blocks", "device_touches_host", "finish", "handed", "host", "imports", "job", "regs", "shared"
+    )
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None  # runs once on success, before publication
         self.handed: Any = None  # the destination an upload handed off before completing
+        self.imports: list[Any] = []  # consumed DLPack capsules: deleters run once settled
         self.job: Any = None
         self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
         self.shared: SharedEvent | None = None  # the event this record shares with its batch

@@ -35,7 +35,7 @@ from ._errors import (
     TransferSubmitError,
 )
 from ._hostcache import HostCache
-from ._interop import Foreign, foreign_from, is_foreign, stream_handle_of
+from ._interop import Foreign, cai_version, foreign_from, foreign_from_dlpack, is_foreign, stream_handle_of
 from ._pending import Batch, Extras, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
@@ -463,17 +463,33 @@ class Runtime:
             source._leases += 1
         return PendingDownload(self, record)
 
-    def _device_side(self, obj: Any, call: str, name: str, *, write: bool) -> Any:
-        """A ferry array (checked) or a foreign one (wrapped); anything else is refused."""
+    def _device_side(self, obj: Any, call: str, name: str, *, write: bool, stream: Any) -> Any:
+        """A ferry array (checked) or a foreign one (wrapped); anything else is refused.
+
+        A foreign array comes through its CUDA Array Interface or, failing that,
+        DLPack (asked for a capsule ordered on ``stream``, ferry's copy stream).
+        """
         if isinstance(obj, DeviceArray):
             problem = obj._submission_problem(self, write=write)
             if problem:
                 raise TransferSubmitError(problem)
             return obj
-        if is_foreign(obj):
+        cai = is_foreign(obj)
+        if _dlpack_device_type(obj) == _KDL_CUDA and (not cai or cai_version(obj) < 3):
+            # DLPack orders ferry's stream after the producer (a CUDA Array Interface
+            # before version 3 names no stream, so it cannot)
+            return foreign_from_dlpack(obj, self, self._backend.stream_handle(stream))
+        if cai:
             return foreign_from(obj, write=write)
         _expect(obj, DeviceArray, call, name, _DEVICE)
         return obj  # unreachable: _expect raised
+
+    def _attach_imports(self, record: Record, device: Any) -> None:
+        imported = getattr(device, "imported", None)
+        if imported is not None:
+            if record.extra is None:
+                record.extra = Extras()
+            record.extra.imports.append(imported)
 
     def _order_before(self, streams: list[Any], device: Any) -> None:
         """Make ``streams`` wait, on the device, for the work ``device``'s bytes depend on.
@@ -506,7 +522,7 @@ class Runtime:
         problem = buffer._submission_problem(self)
         if problem:
             raise TransferSubmitError(problem)
-        device = self._device_side(destination, "upload_pending", "destination", write=True)
+        device = self._device_side(destination, "upload_pending", "destination", write=True, stream=self._h2d)
         if buffer._nbytes < device._nbytes:
             raise TransferSubmitError(
                 f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {device._nbytes}"
@@ -527,6 +543,7 @@ class Runtime:
             leased=(),
             result=(buffer, destination),
         )
+        self._attach_imports(record, device)
         buffer._state = _buffer.IN_FLIGHT
         device._state = _device_array.IN_FLIGHT
         return PendingUpload(self, record)
@@ -535,7 +552,7 @@ class Runtime:
         """Every download the one-expression test did not admit (see :meth:`_upload_slow`)."""
         if self._refusal is not None:
             raise TransferSubmitError(self._refusal)
-        device = self._device_side(source, "download_pending", "source", write=False)
+        device = self._device_side(source, "download_pending", "source", write=False, stream=self._d2h)
         _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
         problem = buffer._submission_problem(self)
         if problem:
@@ -560,6 +577,7 @@ class Runtime:
             leased=(device,),
             result=(source, buffer),
         )
+        self._attach_imports(record, device)
         buffer._state = _buffer.IN_FLIGHT
         device._leases += 1
         return PendingDownload(self, record)
@@ -876,6 +894,10 @@ class Runtime:
                 registration._uses -= 1
         extra.host = []
         extra.regs = []
+        if not failed:  # a failed copy may still touch the producer's memory: never hand it back
+            for imported in extra.imports:
+                imported.release()
+        extra.imports = []
         handed = extra.handed
         if handed is not None:
             extra.handed = None
@@ -1405,6 +1427,19 @@ def _held_bytes(obj: Any) -> int:
     if isinstance(obj, PinnedHostBuffer):
         return int(obj._block.capacity)
     return int(obj._nbytes)
+
+
+_KDL_CUDA = 2
+
+
+def _dlpack_device_type(obj: Any) -> int | None:
+    """The DLPack device type of ``obj`` (2: CUDA), or None if it speaks no DLPack."""
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        return None
+    try:
+        return int(obj.__dlpack_device__()[0])
+    except Exception:
+        return None
 
 
 def _expect(obj: Any, kind: type, call: str, name: str, what: str) -> None:

@@ -1,0 +1,162 @@
+"""DLPack: exporting ferry arrays and importing other libraries' device arrays.
+
+A DLPack capsule carries a ``DLManagedTensor``: the tensor's description plus
+a deleter the consumer calls when it is done with the memory. Exporting, ferry
+allocates the structure with ctypes, keeps the exported array alive in a
+registry until the deleter runs (or until the capsule dies unconsumed), and
+honours the producer obligation of ``__dlpack__(stream=...)``: if an upload
+into the array may still be running (a hand-off), the consumer's stream is
+made to wait for it on the device. Importing, ferry asks the producer for a
+capsule ordered on ferry's own copy stream (``__dlpack__(stream=<copy
+stream>)``: the producer makes that stream wait for its pending work), reads
+the description, marks the capsule used and calls its deleter once the
+transfer is settled.
+
+Only the legacy (unversioned) capsule is produced and consumed; every
+producer that implements the versioned one also accepts a call without
+``max_version``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from ._errors import TransferSubmitError
+
+__all__: list[str] = []
+
+KDL_CPU, KDL_CUDA = 1, 2
+_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}  # kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool
+_KINDS = {v: k for k, v in _CODES.items()}
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+_api = ctypes.pythonapi
+_api.PyCapsule_New.restype = ctypes.py_object
+_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_api.PyCapsule_SetName.restype = ctypes.c_int
+_api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_NAME = b"dltensor"
+_USED = b"used_dltensor"
+
+# exported tensors alive until their deleter runs: address -> (struct, shape array, owner)
+_exports: dict[int, tuple[Any, Any, Any]] = {}
+_lock = threading.Lock()
+
+
+def _release(managed: Any) -> None:
+    address = ctypes.cast(managed, ctypes.c_void_p).value
+    with _lock:
+        _exports.pop(address or 0, None)
+
+
+_deleter = _DELETER(_release)
+
+
+def _destroy_capsule(capsule: int) -> None:
+    # the capsule died: if nobody consumed it, the tensor is released here
+    if _api.PyCapsule_IsValid(capsule, _NAME):
+        address = _api.PyCapsule_GetPointer(capsule, _NAME)
+        with _lock:
+            _exports.pop(address or 0, None)
+
+
+_capsule_destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule)
+
+
+def dtype_to_dl(dtype: np.dtype[Any]) -> DLDataType:
+    code = _CODES.get(dtype.kind)
+    if code is None or dtype.fields is not None:
+        raise BufferError(f"dtype {dtype} has no DLPack equivalent")
+    return DLDataType(code, dtype.itemsize * 8, 1)
+
+
+def dl_to_dtype(dl: DLDataType) -> np.dtype[Any]:
+    kind = _KINDS.get(int(dl.code))
+    if kind is None or dl.lanes != 1:
+        raise TransferSubmitError(f"DLPack dtype (code {dl.code}, {dl.bits} bits, {dl.lanes} lanes) is not copied")
+    if kind == "b":
+        return np.dtype(np.bool_)
+    return np.dtype(f"{kind}{dl.bits // 8}")
+
+
+def export_capsule(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], device: tuple[int, int]) -> Any:
+    """A ``dltensor`` capsule over ``ptr``; ``owner`` stays alive until the consumer is done."""
+    managed = DLManagedTensor()
+    dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+    managed.dl_tensor.data = ptr
+    managed.dl_tensor.device = DLDevice(*device)
+    managed.dl_tensor.ndim = len(shape)
+    managed.dl_tensor.dtype = dtype_to_dl(dtype)
+    managed.dl_tensor.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
+    managed.dl_tensor.strides = None
+    managed.dl_tensor.byte_offset = 0
+    managed.deleter = _deleter
+    address = ctypes.addressof(managed)
+    with _lock:
+        _exports[address] = (managed, dims, owner)
+    return _api.PyCapsule_New(address, _NAME, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+
+class Imported:
+    """A consumed capsule: the description, and the deleter to call once ferry is done."""
+
+    def __init__(self, capsule: Any) -> None:
+        raw = ctypes.c_void_p(id(capsule))  # the capsule object's address (CPython)
+        if not _api.PyCapsule_IsValid(raw, _NAME):
+            raise TransferSubmitError("__dlpack__ did not return an unused 'dltensor' capsule")
+        pointer = _api.PyCapsule_GetPointer(raw, _NAME)
+        self.managed = ctypes.cast(pointer, ctypes.POINTER(DLManagedTensor))
+        tensor = self.managed.contents.dl_tensor
+        self.device = (int(tensor.device.device_type), int(tensor.device.device_id))
+        ndim = int(tensor.ndim)
+        self.shape = tuple(int(tensor.shape[i]) for i in range(ndim))
+        self.dtype = dl_to_dtype(tensor.dtype)
+        self.ptr = int(tensor.data or 0) + int(tensor.byte_offset)
+        self.strides = None if not tensor.strides else tuple(int(tensor.strides[i]) for i in range(ndim))
+        _api.PyCapsule_SetName(capsule, _USED)  # ours now: the producer's destructor leaves it alone
+        self._done = False
+
+    def release(self) -> None:
+        """Call the producer's deleter, once."""
+        if self._done:
+            return
+        self._done = True
+        deleter = self.managed.contents.deleter
+        if deleter:
+            deleter(self.managed)
