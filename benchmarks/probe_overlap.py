@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -14,19 +13,13 @@ from cuda.bindings import driver as d
 
 import ferry
 from ferry._bench._groups import _calibrate, host_work
+from ferry._bench._protocol import Budget, measure
 
 MiB = 1 << 20
 
 
 def median_us(fn: Callable[[], object], reps: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+    return statistics.median(measure(fn, Budget(seconds=0.0, min_reps=reps, max_reps=reps, warmup=20))) * 1e6
 
 
 def main() -> None:

@@ -10,22 +10,18 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import ferry
+from ferry._bench._protocol import Budget
+from ferry._bench._protocol import measure as timed
 
 MiB = 1 << 20
 
 
 def gbps(fn, nbytes: int, reps: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+    samples = timed(fn, Budget(seconds=0.0, min_reps=reps, max_reps=reps, warmup=1))
     return nbytes / statistics.median(samples) / 1e9
 
 

@@ -516,71 +516,57 @@ class Runtime:
     def _upload_slow(self, buffer: Any, destination: Any) -> PendingUpload:
         """Every upload the one-expression test did not admit: refuse it clearly, or submit it
         (a foreign destination, or a ferry array an earlier upload handed off)."""
-        if self._refusal is not None:
-            raise TransferSubmitError(self._refusal)
-        _expect(buffer, PinnedHostBuffer, "upload_pending", "buffer", _PINNED)
-        problem = buffer._submission_problem(self)
-        if problem:
-            raise TransferSubmitError(problem)
-        device = self._device_side(destination, "upload_pending", "destination", write=True, stream=self._h2d)
-        if buffer._nbytes < device._nbytes:
-            raise TransferSubmitError(
-                f"the pinned buffer holds {buffer._nbytes} bytes; the destination needs {device._nbytes}"
-            )
-        try:
-            self._order_before([self._h2d], device)
-        except DeviceError as exc:
-            self._note(exc)
-            raise TransferSubmitError(f"could not order the copy after the destination's producer: {exc}") from exc
-        self._maintain_if_needed()
-        record = self._enqueue(
-            self._h2d,
-            self._backend.htod_record,
-            device._ptr,
-            buffer._block.ptr,
-            device._nbytes,
-            moved=(buffer, device),
-            leased=(),
-            result=(buffer, destination),
-        )
-        self._attach_imports(record, device)
-        buffer._state = _buffer.IN_FLIGHT
-        device._state = _device_array.IN_FLIGHT
-        return PendingUpload(self, record)
+        return PendingUpload(self, self._submit_slow(True, buffer, destination))
 
     def _download_slow(self, source: Any, buffer: Any) -> PendingDownload:
         """Every download the one-expression test did not admit (see :meth:`_upload_slow`)."""
+        return PendingDownload(self, self._submit_slow(False, buffer, source))
+
+    def _submit_slow(self, upload: bool, buffer: Any, device_obj: Any) -> Record:
+        """The checked submission of a pinned transfer in either direction. Lock held."""
+        call = "upload_pending" if upload else "download_pending"
         if self._refusal is not None:
             raise TransferSubmitError(self._refusal)
-        device = self._device_side(source, "download_pending", "source", write=False, stream=self._d2h)
-        _expect(buffer, PinnedHostBuffer, "download_pending", "buffer", _PINNED)
+        _expect(buffer, PinnedHostBuffer, call, "buffer", _PINNED)
         problem = buffer._submission_problem(self)
         if problem:
             raise TransferSubmitError(problem)
-        if buffer._nbytes < device._nbytes:
-            raise TransferSubmitError(
-                f"the pinned buffer holds {buffer._nbytes} bytes; the source has {device._nbytes}"
-            )
+        stream = self._h2d if upload else self._d2h
+        role = "destination" if upload else "source"
+        device = self._device_side(device_obj, call, role, write=upload, stream=stream)
         try:
-            self._order_before([self._d2h], device)
-        except DeviceError as exc:
-            self._note(exc)
-            raise TransferSubmitError(f"could not order the copy after the source's producer: {exc}") from exc
-        self._maintain_if_needed()
-        record = self._enqueue(
-            self._d2h,
-            self._backend.dtoh_record,
-            buffer._block.ptr,
-            device._ptr,
-            device._nbytes,
-            moved=(buffer,),
-            leased=(device,),
-            result=(source, buffer),
-        )
+            if buffer._nbytes < device._nbytes:
+                raise TransferSubmitError(
+                    f"the pinned buffer holds {buffer._nbytes} bytes; the {role} has {device._nbytes}"
+                )
+            try:
+                self._order_before([stream], device)
+            except DeviceError as exc:
+                self._note(exc)
+                raise TransferSubmitError(f"could not order the copy after the {role}'s producer: {exc}") from exc
+            self._maintain_if_needed()
+            if upload:
+                record = self._enqueue(
+                    stream, self._backend.htod_record, device._ptr, buffer._block.ptr, device._nbytes,
+                    moved=(buffer, device), leased=(), result=(buffer, device_obj),
+                )
+            else:
+                record = self._enqueue(
+                    stream, self._backend.dtoh_record, buffer._block.ptr, device._ptr, device._nbytes,
+                    moved=(buffer,), leased=(device,), result=(device_obj, buffer),
+                )
+        except BaseException:
+            imported = getattr(device, "imported", None)
+            if imported is not None:  # refused after the producer's capsule was taken: give it back
+                imported.release()
+            raise
         self._attach_imports(record, device)
         buffer._state = _buffer.IN_FLIGHT
-        device._leases += 1
-        return PendingDownload(self, record)
+        if upload:
+            device._state = _device_array.IN_FLIGHT
+        else:
+            device._leases += 1
+        return record
 
     def _enqueue(
         self,
