@@ -159,3 +159,34 @@ def test_dlpack_refusals(rt: ferry.Runtime) -> None:
         with pytest.raises(ferry.BufferMovedError):
             dev.__dlpack__()
     pending.wait()
+
+
+@pytest.mark.parametrize("nbytes", [4096, 6 << 20])  # the direct route, and the staging lanes
+def test_pageable_routes_take_foreign_arrays_in_producer_order(emu: ferry.Runtime, nbytes: int) -> None:
+    backing = emu.empty(nbytes, np.uint8)
+    producer = testing.side_stream(emu)
+    testing.produce(emu, producer, backing.ptr, nbytes, 0x33, delay=0.05)
+    source, out = emu.download(testing.ForeignArray(backing, stream=producer)).wait()
+    assert isinstance(source, testing.ForeignArray)
+    assert np.all(out == 0x33)  # every lane ran after the producer
+    data = (np.arange(nbytes) % 241).astype(np.uint8)
+    target = testing.ForeignArray(backing, stream=producer)
+    got_source, got = emu.upload(data, target).wait()
+    assert got is target and got_source is data
+    assert np.array_equal(emu.to_host(backing), data)
+    with pytest.raises(ferry.TransferSubmitError, match="mismatch"):
+        emu.upload(data[:-1], target)
+
+
+def test_pageable_download_through_dlpack(rt: ferry.Runtime) -> None:
+    data = (np.arange(5 << 20) % 239).astype(np.uint8)
+    dev = rt.to_device(data)
+    source, out = rt.download(DLPackOnly(dev)).wait()
+    assert isinstance(source, DLPackOnly)
+    assert np.array_equal(out, data)
+    from ferry import _dlpack
+
+    exported = len(_dlpack._exports)
+    with pytest.raises(ferry.TransferSubmitError, match="mismatch"):
+        rt.download(DLPackOnly(dev), np.empty(10, np.uint8))
+    assert len(_dlpack._exports) == exported  # refused: the consumed capsule was given back

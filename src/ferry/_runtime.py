@@ -491,27 +491,35 @@ class Runtime:
                 record.extra = Extras()
             record.extra.imports.append(imported)
 
-    def _order_before(self, streams: list[Any], device: Any) -> None:
+    def _order_before(self, streams: list[Any], device: Any, ordered: Any = None) -> None:
         """Make ``streams`` wait, on the device, for the work ``device``'s bytes depend on.
 
         A ferry array handed off by a pending upload waits for that upload's
         event; a foreign array waits for its producer stream (an event recorded
-        there). No host wait either way. Lock held.
+        there), or, when it came through DLPack, for ``ordered`` (the copy
+        stream its producer already made wait). No host wait. Lock held.
         """
         backend = self._backend
         ready = getattr(device, "_ready", None)
         if ready is not None and not ready.done and ready.event is not None:
             for stream in streams:
                 backend.stream_wait_event(stream, ready.event)
-        producer = getattr(device, "stream", None)
-        if isinstance(device, Foreign) and producer is not None:
-            event = self._events.pop() if self._events else self._new_event()
-            try:
-                backend.event_record(event, backend.stream_from_handle(producer))
-                for stream in streams:
+        if not isinstance(device, Foreign):
+            return
+        if device.stream is not None:
+            source = backend.stream_from_handle(device.stream)
+        elif device.imported is not None and ordered is not None and any(s is not ordered for s in streams):
+            source = ordered
+        else:
+            return
+        event = self._events.pop() if self._events else self._new_event()
+        try:
+            backend.event_record(event, source)
+            for stream in streams:
+                if stream is not source:
                     backend.stream_wait_event(stream, event)
-            finally:
-                self._events.append(event)  # a wait captured the record: the event is reusable
+        finally:
+            self._events.append(event)  # a wait captured the record: the event is reusable
 
     def _upload_slow(self, buffer: Any, destination: Any) -> PendingUpload:
         """Every upload the one-expression test did not admit: refuse it clearly, or submit it
@@ -540,7 +548,7 @@ class Runtime:
                     f"the pinned buffer holds {buffer._nbytes} bytes; the {role} has {device._nbytes}"
                 )
             try:
-                self._order_before([stream], device)
+                self._order_before([stream], device, ordered=stream)
             except DeviceError as exc:
                 self._note(exc)
                 raise TransferSubmitError(f"could not order the copy after the {role}'s producer: {exc}") from exc
@@ -556,9 +564,7 @@ class Runtime:
                     moved=(buffer,), leased=(device,), result=(device_obj, buffer),
                 )
         except BaseException:
-            imported = getattr(device, "imported", None)
-            if imported is not None:  # refused after the producer's capsule was taken: give it back
-                imported.release()
+            _give_back(device)  # refused after the producer's capsule was taken
             raise
         self._attach_imports(record, device)
         buffer._state = _buffer.IN_FLIGHT
@@ -1091,15 +1097,15 @@ class Runtime:
             with self._lock:
                 if self._refusal is not None:
                     raise TransferSubmitError(self._refusal)
-                _expect(destination, DeviceArray, "upload", "destination", _DEVICE)
-                assert destination is not None
-                problem = destination._submission_problem(self, write=True)
-                if problem:
-                    raise TransferSubmitError(problem)
-                _check_match(source, destination, "destination")
-                self._maintain_if_needed()
-                record = self._submit_host_route("upload", source, destination)
-                destination._state = _device_array.IN_FLIGHT
+                device = self._device_side(destination, "upload", "destination", write=True, stream=self._h2d)
+                try:
+                    _check_match(source, device, "destination")
+                    self._maintain_if_needed()
+                    record = self._submit_host_route("upload", source, device, destination)
+                except BaseException:
+                    _give_back(device)
+                    raise
+                device._state = _device_array.IN_FLIGHT
         except BaseException:
             if created and destination is not None and destination._state == _device_array.OWNED:
                 destination.close()
@@ -1126,28 +1132,39 @@ class Runtime:
         with self._lock:
             if self._refusal is not None:
                 raise TransferSubmitError(self._refusal)
-            _expect(source, DeviceArray, "download", "source", _DEVICE)
-            problem = source._submission_problem(self, write=False)
-            if problem:
-                raise TransferSubmitError(problem)
-            if out is None:
-                out = self._host_cache.array(source.shape, source.dtype)
-            else:
-                if not isinstance(out, np.ndarray):
-                    raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
-                _check_copyable(out, "download")
-                _check_match(out, source, "source")
-                if not out.flags.writeable:
-                    raise TransferSubmitError(
-                        "download: out is read-only (or the output of another pending download)"
-                    )
-            self._maintain_if_needed()
-            record = self._submit_host_route("download", out, source)
-            source._leases += 1
+            if out is not None and not isinstance(out, np.ndarray):
+                raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
+            device = self._device_side(source, "download", "source", write=False, stream=self._d2h)
+            try:
+                record = self._download_host(device, source, out)
+            except BaseException:
+                _give_back(device)
+                raise
+            device._leases += 1
         return PendingDownload(self, record)
 
-    def _submit_host_route(self, direction: str, host: np.ndarray[Any, Any], device: DeviceArray) -> Record:
-        """Pick the route for a NumPy array <-> device array copy and enqueue it. Lock held."""
+    def _download_host(self, device: Any, source: Any, out: np.ndarray[Any, Any] | None) -> Record:
+        """The checks and the route of :meth:`download`. Lock held."""
+        if out is None:
+            out = self._host_cache.array(device.shape, device.dtype)
+        else:
+            _check_copyable(out, "download")
+            _check_match(out, device, "source")
+            if not out.flags.writeable:
+                raise TransferSubmitError(
+                    "download: out is read-only (or the output of another pending download)"
+                )
+        self._maintain_if_needed()
+        return self._submit_host_route("download", out, device, source)
+
+    def _submit_host_route(
+        self, direction: str, host: np.ndarray[Any, Any], device: Any, original: Any
+    ) -> Record:
+        """Pick the route for a NumPy array <-> device array copy and enqueue it. Lock held.
+
+        ``device`` is a ferry array or a :class:`Foreign` wrapper; ``original``
+        is what the caller passed (and gets back from ``wait()``).
+        """
         upload = direction == "upload"
         extra = Extras()
         nbytes = host.nbytes
@@ -1155,12 +1172,19 @@ class Runtime:
         copy = self._backend.htod_record if upload else self._backend.dtoh_record
         moved: tuple[Any, ...] = (device,) if upload else ()
         leased: tuple[Any, ...] = () if upload else (device,)
-        result = (host, device) if upload else (device, host)
+        result = (host, original) if upload else (original, host)
         alias = host if upload else host.view()  # lanes write through a view taken before read-only
         contiguous = host.flags.c_contiguous
         ptr = _ptr(host)
         registration = self._registered(ptr, nbytes) if contiguous and nbytes else None
         config = self._staging
+        staged = registration is None and not (nbytes <= config.direct_bytes or host.itemsize > config.slot_bytes)
+        streams = [lane.stream for lane in self._engine(direction).lanes()] if staged else [stream]
+        try:
+            self._order_before(streams, device, ordered=stream)
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"could not order the copy after the array's producer: {exc}") from exc
         if registration is not None:
             # one DMA straight from/to the caller's memory, pinned in place. (The driver's own
             # pageable copy is never used: it blocks the caller until the stream drains.)
@@ -1209,6 +1233,9 @@ class Runtime:
         if record.extra is not None:  # enqueued inside rt.batch(): keep its batch
             extra.batch = record.extra.batch
         record.extra = extra
+        imported = getattr(device, "imported", None)
+        if imported is not None:
+            extra.imports.append(imported)
         self._lease_host(host, extra)
         return record
 
@@ -1380,6 +1407,13 @@ class Runtime:
             self._events.clear()
             _quietly(self._backend.close)
         _runtimes.discard(self)
+
+
+def _give_back(device: Any) -> None:
+    """A submission was refused after a DLPack capsule was consumed: release it."""
+    imported = getattr(device, "imported", None)
+    if imported is not None:
+        imported.release()
 
 
 def _default_staging() -> StagingConfig:
