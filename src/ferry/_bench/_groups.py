@@ -8,6 +8,7 @@
 ``latency``      small-transfer round trip
 ``many_small``   1000 transfers of 4 KiB, with and without a shared event
 ``pinned_alloc`` a pinned buffer fresh versus from the pool
+``handoff``      submitting a download right after a ~10 ms producer kernel
 """
 
 from __future__ import annotations
@@ -514,6 +515,83 @@ def _alloc_at(ctx: Context, n: int) -> None:
     pooled_setup()
 
 
+_SLOW_FILL = r"""
+extern "C" __global__ void slow_fill(unsigned char* p, size_t n, unsigned char v, long long cycles) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        long long start = clock64();
+        while (clock64() - start < cycles) {}
+    }
+    __syncthreads();
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = v;
+}
+"""
+
+
+def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str] | None:
+    """A foreign array and a function that launches a ~10 ms producer kernel writing it."""
+    rt = ctx.rt
+    if rt.backend == "emulated":
+        from ferry import testing
+
+        backing = rt.empty(n, np.uint8)
+        handle = testing.side_stream(rt)
+        foreign = testing.ForeignArray(backing, stream=handle)
+        return foreign, lambda v: testing.produce(rt, handle, backing.ptr, n, v, delay=0.01), "emulated producer"
+    if "cupy" in ctx.peers:
+        cupy = ctx.peers["cupy"].cupy
+        kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
+        clock_khz = cupy.cuda.runtime.getDeviceProperties(rt.device)["clockRate"]
+        cycles = int(clock_khz * 1e3 * 10e-3)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            array = cupy.empty(n, cupy.uint8)
+
+        def launch(value: int) -> None:
+            with stream:  # the interface names the current stream: the producer's
+                kernel((132,), (256,), (array, cupy.uint64(n), cupy.uint8(value), cupy.int64(cycles)))
+
+        class Produced:  # exports the array with the producer's stream current
+            @property
+            def __cuda_array_interface__(self) -> dict[str, Any]:
+                with stream:
+                    return dict(array.__cuda_array_interface__)
+
+        return Produced(), launch, "CuPy kernel, CUDA Array Interface v3"
+    return None
+
+
+def group_handoff(ctx: Context) -> None:
+    """Submitting a download right after a ~10 ms producer kernel: no host wait, right bytes."""
+    rt = ctx.rt
+    n = 8 * MiB
+    made = _producer(ctx, n)
+    if made is None:
+        ctx.record(Result("handoff", "ferry", "submit_after_producer", "d2h", n, note="no producer available"))
+        return
+    foreign, launch, how = made
+    buf = rt.pinned(n)
+    samples: list[float] = []
+    valid = True
+    import time as _time
+
+    reps = 5 if ctx.quick else 20
+    for i in range(reps + 2):
+        value = 1 + i % 250
+        launch(value)
+        start = _time.perf_counter()
+        pending = rt.download_pending(foreign, buf)
+        elapsed = _time.perf_counter() - start
+        _, buf = pending.wait()
+        view = buf.as_array()
+        valid = valid and bool(view[0] == value and view[-1] == value and np.all(view[:: 1 << 12] == value))
+        del view
+        if i >= 2:
+            samples.append(elapsed)
+    buf.close()
+    result = Result("handoff", "ferry", "submit_after_producer", "d2h", n, samples=samples, valid=valid, note=how)
+    ctx.record(result)
+
+
 GROUPS: dict[str, Callable[[Context], None]] = {
     "transfer": group_transfer,
     "host_copies": group_host_copies,
@@ -523,4 +601,5 @@ GROUPS: dict[str, Callable[[Context], None]] = {
     "latency": group_latency,
     "many_small": group_many_small,
     "pinned_alloc": group_pinned_alloc,
+    "handoff": group_handoff,
 }

@@ -149,6 +149,19 @@ def compute_checks(results: list[Result]) -> list[Check]:
                 None if fresh is None else fresh.gbps >= 20,
             )
         )
+    handoff = [r for r in results if r.group == "handoff"]
+    if handoff:
+        h = handoff[0]
+        right = "right" if h.valid else "WRONG"
+        measured = f"submit {h.median * 1e6:.1f} us, bytes {right}" if h.samples else "not measured"
+        checks.append(
+            Check(
+                "download submitted after a ~10 ms producer (no host wait)",
+                measured,
+                "< 100 us and right bytes",
+                None if not h.samples else (h.median < 100e-6 and bool(h.valid)),
+            )
+        )
     for d in ("h2d", "d2h"):
         f = _find(results, group="transfer", impl="ferry", route="pageable", direction=d, nbytes=8 * MiB)
         checks.append(
