@@ -115,3 +115,34 @@ def test_cuda_backend_without_a_gpu_says_why() -> None:
         ferry.Runtime("cuda")
     assert str(info.value)
     assert ferry.Runtime("auto").backend == "emulated"
+
+
+def test_cli_bench_quick_writes_the_report(tmp_path: Path) -> None:
+    import json
+
+    env = dict(os.environ, PYTHONPATH=SRC, FERRY_BACKEND="emulated")
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "bench", "--quick", "--seconds", "0.01",
+         "--groups", "transfer,latency,handoff", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "# ferry bench (emulated)" in result.stdout
+    assert "Emulated device" in result.stdout and "## checks" in result.stdout
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["meta"]["backend"] == "emulated"
+    groups = {r["group"] for r in doc["results"]}
+    assert groups == {"transfer", "latency", "handoff"}
+    assert all(r["valid"] for r in doc["results"] if r["group"] != "handoff" or r["samples"])
+    assert all(len(r["samples"]) >= 3 for r in doc["results"] if r["group"] == "transfer")
+    assert (out / "bench.md").read_text().startswith("# ferry bench")
+
+
+def test_cli_bench_refuses_unknown_groups() -> None:
+    env = dict(os.environ, PYTHONPATH=SRC, FERRY_BACKEND="emulated")
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "bench", "--groups", "nonsense"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 2 and "unknown group" in result.stderr
