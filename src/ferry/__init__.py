@@ -11,10 +11,11 @@ from that module's ``__all__``.
 
 from __future__ import annotations
 
-from . import _buffer, _device_array, _errors, _pending, _register, _runtime, _staging, _waiting
+from . import _buffer, _device_array, _errors, _peer, _pending, _register, _runtime, _staging, _waiting
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
+from ._peer import *  # noqa: F403
 from ._pending import *  # noqa: F403
 from ._register import *  # noqa: F403
 from ._runtime import *  # noqa: F403
@@ -32,3 +33,4 @@ __all__ += _runtime.__all__
 __all__ += _staging.__all__
 __all__ += _register.__all__
 __all__ += _waiting.__all__
+__all__ += _peer.__all__

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ._device_array import DeviceArray  # noqa: F401
     from ._runtime import Runtime
 
-__all__ = ["PendingUpload", "PendingDownload"]
+__all__ = ["PendingUpload", "PendingDownload", "PendingCopy"]
 
 
 class Record:
@@ -88,13 +88,15 @@ class Extras:
     """
 
     __slots__ = (
-        "batch", "blocks", "device_touches_host", "finish", "handed", "host", "imports", "job", "regs", "shared"
+        "batch", "blocks", "cross", "device_touches_host", "finish", "handed", "host", "imports", "job", "regs",
+        "shared",
     )
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None  # runs once on success, before publication
         self.handed: Any = None  # the destination an upload handed off before completing
         self.imports: list[Any] = []  # consumed DLPack capsules: deleters run once settled
+        self.cross: list[Any] = []  # (runtime, array): read leases held in another runtime
         self.job: Any = None
         self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
         self.shared: SharedEvent | None = None  # the event this record shares with its batch
@@ -270,6 +272,16 @@ class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):
     (read-leased until then) and the host side that now holds its bytes (the
     pinned buffer of :meth:`~ferry.Runtime.download_pending`, or the NumPy
     array of :meth:`~ferry.Runtime.download`).
+    """
+
+    __slots__ = ()
+
+
+class PendingCopy(_Pending["tuple[DeviceArray, DeviceArray]"]):
+    """A device-to-device copy in flight (see :meth:`~ferry.Runtime.copy_pending`).
+
+    ``wait()`` returns ``(source, destination)``: the source was read-leased,
+    the destination in flight; both are owned again.
     """
 
     __slots__ = ()

@@ -36,7 +36,8 @@ from ._errors import (
 )
 from ._hostcache import HostCache
 from ._interop import Foreign, cai_version, foreign_from, foreign_from_dlpack, is_foreign, stream_handle_of
-from ._pending import Batch, Extras, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
+from ._peer import StagedPeerJob
+from ._pending import Batch, Extras, PendingCopy, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
 from ._register import Registration, check_releasable, new_registration
 from ._retire import RetirementQueue
@@ -126,7 +127,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_close_all_at_exit)
 
 
-def _make_backend(backend: str, device: int, bandwidth: float, latency: float) -> Backend:
+def _make_backend(backend: str, device: int, bandwidth: float, latency: float, peer: bool = True) -> Backend:
     if backend == "auto":
         backend = os.environ.get("FERRY_BACKEND", "auto")
     if backend not in ("auto", "cuda", "emulated"):
@@ -141,7 +142,7 @@ def _make_backend(backend: str, device: int, bandwidth: float, latency: float) -
                 raise
     from ._backends._emulated import EmulatedBackend
 
-    return EmulatedBackend(device, bandwidth=bandwidth, latency=latency)
+    return EmulatedBackend(device, bandwidth=bandwidth, latency=latency, peer=peer)
 
 
 class Runtime:
@@ -164,6 +165,9 @@ class Runtime:
     emulated_bandwidth, emulated_latency
         The emulated device's modelled copy bandwidth (bytes/s, per copy
         stream) and per-operation latency (s). Ignored on CUDA.
+    emulated_peer
+        Whether the emulated device offers peer access to the other emulated
+        devices (``False`` forces the staged device-to-device route).
     staging
         How pageable NumPy arrays are staged (:class:`~ferry.StagingConfig`);
         the default's lane count is capped at the machine's CPU count.
@@ -189,12 +193,13 @@ class Runtime:
         pinned_cache_bytes: int = 4 << 30,
         emulated_bandwidth: float = 25e9,
         emulated_latency: float = 5e-6,
+        emulated_peer: bool = True,
         staging: StagingConfig | None = None,
         host_cache_bytes: int = 2 << 30,
     ) -> None:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
             raise ValueError(f"device must be a non-negative int, got {device!r}")
-        self._backend: Any = _make_backend(backend, int(device), emulated_bandwidth, emulated_latency)
+        self._backend: Any = _make_backend(backend, int(device), emulated_bandwidth, emulated_latency, emulated_peer)
         self._lock = threading.RLock()
         self._closed = False
         self._forked = False
@@ -222,6 +227,9 @@ class Runtime:
         self._batches: dict[int, Batch] = {}  # thread ident -> open batch
         self._watcher: Watcher | None = None
         self._side_streams: list[Any] = []  # made by ferry.testing.side_stream
+        self._d2d: Any = None  # the device-to-device copy stream, created on first use
+        self._peers_enabled: set[int] = set()
+        self._cross_returns: list[tuple[Runtime, DeviceArray]] = []  # leases to end in other runtimes
         self._registrations: list[Registration] = []
         self._host_copied = 0
         self._direct_bytes = 0  # pool blocks held by direct pageable copies in flight
@@ -755,7 +763,13 @@ class Runtime:
                     self._live.remove(record)
                     record.done = True
                     self._settle(record)
-                    return record.result
+                    result = record.result
+                else:
+                    result = None
+            if result is not None:
+                if self._cross_returns:
+                    self._flush_cross()
+                return result
         return self._wait_record_slow(record)
 
     def _wait_record_slow(self, record: Record) -> tuple[Any, ...]:
@@ -889,7 +903,15 @@ class Runtime:
         if not failed:  # a failed copy may still touch the producer's memory: never hand it back
             for imported in extra.imports:
                 imported.release()
+            self._cross_returns.extend(extra.cross)
+        else:
+            for _, array in extra.cross:  # the failed copy may still read it
+                if array._state != _buffer.ABANDONED:
+                    array._state = _buffer.ABANDONED
+                    self._abandoned_objects += 1
+                    self._abandoned_bytes += array._nbytes
         extra.imports = []
+        extra.cross = []
         handed = extra.handed
         if handed is not None:
             extra.handed = None
@@ -1058,6 +1080,124 @@ class Runtime:
         self._check_open()
         with self._lock:
             self._maintain()
+        if self._cross_returns:
+            self._flush_cross()
+
+    def _flush_cross(self) -> None:
+        """End read leases this runtime's settled copies hold in other runtimes, under their locks."""
+        while self._cross_returns:
+            try:
+                runtime, array = self._cross_returns.pop()
+            except IndexError:
+                return
+            with runtime._lock:
+                array._leases -= 1
+
+    # -- several devices ----------------------------------------------------------------------
+    def copy_pending(self, source: DeviceArray, destination: DeviceArray) -> PendingCopy:
+        """Copy ``source.nbytes`` bytes from ``source`` into ``destination``, which belongs to this runtime.
+
+        ``source`` may belong to this runtime (same device) or to the runtime
+        of another device of the same backend. The route (:func:`ferry.routes`):
+        one ``cuMemcpyPeerAsync`` when the pair has peer access (enabled on
+        first use), else chunks staged through pinned host memory, else (same
+        device) ``cuMemcpyDtoDAsync``. Ownership as everywhere: the destination
+        moves into the transfer, the source is read-leased (in its own
+        runtime); ``wait()`` returns ``(source, destination)``; a failure
+        publishes nothing and abandons both. Close the destination's runtime,
+        or wait, before closing the source's.
+
+        Raises
+        ------
+        TransferSubmitError
+            Nothing was enqueued; both arrays are unchanged.
+        """
+        _expect(source, DeviceArray, "copy_pending", "source", _DEVICE)
+        _expect(destination, DeviceArray, "copy_pending", "destination", _DEVICE)
+        if destination._runtime is not self:
+            raise TransferSubmitError(
+                "copy_pending is submitted to the destination's runtime: call it on that runtime"
+            )
+        other = source._runtime
+        if other.backend != self.backend:
+            raise TransferSubmitError(f"cannot copy from a {other.backend} device to a {self.backend} device")
+        locks = [self._lock] if other is self else sorted([self._lock, other._lock], key=id)
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            for runtime in (self, other):
+                if runtime._refusal is not None:
+                    raise TransferSubmitError(runtime._refusal)
+            if source is destination:
+                raise TransferSubmitError("copy_pending needs two different arrays")
+            problem = destination._submission_problem(self, write=True) or source._submission_problem(
+                other, write=False
+            )
+            if problem:
+                raise TransferSubmitError(problem)
+            nbytes = source._nbytes
+            if destination._nbytes < nbytes:
+                raise TransferSubmitError(
+                    f"the destination holds {destination._nbytes} bytes; the source has {nbytes}"
+                )
+            self._maintain_if_needed()
+            record = self._enqueue_device_copy(other, source, destination, nbytes)
+            destination._state = _device_array.IN_FLIGHT
+            source._leases += 1  # under the source runtime's lock
+        return PendingCopy(self, record)
+
+    def _d2d_stream(self) -> Any:
+        if self._d2d is None:
+            self._d2d = self._backend.stream_create()
+        return self._d2d
+
+    def _enqueue_device_copy(
+        self, other: Runtime, source: DeviceArray, destination: DeviceArray, nbytes: int
+    ) -> Record:
+        """The route of :meth:`copy_pending`. Both locks held."""
+        backend = self._backend
+        stream = self._d2d_stream()
+        same = other is self
+        leased: tuple[Any, ...] = (source,) if same else ()
+        try:
+            if same or other.device == self.device:
+                copy = _then_record(backend, backend.memcpy_dtod)
+            else:
+                ok, _, _ = backend.peer_access(other._backend)
+                if ok and other.device not in self._peers_enabled:
+                    backend.enable_peer(other._backend)
+                    self._peers_enabled.add(other.device)
+                if ok:
+                    def peer(dst: int, src: int, n: int, s: Any) -> None:
+                        backend.memcpy_peer(dst, src, other._backend, n, s)
+
+                    copy = _then_record(backend, peer)
+                else:
+                    job = StagedPeerJob(
+                        other._backend, other._d2h, backend, stream, self._pool,
+                        destination._ptr, source._ptr, nbytes, self._staging.slot_bytes,
+                    )
+                    self._seq += 1
+                    record = Record(self._seq, None, ("peer-staged", other.device), (destination,), leased,
+                                    (source, destination), nbytes)
+                    record.extra = Extras()
+                    record.extra.job = job
+                    record.extra.cross = [] if same else [(other, source)]
+                    self._submitted += 1
+                    self._live.add(record)
+                    return record
+        except DeviceError as exc:
+            self._note(exc)
+            raise TransferSubmitError(f"the device refused the copy route: {exc}") from exc
+        record = self._enqueue(
+            stream, copy, destination._ptr, source._ptr, nbytes,
+            moved=(destination,), leased=leased, result=(source, destination),
+        )
+        if not same:
+            if record.extra is None:
+                record.extra = Extras()
+            record.extra.cross.append((other, source))
+        return record
 
     # -- pageable routes ----------------------------------------------------------------------------
     def upload(self, source: np.ndarray[Any, Any], destination: DeviceArray | None = None) -> PendingUpload:
@@ -1404,9 +1544,28 @@ class Runtime:
                 _quietly(self._backend.stream_destroy, self._d2h)
                 for stream in self._side_streams:
                     _quietly(self._backend.stream_destroy, stream)
+                if self._d2d is not None:
+                    _quietly(self._backend.stream_destroy, self._d2d)
             self._events.clear()
             _quietly(self._backend.close)
         _runtimes.discard(self)
+
+
+def _then_record(
+    backend: Any, copy: Callable[[int, int, int, Any], None]
+) -> Callable[[int, int, int, Any, Any], None]:
+    """A backend copy followed by an event record, with the error discipline of ``htod_record``."""
+
+    def run(dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
+        if nbytes:
+            copy(dst, src, nbytes, stream)
+        try:
+            backend.event_record(event, stream)
+        except DeviceError as exc:
+            exc.enqueued = True
+            raise
+
+    return run
 
 
 def _give_back(device: Any) -> None:

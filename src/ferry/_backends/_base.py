@@ -144,6 +144,28 @@ class Backend(Protocol):
         """The device-to-host twin of :meth:`htod_record`."""
         ...
 
+    # -- several devices -------------------------------------------------------
+    def device_count(self) -> int:
+        """How many devices of this kind the machine has."""
+        ...
+
+    def peer_access(self, other: Any) -> tuple[bool, str, dict[str, Any]]:
+        """Whether this device can read/write ``other``'s memory directly, why, and the
+        attributes the driver reports for the pair."""
+        ...
+
+    def enable_peer(self, other: Any) -> None:
+        """Let this device's copies reach ``other``'s memory (idempotent)."""
+        ...
+
+    def memcpy_peer(self, dst: int, src: int, src_backend: Any, nbytes: int, stream: Any) -> None:
+        """Enqueue a copy from ``src`` on ``src_backend``'s device to ``dst`` on this device."""
+        ...
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """Enqueue a copy between two allocations of this device."""
+        ...
+
     # -- test gates --------------------------------------------------------
     def gate_create(self) -> Any:
         """Create a closed gate: a host-controlled flag a stream can wait on."""

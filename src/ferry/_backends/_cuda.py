@@ -333,6 +333,52 @@ class CudaBackend:
             exc.enqueued = True
             raise
 
+    # -- several devices ------------------------------------------------------------------------
+    def device_count(self) -> int:
+        err, count = self._d.cuDeviceGetCount()
+        self._check(err)
+        return int(count)
+
+    def peer_access(self, other: CudaBackend) -> tuple[bool, str, dict[str, Any]]:
+        d = self._d
+        if other.device == self.device:
+            return True, "same device", {}
+        err, can = d.cuDeviceCanAccessPeer(self._dev, other._dev)
+        self._check(err)
+        attributes: dict[str, Any] = {}
+        kinds = d.CUdevice_P2PAttribute
+        for name in ("ACCESS_SUPPORTED", "PERFORMANCE_RANK", "NATIVE_ATOMIC_SUPPORTED",
+                     "CUDA_ARRAY_ACCESS_SUPPORTED"):
+            attribute = getattr(kinds, f"CU_DEVICE_P2P_ATTRIBUTE_{name}", None)
+            if attribute is None:
+                continue
+            err, value = d.cuDeviceGetP2PAttribute(attribute, other._dev, self._dev)
+            if not err:
+                attributes[name.lower()] = int(value)
+        if can:
+            return True, "cuDeviceCanAccessPeer: supported", attributes
+        return False, "cuDeviceCanAccessPeer: not supported for this pair (no NVLink/PCIe P2P path)", attributes
+
+    def enable_peer(self, other: CudaBackend) -> None:
+        self._bind()
+        (err,) = self._d.cuCtxEnablePeerAccess(other._ctx, 0)
+        if err and int(err) != 704:  # PEER_ACCESS_ALREADY_ENABLED
+            self._check(err)
+
+    def memcpy_peer(self, dst: int, src: int, src_backend: CudaBackend, nbytes: int, stream: Any) -> None:
+        self._bind()
+        d = self._d
+        (err,) = d.cuMemcpyPeerAsync(
+            d.CUdeviceptr(dst), self._ctx, d.CUdeviceptr(src), src_backend._ctx, nbytes, stream
+        )
+        self._check(err)
+
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._bind()
+        d = self._d
+        (err,) = d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, stream)
+        self._check(err)
+
     # -- gates: cuStreamWaitValue32 on mapped pinned memory -------------------------------------
     def gate_create(self) -> _Gate:
         self._bind()

@@ -37,7 +37,18 @@ from ._base import DeviceError
 
 __all__: list[str] = []
 
-_DEVICE_BASE = 0x7E00_0000_0000  # fake device addresses live here
+_DEVICE_BASE = 0x7E00_0000_0000  # fake device addresses live here, 2**40 apart per device
+_SYSTEM_LOCK = threading.Lock()  # one lock for every emulated device: peer copies touch two
+
+
+def emulated_device_count() -> int:
+    """Devices the emulated machine has: ``FERRY_EMULATED_DEVICES`` (default 2)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("FERRY_EMULATED_DEVICES", "2")))
+    except ValueError:
+        return 2
 _DEVICE_ALIGN = 512
 _DEVICE_GAP = 1 << 20  # never adjacent: an overrun hits unmapped space
 _HANDLE_BASE = 0x5EED_0000  # integer handles of emulated streams (what CUDA's CUstream values are)
@@ -147,9 +158,19 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def __init__(self, device: int = 0, *, bandwidth: float = 25e9, latency: float = 5e-6) -> None:
+    def __init__(
+        self, device: int = 0, *, bandwidth: float = 25e9, latency: float = 5e-6, peer: bool = True
+    ) -> None:
         if device < 0:
             raise ValueError(f"device index must be >= 0, got {device}")
+        count = emulated_device_count()
+        if device >= count:
+            from .._errors import DeviceUnavailableError
+
+            raise DeviceUnavailableError(
+                f"the emulated machine has {count} device(s) (FERRY_EMULATED_DEVICES); there is no device {device}"
+            )
+        self.peer = peer
         if bandwidth <= 0 or latency < 0:
             raise ValueError("emulated bandwidth must be > 0 and latency >= 0")
         self.device = device
@@ -157,10 +178,11 @@ class EmulatedBackend:
         self.latency = float(latency)
         self.violations: list[str] = []
         self.sync_calls = 0  # host waits (event/stream synchronize), for tests
-        self._lock = threading.Lock()
+        self._lock = _SYSTEM_LOCK
         self._device_map = _AddressMap()
         self._host_map = _AddressMap()
-        self._next_device = _DEVICE_BASE
+        self._next_device = _DEVICE_BASE + (device << 40)
+        self._peers: set[int] = set()
         self._streams: list[_Stream] = []
         self._stream_count = 0
         self._fail_next: bool | None = None  # None: no fault armed; else: sticky?
@@ -345,6 +367,30 @@ class EmulatedBackend:
     def memcpy_dtoh(self, dst: int, src: int, nbytes: int, stream: _Stream) -> None:
         self._copy(dst, self._host_map, src, self._device_map, nbytes, stream)
 
+    def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: _Stream) -> None:
+        self._copy(dst, self._device_map, src, self._device_map, nbytes, stream)
+
+    def memcpy_peer(self, dst: int, src: int, src_backend: EmulatedBackend, nbytes: int, stream: _Stream) -> None:
+        if src_backend.device not in self._peers:
+            raise DeviceError(f"peer access to device {src_backend.device} is not enabled", code=705)
+        self._copy(dst, self._device_map, src, src_backend._device_map, nbytes, stream, src_is_device=True)
+
+    def device_count(self) -> int:
+        return emulated_device_count()
+
+    def peer_access(self, other: EmulatedBackend) -> tuple[bool, str, dict[str, Any]]:
+        if other.device == self.device:
+            return True, "same device", {}
+        if not (self.peer and other.peer):
+            return False, "peer access disabled on the emulated device (emulated_peer=False)", {"access_supported": 0}
+        return True, "emulated devices share one address space", {"access_supported": 1, "performance_rank": 0}
+
+    def enable_peer(self, other: EmulatedBackend) -> None:
+        ok, reason, _ = self.peer_access(other)
+        if not ok:
+            raise DeviceError(f"cannot enable peer access: {reason}", code=217)
+        self._peers.add(other.device)
+
     def _copy(
         self,
         dst: int,
@@ -353,13 +399,15 @@ class EmulatedBackend:
         src_map: _AddressMap,
         nbytes: int,
         stream: _Stream,
+        *,
+        src_is_device: bool = False,
     ) -> None:
         self._check()
         with self._lock:
             touched: list[_Alloc] = []
             addresses = []
             for ptr, amap, device_side in ((dst, dst_map, dst_map is self._device_map),
-                                           (src, src_map, src_map is self._device_map)):
+                                           (src, src_map, src_is_device or src_map is self._device_map)):
                 alloc = amap.find(ptr, max(nbytes, 1))
                 if alloc is None:
                     if device_side:

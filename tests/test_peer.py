@@ -1,0 +1,124 @@
+"""Several devices on the emulated machine: routes, device-to-device copies, ownership across runtimes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import testing
+
+MiB = 1 << 20
+SMALL_SLOTS = ferry.StagingConfig(slot_bytes=256 << 10, slots_per_lane=2, lanes=2, direct_bytes=64 << 10)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    a, b = ferry.Runtime("emulated", 0), ferry.Runtime("emulated", 1)
+    try:
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+    assert testing.violations(a) == [] and testing.violations(b) == []
+
+
+def test_routes_report_every_pair_and_why() -> None:
+    found = {(r.source, r.destination): r for r in ferry.routes("emulated")}
+    assert set(found) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert found[(0, 0)].route == "same device" and found[(1, 1)].route == "same device"
+    assert found[(0, 1)].route == "peer" and found[(0, 1)].reason
+    assert found[(0, 1)].attributes["access_supported"] == 1
+
+
+def test_a_single_device_machine_reports_one_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRY_EMULATED_DEVICES", "1")
+    assert [(r.source, r.destination, r.route) for r in ferry.routes("emulated")] == [(0, 0, "same device")]
+    with pytest.raises(ferry.DeviceUnavailableError, match="no device 1"):
+        ferry.Runtime("emulated", 1)
+
+
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_copy_between_devices_moves_the_destination_and_leases_the_source(peer: bool) -> None:
+    a = ferry.Runtime("emulated", 0)
+    b = ferry.Runtime("emulated", 1, emulated_peer=peer, staging=SMALL_SLOTS)
+    try:
+        data = (np.arange(3 * MiB + 777) % 249).astype(np.uint8)
+        src = a.to_device(data)
+        dst = b.empty(data.shape, np.uint8)
+        with testing.hold(b, "both"):
+            pending = b.copy_pending(src, dst)
+            assert src.state == "read_leased" and dst.state == "in_flight"
+            with pytest.raises(ferry.TransferSubmitError):
+                a.upload_pending(a.pinned(data.nbytes), src)  # a leased source is no destination
+            also = a.download_pending(src, a.pinned(data.nbytes))  # but it feeds more downloads
+        got_src, got_dst = pending.wait()
+        assert got_src is src and got_dst is dst
+        assert src.state == "read_leased"  # the other download still holds it
+        also.wait()
+        assert src.state == "owned" and dst.state == "owned"
+        assert np.array_equal(b.to_host(dst), data)
+        assert b.stats().pinned_pool_bytes <= 4 * MiB + 4 * SMALL_SLOTS.slot_bytes  # no payload-sized staging
+    finally:
+        b.close()
+        a.close()
+    assert testing.violations(a) == [] and testing.violations(b) == []
+
+
+def test_same_device_copies(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, _ = pair
+    data = np.arange(100_000, dtype=np.float32)
+    src, dst = a.to_device(data), a.empty(data.shape, np.float32)
+    got_src, got_dst = a.copy_pending(src, dst).wait()
+    assert np.array_equal(a.to_host(got_dst), data) and got_src.state == "owned"
+
+
+def test_both_directions_at_once(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = pair
+    x = np.random.default_rng(1).integers(0, 255, MiB, dtype=np.uint8)
+    y = np.random.default_rng(2).integers(0, 255, MiB, dtype=np.uint8)
+    xa, yb = a.to_device(x), b.to_device(y)
+    xb, ya = b.empty(MiB, np.uint8), a.empty(MiB, np.uint8)
+    first, second = b.copy_pending(xa, xb), a.copy_pending(yb, ya)
+    second.wait()
+    first.wait()
+    assert np.array_equal(b.to_host(xb), x) and np.array_equal(a.to_host(ya), y)
+
+
+def test_device_copy_refusals_change_nothing(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = pair
+    src, dst = a.empty(1024, np.uint8), b.empty(512, np.uint8)
+    with pytest.raises(ferry.TransferSubmitError, match="destination's runtime"):
+        a.copy_pending(src, dst)
+    with pytest.raises(ferry.TransferSubmitError, match="holds 512"):
+        b.copy_pending(src, dst)
+    with pytest.raises(ferry.TransferSubmitError, match="two different"):
+        a.copy_pending(src, src)
+    with pytest.raises(ferry.TransferSubmitError, match="DeviceArray"):
+        b.copy_pending(np.zeros(4), dst)  # type: ignore[arg-type]
+    assert src.state == "owned" and dst.state == "owned"
+
+
+def test_a_failed_device_copy_abandons_both_sides(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = pair
+    src, dst = a.to_device(np.arange(1000)), b.empty(1000, np.int64)
+    testing.fail_next_copy(b)
+    with pytest.raises(ferry.TransferFailedError):
+        b.copy_pending(src, dst).wait()
+    assert dst.state == "abandoned" and src.state == "abandoned"
+    assert b.stats().failed == 1
+
+
+def test_a_dropped_device_copy_retires_and_returns_the_lease(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = pair
+    src = a.to_device(np.arange(10_000))
+    dst = b.empty(10_000, np.int64)
+    b.copy_pending(src, dst)  # dropped
+    deadline = time.monotonic() + 10
+    while (b.stats().retiring or src.state != "owned") and time.monotonic() < deadline:
+        b.poll()
+        time.sleep(0.001)
+    assert src.state == "owned" and dst.state == "closed"
