@@ -44,7 +44,7 @@ def test_a_single_device_machine_reports_one_route(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("peer", [True, False])
 def test_a_copy_between_devices_moves_the_destination_and_leases_the_source(peer: bool) -> None:
     a = ferry.Runtime("emulated", 0)
-    b = ferry.Runtime("emulated", 1, emulated_peer=peer, staging=SMALL_SLOTS)
+    b = ferry.Runtime("emulated", 1, peer_access=peer, staging=SMALL_SLOTS)
     try:
         data = (np.arange(3 * MiB + 777) % 249).astype(np.uint8)
         src = a.to_device(data)

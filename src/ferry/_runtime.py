@@ -165,9 +165,10 @@ class Runtime:
     emulated_bandwidth, emulated_latency
         The emulated device's modelled copy bandwidth (bytes/s, per copy
         stream) and per-operation latency (s). Ignored on CUDA.
-    emulated_peer
-        Whether the emulated device offers peer access to the other emulated
-        devices (``False`` forces the staged device-to-device route).
+    peer_access
+        Whether :meth:`copy_pending` may use peer access where the pair
+        supports it; ``False`` forces the staged route (to compare them). On
+        the emulated machine it also withdraws the device's peer capability.
     staging
         How pageable NumPy arrays are staged (:class:`~ferry.StagingConfig`);
         the default's lane count is capped at the machine's CPU count.
@@ -193,13 +194,14 @@ class Runtime:
         pinned_cache_bytes: int = 4 << 30,
         emulated_bandwidth: float = 25e9,
         emulated_latency: float = 5e-6,
-        emulated_peer: bool = True,
+        peer_access: bool = True,
         staging: StagingConfig | None = None,
         host_cache_bytes: int = 2 << 30,
     ) -> None:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
             raise ValueError(f"device must be a non-negative int, got {device!r}")
-        self._backend: Any = _make_backend(backend, int(device), emulated_bandwidth, emulated_latency, emulated_peer)
+        self._backend: Any = _make_backend(backend, int(device), emulated_bandwidth, emulated_latency, peer_access)
+        self._peer_access = peer_access
         self._lock = threading.RLock()
         self._closed = False
         self._forked = False
@@ -1163,7 +1165,7 @@ class Runtime:
             if same or other.device == self.device:
                 copy = _then_record(backend, backend.memcpy_dtod)
             else:
-                ok, _, _ = backend.peer_access(other._backend)
+                ok = self._peer_access and backend.peer_access(other._backend)[0]
                 if ok and other.device not in self._peers_enabled:
                     backend.enable_peer(other._backend)
                     self._peers_enabled.add(other.device)

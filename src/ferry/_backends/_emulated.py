@@ -382,7 +382,7 @@ class EmulatedBackend:
         if other.device == self.device:
             return True, "same device", {}
         if not (self.peer and other.peer):
-            return False, "peer access disabled on the emulated device (emulated_peer=False)", {"access_supported": 0}
+            return False, "peer access withdrawn on the emulated device (peer_access=False)", {"access_supported": 0}
         return True, "emulated devices share one address space", {"access_supported": 1, "performance_rank": 0}
 
     def enable_peer(self, other: EmulatedBackend) -> None:

@@ -9,6 +9,7 @@
 ``many_small``   1000 transfers of 4 KiB, with and without a shared event
 ``pinned_alloc`` a pinned buffer fresh versus from the pool
 ``handoff``      submitting a download right after a ~10 ms producer kernel
+``peer``         device to device, peer against staged (two devices or more)
 """
 
 from __future__ import annotations
@@ -592,6 +593,60 @@ def group_handoff(ctx: Context) -> None:
     ctx.record(result)
 
 
+def group_peer(ctx: Context) -> None:
+    """Device to device: peer against staged, each direction and both at once."""
+    from .._runtime import Runtime
+
+    rt = ctx.rt
+    count = rt._backend.device_count()
+    if count < 2:
+        ctx.record(Result("peer", "ferry", "-", "-", 0, note=f"{count} device: no pair to measure"))
+        return
+    n = ctx.large()
+    data0, data1 = payload(n, 31), payload(n, 37)
+    for route, peer in (("peer", True), ("staged", False)):
+        a = Runtime(rt.backend, 0, peer_access=peer, staging=rt._staging)
+        b = Runtime(rt.backend, 1, peer_access=peer, staging=rt._staging)
+        try:
+            _device_pair_cases(ctx, route, a, b, data0, data1)
+        finally:
+            b.close()
+            a.close()
+
+
+def _device_pair_cases(ctx: Context, route: str, a: Any, b: Any, data0: Any, data1: Any) -> None:
+    n = data0.nbytes
+    box = {"s0": a.to_device(data0), "d0": a.empty(n, np.uint8), "s1": b.to_device(data1), "d1": b.empty(n, np.uint8)}
+
+    def forward() -> None:
+        box["s0"], box["d1"] = b.copy_pending(box["s0"], box["d1"]).wait()
+
+    def backward() -> None:
+        box["s1"], box["d0"] = a.copy_pending(box["s1"], box["d0"]).wait()
+
+    def both() -> None:
+        p1 = b.copy_pending(box["s0"], box["d1"])
+        p0 = a.copy_pending(box["s1"], box["d0"])
+        box["s0"], box["d1"] = p1.wait()
+        box["s1"], box["d0"] = p0.wait()
+
+    def check_forward() -> bool:
+        forward()
+        return bool(np.array_equal(b.to_host(box["d1"]), data0))
+
+    def check_backward() -> bool:
+        backward()
+        return bool(np.array_equal(a.to_host(box["d0"]), data1))
+
+    def check_both() -> bool:
+        both()
+        return bool(np.array_equal(b.to_host(box["d1"]), data0)) and bool(np.array_equal(a.to_host(box["d0"]), data1))
+
+    ctx.run("peer", Case("ferry", route, "0->1", n, forward, check_forward))
+    ctx.run("peer", Case("ferry", route, "1->0", n, backward, check_backward))
+    ctx.run("peer", Case("ferry", route, "both", 2 * n, both, check_both))
+
+
 GROUPS: dict[str, Callable[[Context], None]] = {
     "transfer": group_transfer,
     "host_copies": group_host_copies,
@@ -602,4 +657,5 @@ GROUPS: dict[str, Callable[[Context], None]] = {
     "many_small": group_many_small,
     "pinned_alloc": group_pinned_alloc,
     "handoff": group_handoff,
+    "peer": group_peer,
 }
