@@ -415,15 +415,9 @@ class Runtime:
                 return self._upload_slow(buffer, destination)
             self._maintain_if_needed()
             nbytes = destination._nbytes
+            pair = (buffer, destination)
             record = self._enqueue(
-                self._h2d,
-                self._backend.htod_record,
-                destination._ptr,
-                buffer._block.ptr,
-                nbytes,
-                moved=(buffer, destination),
-                leased=(),
-                result=(buffer, destination),
+                self._h2d, self._backend.htod_record, destination._ptr, buffer._block.ptr, nbytes, pair, (), pair
             )
             buffer._state = _buffer.IN_FLIGHT
             destination._state = _device_array.IN_FLIGHT
@@ -460,14 +454,8 @@ class Runtime:
             self._maintain_if_needed()
             nbytes = source._nbytes
             record = self._enqueue(
-                self._d2h,
-                self._backend.dtoh_record,
-                buffer._block.ptr,
-                source._ptr,
-                nbytes,
-                moved=(buffer,),
-                leased=(source,),
-                result=(source, buffer),
+                self._d2h, self._backend.dtoh_record, buffer._block.ptr, source._ptr, nbytes,
+                (buffer,), (source,), (source, buffer),
             )
             buffer._state = _buffer.IN_FLIGHT
             source._leases += 1
@@ -591,7 +579,6 @@ class Runtime:
         dst: int,
         src: int,
         nbytes: int,
-        *,
         moved: tuple[Any, ...],
         leased: tuple[Any, ...],
         result: tuple[Any, ...],
