@@ -16,7 +16,7 @@ from typing import Any
 
 from ._groups import GROUPS, Context
 from ._peers import load_peers
-from ._protocol import Budget
+from ._protocol import Budget, Result
 from ._report import compute_checks, markdown, metadata, plot, write_json
 
 __all__: list[str] = []
@@ -75,7 +75,10 @@ def run(rt: Any, args: argparse.Namespace) -> int:
     with _progress() as progress:
         ctx = Context(rt, peers, budget, args.quick, progress)
         for name in selected:
-            GROUPS[name](ctx)
+            try:
+                GROUPS[name](ctx)
+            except Exception as exc:
+                ctx.results.append(Result(name, "ferry", "-", "-", 0, valid=False, note=f"group failed: {exc!r}"))
     checks = compute_checks(ctx.results)
     report = markdown(meta, ctx.results, checks)
     out = Path(args.out)
