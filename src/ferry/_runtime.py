@@ -616,6 +616,19 @@ class Runtime:
         self._live.add(record)
         return record
 
+    def _job_record(
+        self, job: Any, key: Any, moved: tuple[Any, ...], leased: tuple[Any, ...], result: tuple[Any, ...],
+        nbytes: int, extra: Extras | None,
+    ) -> Record:
+        """A record whose completion a worker job proves (no event). ``key`` groups its retirement lane."""
+        self._seq += 1
+        record = Record(self._seq, None, key, moved, leased, result, nbytes)
+        record.extra = extra if extra is not None else Extras()
+        record.extra.job = job
+        self._submitted += 1
+        self._live.add(record)
+        return record
+
     def _new_event_for_submit(self) -> Any:
         try:
             return self._new_event()
@@ -1166,15 +1179,12 @@ class Runtime:
                         other._backend, other._d2h, backend, stream, self._pool,
                         destination._ptr, source._ptr, nbytes, self._staging.slot_bytes,
                     )
-                    self._seq += 1
-                    record = Record(self._seq, None, ("peer-staged", other.device), (destination,), leased,
-                                    (source, destination), nbytes)
-                    record.extra = Extras()
-                    record.extra.job = job
-                    record.extra.cross = [] if same else [(other, source)]
-                    self._submitted += 1
-                    self._live.add(record)
-                    return record
+                    extra = Extras()
+                    extra.cross = [(other, source)]
+                    return self._job_record(
+                        job, ("peer-staged", other.device), (destination,), leased, (source, destination), nbytes,
+                        extra,
+                    )
         except DeviceError as exc:
             self._note(exc)
             raise TransferSubmitError(f"the device refused the copy route: {exc}") from exc
@@ -1353,12 +1363,7 @@ class Runtime:
                 raise
         else:
             engine = self._engine(direction)
-            job = engine.submit(alias, device._ptr)
-            self._seq += 1
-            record = Record(self._seq, None, engine, moved, leased, result, nbytes)
-            extra.job = job
-            self._submitted += 1
-            self._live.add(record)
+            record = self._job_record(engine.submit(alias, device._ptr), engine, moved, leased, result, nbytes, extra)
         if record.extra is not None:  # enqueued inside rt.batch(): keep its batch
             extra.batch = record.extra.batch
         record.extra = extra
