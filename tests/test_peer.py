@@ -122,3 +122,18 @@ def test_a_dropped_device_copy_retires_and_returns_the_lease(pair: tuple[ferry.R
         b.poll()
         time.sleep(0.001)
     assert src.state == "owned" and dst.state == "closed"
+
+
+def test_device_copies_inside_a_batch(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = pair
+    data = np.arange(50_000, dtype=np.int32)
+    same_src, same_dst = a.to_device(data), a.empty(data.shape, np.int32)
+    peer_src, peer_dst = a.to_device(data[::-1].copy()), b.empty(data.shape, np.int32)
+    with a.batch():
+        local = a.copy_pending(same_src, same_dst)
+    with b.batch():
+        remote = b.copy_pending(peer_src, peer_dst)
+    local.wait()
+    remote.wait()
+    assert np.array_equal(a.to_host(same_dst), data)
+    assert np.array_equal(b.to_host(peer_dst), data[::-1])

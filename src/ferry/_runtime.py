@@ -648,10 +648,8 @@ class Runtime:
         leased: tuple[Any, ...],
         result: tuple[Any, ...],
     ) -> Record:
-        plain = self._backend.memcpy_htod if copy == self._backend.htod_record else self._backend.memcpy_dtoh
         try:
-            if nbytes:
-                plain(dst, src, nbytes, stream)
+            copy(dst, src, nbytes, stream, None)  # no event of its own: the batch records one
         except DeviceError as exc:
             self._note(exc)
             raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
@@ -1553,6 +1551,8 @@ def _then_record(
     def run(dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
         if nbytes:
             copy(dst, src, nbytes, stream)
+        if event is None:
+            return
         try:
             backend.event_record(event, stream)
         except DeviceError as exc:

@@ -133,7 +133,8 @@ class Backend(Protocol):
         ...
 
     def htod_record(self, dst: int, src: int, nbytes: int, stream: Any, event: Any) -> None:
-        """Enqueue a host-to-device copy (skipped when ``nbytes`` is 0), then record ``event``.
+        """Enqueue a host-to-device copy (skipped when ``nbytes`` is 0), then record ``event``
+        (unless it is ``None``: a batch records one event for many copies).
 
         One call for the hot path. A failure of the record raises a
         :class:`DeviceError` with ``enqueued=True``: the copy is queued.

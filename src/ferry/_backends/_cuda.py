@@ -313,6 +313,8 @@ class CudaBackend:
             (err,) = self._cuMemcpyHtoDAsync(dst, src, nbytes, stream)
             if err:
                 self._retry(err, self._cuMemcpyHtoDAsync, dst, src, nbytes, stream)
+        if event is None:
+            return
         (err,) = self._cuEventRecord(event, stream)
         if err:
             self._record_failed(err, event, stream)
@@ -322,6 +324,8 @@ class CudaBackend:
             (err,) = self._cuMemcpyDtoHAsync(dst, src, nbytes, stream)
             if err:
                 self._retry(err, self._cuMemcpyDtoHAsync, dst, src, nbytes, stream)
+        if event is None:
+            return
         (err,) = self._cuEventRecord(event, stream)
         if err:
             self._record_failed(err, event, stream)

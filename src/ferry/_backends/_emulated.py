@@ -458,17 +458,19 @@ class EmulatedBackend:
 
         stream.submit(run)
 
-    def htod_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event) -> None:
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event | None) -> None:
         if nbytes:
             self.memcpy_htod(dst, src, nbytes, stream)
         self._record_after_copy(event, stream)
 
-    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event) -> None:
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event | None) -> None:
         if nbytes:
             self.memcpy_dtoh(dst, src, nbytes, stream)
         self._record_after_copy(event, stream)
 
-    def _record_after_copy(self, event: _Event, stream: _Stream) -> None:
+    def _record_after_copy(self, event: _Event | None, stream: _Stream) -> None:
+        if event is None:
+            return
         try:
             self.event_record(event, stream)
         except DeviceError as exc:
