@@ -1,7 +1,6 @@
-"""Interop on a GPU with CuPy: stream-ordered hand-off in both directions, no host wait.
+"""Interop on a GPU with CuPy, PyTorch and JAX: stream-ordered hand-off in both directions, no host wait.
 
-Skipped where no GPU is usable or CuPy is not installed (narrow probes). Written
-on 2026-11-29 after the session's device time was spent: not yet run on a GPU.
+Skipped where no GPU is usable or the library is not installed (narrow probes).
 """
 
 from __future__ import annotations
@@ -100,6 +99,85 @@ def test_a_torch_producer_on_a_side_stream_then_a_download_through_dlpack(gpu) -
             _, buf = pending.wait()
             view = buf.as_array()
             assert view[0] == value and view[-1] == value and np.all(view[:: 1 << 16] == value)
+            del view
+    finally:
+        gpu.close()
+
+
+@pytest.fixture
+def torch():  # type: ignore[no-untyped-def]
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    return torch
+
+
+def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> None:  # type: ignore[no-untyped-def]
+    n = 16 << 20
+    data = (np.arange(n) % 253).astype(np.uint8)
+    consumer = torch.cuda.Stream()
+    try:
+        for _ in range(10):
+            buf = gpu.pinned(n)
+            buf.as_array()[:] = data
+            dev = gpu.empty(n, np.uint8)
+            with testing.hold(gpu, "upload"):  # the copy cannot have finished when the hand-off happens
+                pending = gpu.upload_pending(buf, dev)
+                waits = testing.host_waits(gpu)
+                handed = pending.hand_off(consumer)
+                assert testing.host_waits(gpu) == waits
+                with torch.cuda.stream(consumer):
+                    total = torch.from_dlpack(handed).to(torch.int64).sum()  # queued behind the copy
+            assert int(total) == int(data.astype(np.int64).sum())
+            pending.wait()
+            buf.close()
+    finally:
+        gpu.close()
+
+
+def test_foreign_arrays_as_upload_destinations(gpu, cupy, torch) -> None:  # type: ignore[no-untyped-def]
+    n = 8 << 20
+    data = (np.arange(n) % 241).astype(np.uint8)
+    try:
+        for make in (lambda: cupy.zeros(n, cupy.uint8), lambda: torch.zeros(n, dtype=torch.uint8, device="cuda")):
+            target = make()
+            buf = gpu.pinned(n)
+            buf.as_array()[:] = data
+            back, got = gpu.upload_pending(buf, target).wait()
+            assert got is target and back is buf
+            host = got.get() if hasattr(got, "get") else got.cpu().numpy()
+            assert np.array_equal(host, data)
+            buf.close()
+    finally:
+        gpu.close()
+
+
+def test_a_jax_array_is_a_download_source(gpu) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        pytest.skip("JAX is not installed")
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        pytest.skip(f"JAX has no GPU backend: {exc}")
+    n = 16 << 20
+    buf = gpu.pinned(n)
+    try:
+        for value in range(1, 6):
+            source = jax.device_put(jnp.arange(n, dtype=jnp.uint32), device)
+            source = (source * 7 + value) % 251  # dispatched asynchronously; ferry must order after it
+            _, buf = gpu.download_pending(source.astype(jnp.uint8), buf).wait()
+            expected = ((np.arange(n, dtype=np.uint64) * 7 + value) % 251).astype(np.uint8)
+            view = buf.as_array()
+            assert np.array_equal(view, expected)
             del view
     finally:
         gpu.close()

@@ -1,4 +1,8 @@
-"""Several devices on the emulated machine: routes, device-to-device copies, ownership across runtimes."""
+"""Several devices: routes, device-to-device copies, ownership across runtimes.
+
+Every test runs on the emulated machine (two devices); those that need no fault
+injection also run on CUDA when the machine has two usable GPUs.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,44 @@ import pytest
 
 import ferry
 from ferry import testing
+from ferry._backends._cuda import probe
 
 MiB = 1 << 20
 SMALL_SLOTS = ferry.StagingConfig(slot_bytes=256 << 10, slots_per_lane=2, lanes=2, direct_bytes=64 << 10)
 
 
+def _second_gpu_missing() -> str | None:
+    try:
+        probe(0)
+        probe(1)
+    except ferry.DeviceUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+_NO_PAIR = _second_gpu_missing()
+
+
+@pytest.fixture(params=["emulated", "cuda"])
+def machine(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and _NO_PAIR is not None:
+        pytest.skip(f"no two usable GPUs: {_NO_PAIR}")
+    return str(request.param)
+
+
 @pytest.fixture
-def pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    a, b = ferry.Runtime(machine, 0), ferry.Runtime(machine, 1)  # type: ignore[arg-type]
+    try:
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+    assert testing.violations(a) == [] and testing.violations(b) == []
+
+
+@pytest.fixture
+def emulated_pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
     a, b = ferry.Runtime("emulated", 0), ferry.Runtime("emulated", 1)
     try:
         yield a, b
@@ -26,12 +61,16 @@ def pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
     assert testing.violations(a) == [] and testing.violations(b) == []
 
 
-def test_routes_report_every_pair_and_why() -> None:
-    found = {(r.source, r.destination): r for r in ferry.routes("emulated")}
-    assert set(found) == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert found[(0, 0)].route == "same device" and found[(1, 1)].route == "same device"
-    assert found[(0, 1)].route == "peer" and found[(0, 1)].reason
-    assert found[(0, 1)].attributes["access_supported"] == 1
+def test_routes_report_every_pair_and_why(machine: str) -> None:
+    found = {(r.source, r.destination): r for r in ferry.routes(machine)}
+    count = max(d for d, _ in found) + 1
+    assert count >= 2 and set(found) == {(i, j) for i in range(count) for j in range(count)}
+    assert all(found[(i, i)].route == "same device" for i in range(count))
+    across = found[(0, 1)]
+    assert across.route in ("peer", "staged") and across.reason
+    assert (across.route == "peer") == (across.attributes["access_supported"] == 1)
+    if machine == "emulated":
+        assert across.route == "peer"
 
 
 def test_a_single_device_machine_reports_one_route(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,9 +81,9 @@ def test_a_single_device_machine_reports_one_route(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("peer", [True, False])
-def test_a_copy_between_devices_moves_the_destination_and_leases_the_source(peer: bool) -> None:
-    a = ferry.Runtime("emulated", 0)
-    b = ferry.Runtime("emulated", 1, peer_access=peer, staging=SMALL_SLOTS)
+def test_a_copy_between_devices_moves_the_destination_and_leases_the_source(machine: str, peer: bool) -> None:
+    a = ferry.Runtime(machine, 0)  # type: ignore[arg-type]
+    b = ferry.Runtime(machine, 1, peer_access=peer, staging=SMALL_SLOTS)  # type: ignore[arg-type]
     try:
         data = (np.arange(3 * MiB + 777) % 249).astype(np.uint8)
         src = a.to_device(data)
@@ -102,8 +141,8 @@ def test_device_copy_refusals_change_nothing(pair: tuple[ferry.Runtime, ferry.Ru
     assert src.state == "owned" and dst.state == "owned"
 
 
-def test_a_failed_device_copy_abandons_both_sides(pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
-    a, b = pair
+def test_a_failed_device_copy_abandons_both_sides(emulated_pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
+    a, b = emulated_pair
     src, dst = a.to_device(np.arange(1000)), b.empty(1000, np.int64)
     testing.fail_next_copy(b)
     with pytest.raises(ferry.TransferFailedError):
@@ -137,3 +176,18 @@ def test_device_copies_inside_a_batch(pair: tuple[ferry.Runtime, ferry.Runtime])
     remote.wait()
     assert np.array_equal(a.to_host(same_dst), data)
     assert np.array_equal(b.to_host(peer_dst), data[::-1])
+
+
+def test_cuda_routes_cover_every_device_the_driver_counts() -> None:
+    try:
+        probe(0)
+    except ferry.DeviceUnavailableError as exc:
+        pytest.skip(f"no usable GPU: {exc}")
+    from cuda.bindings import driver
+
+    (err,) = driver.cuInit(0)
+    err, count = driver.cuDeviceGetCount()
+    assert not err
+    found = ferry.routes("cuda")
+    assert sorted((r.source, r.destination) for r in found) == [(i, j) for i in range(count) for j in range(count)]
+    assert all((r.route == "same device") == (r.source == r.destination) for r in found)
