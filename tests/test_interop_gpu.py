@@ -119,7 +119,16 @@ def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> Non
     n = 16 << 20
     data = (np.arange(n) % 253).astype(np.uint8)
     consumer = torch.cuda.Stream()
+
+    def consume(array):  # type: ignore[no-untyped-def]
+        with torch.cuda.stream(consumer):
+            return torch.from_dlpack(array).to(torch.int64).sum()  # queued on the consumer stream
+
     try:
+        # warm up: PyTorch's first launches load modules and fill its allocator, which may wait
+        # on the whole device, so they must not happen while ferry's stream is held
+        int(consume(gpu.empty(n, np.uint8)))
+        torch.cuda.synchronize()
         for _ in range(10):
             buf = gpu.pinned(n)
             buf.as_array()[:] = data
@@ -129,8 +138,7 @@ def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> Non
                 waits = testing.host_waits(gpu)
                 handed = pending.hand_off(consumer)
                 assert testing.host_waits(gpu) == waits
-                with torch.cuda.stream(consumer):
-                    total = torch.from_dlpack(handed).to(torch.int64).sum()  # queued behind the copy
+                total = consume(handed)  # queued behind the held copy
             assert int(total) == int(data.astype(np.int64).sum())
             pending.wait()
             buf.close()

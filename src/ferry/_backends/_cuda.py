@@ -104,6 +104,40 @@ class _Gate:
         self.dev = dev
 
 
+class _Current:
+    """``with backend._current:`` makes the backend's primary context current inside.
+
+    The thread's context before is put back afterwards when it was another one
+    (a PyTorch or CuPy user's current device stays theirs); a thread that had
+    none keeps ferry's, so its later hot calls need no binding.
+    """
+
+    __slots__ = ("_backend", "_saved")
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self._backend = backend
+        self._saved = threading.local()
+
+    def __enter__(self) -> None:
+        b = self._backend
+        d = b._d
+        err, current = d.cuCtxGetCurrent()
+        b._check(err)
+        before = int(current) if current is not None else 0
+        stack = self._saved.__dict__.setdefault("stack", [])
+        if before == b._ctx_id:
+            stack.append(None)
+            return
+        (err,) = d.cuCtxSetCurrent(b._ctx)
+        b._check(err)
+        stack.append(current if before else None)
+
+    def __exit__(self, *exc: object) -> None:
+        before = self._saved.stack.pop()
+        if before is not None:
+            self._backend._d.cuCtxSetCurrent(before)
+
+
 class CudaBackend:
     """The CUDA driver API behind the Backend protocol."""
 
@@ -115,13 +149,13 @@ class CudaBackend:
         self._d = d
         self.device = device
         self.sync_calls = 0  # host waits (event/stream synchronize), for tests
-        self._tls = threading.local()
         self._pid = os.getpid()
         err, self._dev = d.cuDeviceGet(device)
         self._check(err)
         err, self._ctx = d.cuDevicePrimaryCtxRetain(self._dev)
         self._check(err)
-        self._bind()
+        self._ctx_id = int(self._ctx)
+        self._current = _Current(self)
         self._not_ready = d.CUresult.CUDA_ERROR_NOT_READY
         self._success = d.CUresult.CUDA_SUCCESS
         self._cuMemcpyHtoDAsync = d.cuMemcpyHtoDAsync
@@ -139,56 +173,48 @@ class CudaBackend:
             code = int(err)
             raise DeviceError(_error_text(self._d, err), code=code, sticky=code in _STICKY)
 
-    def _bind(self, force: bool = False) -> None:
-        """Make the primary context current on this thread (once per thread)."""
-        if not force and getattr(self._tls, "bound", False):
-            return
-        (err,) = self._d.cuCtxSetCurrent(self._ctx)
-        self._check(err)
-        self._tls.bound = True
-
     def _retry(self, err: Any, fn: Any, *args: Any) -> None:
-        """A hot call failed: if for want of a current context, bind and call once more."""
+        """A hot call failed: if for want of this context being current, call once more inside it."""
         if int(err) in _REBIND:
-            self._bind(force=True)
-            (err,) = fn(*args)
+            with self._current:
+                (err,) = fn(*args)
         if err:
             self._check(err)
 
     # -- identity ---------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         d = self._d
-        self._bind()
-        err, raw = d.cuDeviceGetName(256, self._dev)
-        self._check(err)
-        name = raw.split(b"\0", 1)[0].decode(errors="replace")
-        err, version = d.cuDriverGetVersion()
-        self._check(err)
-        err, total = d.cuDeviceTotalMem(self._dev)
-        self._check(err)
-        err, bus = d.cuDeviceGetPCIBusId(64, self._dev)
-        self._check(err)
-        bus_id = bus.split(b"\0", 1)[0].decode().lower()
-        engines = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
-        major = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        minor = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-        try:
-            from cuda.bindings import __version__ as bindings_version
-        except ImportError:
-            bindings_version = "unknown"
-        return {
-            "backend": self.name,
-            "device": self.device,
-            "name": name,
-            "compute_capability": f"{major}.{minor}",
-            "memory_bytes": int(total),
-            "driver": f"CUDA {version // 1000}.{version % 1000 // 10}",
-            "driver_version": _kernel_driver_version(),
-            "cuda_bindings": bindings_version,
-            "pci_bus_id": bus_id,
-            "link": _pcie_link(bus_id),
-            "copy_engines": engines,
-        }
+        with self._current:
+            err, raw = d.cuDeviceGetName(256, self._dev)
+            self._check(err)
+            name = raw.split(b"\0", 1)[0].decode(errors="replace")
+            err, version = d.cuDriverGetVersion()
+            self._check(err)
+            err, total = d.cuDeviceTotalMem(self._dev)
+            self._check(err)
+            err, bus = d.cuDeviceGetPCIBusId(64, self._dev)
+            self._check(err)
+            bus_id = bus.split(b"\0", 1)[0].decode().lower()
+            engines = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)
+            major = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            minor = self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            try:
+                from cuda.bindings import __version__ as bindings_version
+            except ImportError:
+                bindings_version = "unknown"
+            return {
+                "backend": self.name,
+                "device": self.device,
+                "name": name,
+                "compute_capability": f"{major}.{minor}",
+                "memory_bytes": int(total),
+                "driver": f"CUDA {version // 1000}.{version % 1000 // 10}",
+                "driver_version": _kernel_driver_version(),
+                "cuda_bindings": bindings_version,
+                "pci_bus_id": bus_id,
+                "link": _pcie_link(bus_id),
+                "copy_engines": engines,
+            }
 
     def _attribute(self, attribute: Any) -> int:
         err, value = self._d.cuDeviceGetAttribute(attribute, self._dev)
@@ -197,48 +223,48 @@ class CudaBackend:
 
     # -- memory ----------------------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
-        self._bind()
-        err, ptr = self._d.cuMemAlloc(nbytes)
-        self._check(err)
-        return int(ptr)
+        with self._current:
+            err, ptr = self._d.cuMemAlloc(nbytes)
+            self._check(err)
+            return int(ptr)
 
     def mem_free(self, ptr: int) -> None:
-        self._bind()
-        (err,) = self._d.cuMemFree(self._CUdeviceptr(ptr))
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuMemFree(self._CUdeviceptr(ptr))
+            self._check(err)
 
     def host_alloc(self, nbytes: int) -> int:
-        self._bind()
-        err, ptr = self._d.cuMemHostAlloc(nbytes, self._d.CU_MEMHOSTALLOC_PORTABLE)
-        self._check(err)
-        return int(ptr)
+        with self._current:
+            err, ptr = self._d.cuMemHostAlloc(nbytes, self._d.CU_MEMHOSTALLOC_PORTABLE)
+            self._check(err)
+            return int(ptr)
 
     def host_free(self, ptr: int) -> None:
-        self._bind()
-        (err,) = self._d.cuMemFreeHost(ptr)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuMemFreeHost(ptr)
+            self._check(err)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
-        self._bind()
-        (err,) = self._d.cuMemHostRegister(ptr, nbytes, self._d.CU_MEMHOSTREGISTER_PORTABLE)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuMemHostRegister(ptr, nbytes, self._d.CU_MEMHOSTREGISTER_PORTABLE)
+            self._check(err)
 
     def host_unregister(self, ptr: int) -> None:
-        self._bind()
-        (err,) = self._d.cuMemHostUnregister(ptr)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuMemHostUnregister(ptr)
+            self._check(err)
 
     # -- streams and events ------------------------------------------------------------------
     def stream_create(self) -> Any:
-        self._bind()
-        err, stream = self._d.cuStreamCreate(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        self._check(err)
-        return stream
+        with self._current:
+            err, stream = self._d.cuStreamCreate(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            self._check(err)
+            return stream
 
     def stream_destroy(self, stream: Any) -> None:
-        self._bind()
-        (err,) = self._d.cuStreamDestroy(stream)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuStreamDestroy(stream)
+            self._check(err)
 
     def stream_handle(self, stream: Any) -> int:
         return int(stream)
@@ -247,28 +273,28 @@ class CudaBackend:
         return self._d.CUstream(handle)
 
     def stream_synchronize(self, stream: Any) -> None:
-        self._bind()
-        self.sync_calls += 1
-        (err,) = self._d.cuStreamSynchronize(stream)
-        self._check(err)
+        with self._current:
+            self.sync_calls += 1
+            (err,) = self._d.cuStreamSynchronize(stream)
+            self._check(err)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
-        self._bind()
-        (err,) = self._d.cuStreamWaitEvent(stream, event, 0)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuStreamWaitEvent(stream, event, 0)
+            self._check(err)
 
     def event_create(self, blocking: bool = False) -> Any:
-        self._bind()
-        flags = self._d.CUevent_flags
-        mask = int(flags.CU_EVENT_DISABLE_TIMING) | (int(flags.CU_EVENT_BLOCKING_SYNC) if blocking else 0)
-        err, event = self._d.cuEventCreate(mask)
-        self._check(err)
-        return event
+        with self._current:
+            flags = self._d.CUevent_flags
+            mask = int(flags.CU_EVENT_DISABLE_TIMING) | (int(flags.CU_EVENT_BLOCKING_SYNC) if blocking else 0)
+            err, event = self._d.cuEventCreate(mask)
+            self._check(err)
+            return event
 
     def event_destroy(self, event: Any) -> None:
-        self._bind()
-        (err,) = self._d.cuEventDestroy(event)
-        self._check(err)
+        with self._current:
+            (err,) = self._d.cuEventDestroy(event)
+            self._check(err)
 
     def event_record(self, event: Any, stream: Any) -> None:
         (err,) = self._cuEventRecord(event, stream)
@@ -282,8 +308,8 @@ class CudaBackend:
         if err == self._not_ready:
             return False
         if int(err) in _REBIND:
-            self._bind(force=True)
-            (err,) = self._cuEventQuery(event)
+            with self._current:
+                (err,) = self._cuEventQuery(event)
             if not err:
                 return True
             if err == self._not_ready:
@@ -364,50 +390,50 @@ class CudaBackend:
         return False, "cuDeviceCanAccessPeer: not supported for this pair (no NVLink/PCIe P2P path)", attributes
 
     def enable_peer(self, other: CudaBackend) -> None:
-        self._bind()
-        (err,) = self._d.cuCtxEnablePeerAccess(other._ctx, 0)
-        if err and int(err) != 704:  # PEER_ACCESS_ALREADY_ENABLED
-            self._check(err)
+        with self._current:
+            (err,) = self._d.cuCtxEnablePeerAccess(other._ctx, 0)
+            if err and int(err) != 704:  # PEER_ACCESS_ALREADY_ENABLED
+                self._check(err)
 
     def memcpy_peer(self, dst: int, src: int, src_backend: CudaBackend, nbytes: int, stream: Any) -> None:
-        self._bind()
-        d = self._d
-        (err,) = d.cuMemcpyPeerAsync(
-            d.CUdeviceptr(dst), self._ctx, d.CUdeviceptr(src), src_backend._ctx, nbytes, stream
-        )
-        self._check(err)
+        with self._current:
+            d = self._d
+            (err,) = d.cuMemcpyPeerAsync(
+                d.CUdeviceptr(dst), self._ctx, d.CUdeviceptr(src), src_backend._ctx, nbytes, stream
+            )
+            self._check(err)
 
     def memcpy_dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._bind()
-        d = self._d
-        (err,) = d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, stream)
-        self._check(err)
+        with self._current:
+            d = self._d
+            (err,) = d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), nbytes, stream)
+            self._check(err)
 
     # -- gates: cuStreamWaitValue32 on mapped pinned memory -------------------------------------
     def gate_create(self) -> _Gate:
-        self._bind()
-        d = self._d
-        err, host = d.cuMemHostAlloc(
-            4, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE
-        )
-        self._check(err)
-        ctypes.c_uint32.from_address(int(host)).value = 0
-        err, dev = d.cuMemHostGetDevicePointer(host, 0)
-        self._check(err)
-        gate = _Gate(int(host), int(dev))
-        self._gates.append(gate)
-        return gate
+        with self._current:
+            d = self._d
+            err, host = d.cuMemHostAlloc(
+                4, d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE
+            )
+            self._check(err)
+            ctypes.c_uint32.from_address(int(host)).value = 0
+            err, dev = d.cuMemHostGetDevicePointer(host, 0)
+            self._check(err)
+            gate = _Gate(int(host), int(dev))
+            self._gates.append(gate)
+            return gate
 
     def stream_wait_gate(self, stream: Any, gate: _Gate) -> None:
-        self._bind()
-        d = self._d
-        (err,) = d.cuStreamWaitValue32(
-            stream,
-            d.CUdeviceptr(gate.dev),
-            1,
-            d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-        )
-        self._check(err)
+        with self._current:
+            d = self._d
+            (err,) = d.cuStreamWaitValue32(
+                stream,
+                d.CUdeviceptr(gate.dev),
+                1,
+                d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+            )
+            self._check(err)
 
     def gate_open(self, gate: _Gate) -> None:
         ctypes.c_uint32.from_address(gate.host).value = 1
@@ -417,11 +443,11 @@ class CudaBackend:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        self._bind()
-        for gate in self._gates:  # streams are idle by now: nothing waits on a gate
-            self._d.cuMemFreeHost(gate.host)
-        self._gates.clear()
-        self._d.cuDevicePrimaryCtxRelease(self._dev)
+        with self._current:
+            for gate in self._gates:  # streams are idle by now: nothing waits on a gate
+                self._d.cuMemFreeHost(gate.host)
+            self._gates.clear()
+            self._d.cuDevicePrimaryCtxRelease(self._dev)
 
 
 def _kernel_driver_version() -> str:
