@@ -139,6 +139,7 @@ def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> Non
                 handed = pending.hand_off(consumer)
                 assert testing.host_waits(gpu) == waits
                 total = consume(handed)  # queued behind the held copy
+            consumer.synchronize()  # PyTorch's own rule: read a result on (or after) its stream
             assert int(total) == int(data.astype(np.int64).sum())
             pending.wait()
             buf.close()

@@ -74,17 +74,23 @@ class Foreign:
         self._state = "closed"
 
 
-def is_foreign(obj: Any) -> bool:
-    """Whether ``obj`` is a device array of another library that ferry can copy."""
-    return hasattr(obj, "__cuda_array_interface__") and not _is_ferry(obj)
-
-
-def cai_version(obj: Any) -> int:
-    """The version of ``obj``'s CUDA Array Interface (0 if unreadable)."""
+def interface_of(obj: Any) -> dict[str, Any] | None:
+    """The CUDA Array Interface of a foreign device array, read once; ``None`` when ``obj``
+    has none (or is a ferry array). Raises TransferSubmitError when reading it fails."""
+    if _is_ferry(obj):
+        return None
+    name = "__cuda_array_interface__"
+    if not hasattr(type(obj), name) and not hasattr(obj, name):  # a property is found without computing it
+        return None
     try:
-        return int(obj.__cuda_array_interface__.get("version", 0))
-    except Exception:
-        return 0
+        cai = obj.__cuda_array_interface__
+    except BufferMovedError:
+        raise
+    except Exception as exc:
+        raise TransferSubmitError(f"could not read the CUDA Array Interface of {type(obj).__name__}: {exc}") from exc
+    if not isinstance(cai, dict):
+        raise TransferSubmitError(f"the CUDA Array Interface of {type(obj).__name__} is not a dict")
+    return cai
 
 
 def _is_ferry(obj: Any) -> bool:
@@ -93,14 +99,9 @@ def _is_ferry(obj: Any) -> bool:
     return isinstance(obj, DeviceArray)
 
 
-def foreign_from(obj: Any, *, write: bool) -> Foreign:
-    """Read a foreign array's CUDA Array Interface; refuse what ferry cannot copy."""
-    try:
-        cai = obj.__cuda_array_interface__
-    except BufferMovedError:
-        raise
-    except Exception as exc:
-        raise TransferSubmitError(f"could not read the CUDA Array Interface of {type(obj).__name__}: {exc}") from exc
+def foreign_from(obj: Any, cai: dict[str, Any], *, write: bool) -> Foreign:
+    """A foreign array from its CUDA Array Interface ``cai`` (:func:`interface_of`);
+    refuses what ferry cannot copy."""
     shape = tuple(int(s) for s in cai["shape"])
     dtype = np.dtype(cai.get("descr") if cai.get("descr") and len(cai["descr"]) > 1 else cai["typestr"])
     if dtype.hasobject:

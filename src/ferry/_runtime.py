@@ -35,7 +35,7 @@ from ._errors import (
     TransferSubmitError,
 )
 from ._hostcache import HostCache
-from ._interop import Foreign, cai_version, foreign_from, foreign_from_dlpack, is_foreign, stream_handle_of
+from ._interop import Foreign, foreign_from, foreign_from_dlpack, interface_of, stream_handle_of
 from ._peer import StagedPeerJob
 from ._pending import Batch, Extras, PendingCopy, PendingDownload, PendingUpload, Record, SharedEvent, failed_error
 from ._pool import PinnedPool
@@ -472,13 +472,13 @@ class Runtime:
             if problem:
                 raise TransferSubmitError(problem)
             return obj
-        cai = is_foreign(obj)
-        if _dlpack_device_type(obj) == _KDL_CUDA and (not cai or cai_version(obj) < 3):
+        cai = interface_of(obj)
+        if _dlpack_device_type(obj) == _KDL_CUDA and (cai is None or int(cai.get("version", 0)) < 3):
             # DLPack orders ferry's stream after the producer (a CUDA Array Interface
             # before version 3 names no stream, so it cannot)
             return foreign_from_dlpack(obj, self, self._backend.stream_handle(stream))
-        if cai:
-            return foreign_from(obj, write=write)
+        if cai is not None:
+            return foreign_from(obj, cai, write=write)
         _expect(obj, DeviceArray, call, name, _DEVICE)
         return obj  # unreachable: _expect raised
 
