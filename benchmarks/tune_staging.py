@@ -2,7 +2,10 @@
 direct/staged crossover. Prints one line per configuration; the defaults in
 ferry.StagingConfig come from these figures (docs/benchmarks.md).
 
-    PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick]
+    PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick | --mid]
+
+``--mid`` sweeps how mid-size payloads (2-32 MiB) are cut (smallest chunk, so
+how many lanes wake) against the direct route.
 """
 
 from __future__ import annotations
@@ -40,7 +43,20 @@ def one_size(rt: ferry.Runtime, n: int, reps: int) -> str:
     return f"{n / MiB:>6.2f} MiB up {up:5.1f} down {down:5.1f}"
 
 
+def mid() -> None:
+    sizes = [2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB]
+    print("min_chunk lanes | " + " | ".join(f"{s // MiB} MiB" for s in sizes))
+    for min_chunk, n_lanes in itertools.product([256 << 10, 1 * MiB, 2 * MiB, 4 * MiB], [4, 8, 12]):
+        config = ferry.StagingConfig(min_chunk_bytes=min_chunk, lanes=n_lanes, direct_bytes=0)
+        print(f"{min_chunk >> 10:6d}K {n_lanes:5d} | " + " | ".join(measure(config, sizes, 15)), flush=True)
+    direct = ferry.StagingConfig(direct_bytes=1 << 40)
+    print("direct        | " + " | ".join(measure(direct, sizes, 15)), flush=True)
+
+
 def main() -> None:
+    if "--mid" in sys.argv:
+        mid()
+        return
     quick = "--quick" in sys.argv
     lanes = [8, 12, 16] if not quick else [12, 16]
     slots = [2 * MiB, 4 * MiB, 8 * MiB] if not quick else [4 * MiB]
