@@ -332,3 +332,14 @@ def test_fresh_outputs_reuse_resident_memory_only_after_every_view_died(srt: fer
     _, third = srt.download(dev).wait()
     assert third.ctypes.data in (first_addr, second_addr)
     assert same(third, data)
+
+
+def test_chunk_sizes_spread_over_lanes_within_the_bounds() -> None:
+    config = ferry.StagingConfig(slot_bytes=4 * MiB, lanes=12, min_chunk_bytes=1 * MiB)
+    assert config.chunk_bytes(8 * MiB) == 1 * MiB  # 8 lanes wake, not 12 tiny ones
+    assert config.chunk_bytes(24 * MiB) == 2 * MiB  # every lane works
+    assert config.chunk_bytes(1 << 30) == 4 * MiB  # never more than a slot
+    small_slots = ferry.StagingConfig(slot_bytes=256 << 10)  # below the default smallest chunk: slots win
+    assert small_slots.chunk_bytes(64 * MiB) == 256 << 10
+    with pytest.raises(ValueError, match="min_chunk_bytes"):
+        ferry.StagingConfig(min_chunk_bytes=100)

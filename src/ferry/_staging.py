@@ -80,14 +80,15 @@ class StagingConfig:
     min_chunk_bytes
         The smallest chunk a transfer is cut into. A transfer is cut into
         ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
-        clamped to ``[min_chunk_bytes, slot_bytes]``.
+        at least ``min_chunk_bytes`` (fewer lanes wake for mid-size payloads)
+        and at most ``slot_bytes``.
     """
 
     slot_bytes: int = 4 << 20
     slots_per_lane: int = 3
     lanes: int = 12
-    direct_bytes: int = 1 << 20
-    min_chunk_bytes: int = 256 << 10
+    direct_bytes: int = 4 << 20
+    min_chunk_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if (
@@ -95,18 +96,18 @@ class StagingConfig:
             or self.slots_per_lane < 1
             or self.lanes < 1
             or self.direct_bytes < 0
-            or not 4096 <= self.min_chunk_bytes <= self.slot_bytes
+            or self.min_chunk_bytes < 4096
         ):
             raise ValueError(
                 "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 "
-                "and 4096 <= min_chunk_bytes <= slot_bytes"
+                "and min_chunk_bytes >= 4096"
             )
 
     def chunk_bytes(self, nbytes: int) -> int:
         """The chunk size for a transfer of ``nbytes``: spread over every lane, within the bounds."""
         share = -(-nbytes // self.lanes)
         share = -(-share // 65536) * 65536
-        return max(self.min_chunk_bytes, min(self.slot_bytes, share))
+        return min(self.slot_bytes, max(self.min_chunk_bytes, share))
 
     @property
     def pinned_bytes(self) -> int:
