@@ -528,8 +528,9 @@ extern "C" __global__ void slow_fill(unsigned char* p, size_t n, unsigned char v
 """
 
 
-def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str] | None:
-    """A foreign array and a function that launches a ~10 ms producer kernel writing it."""
+def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str, int] | None:
+    """A foreign array, a function that launches a ~10 ms producer kernel writing it, a
+    description, and the producer's stream handle."""
     rt = ctx.rt
     if rt.backend == "emulated":
         from ferry import testing
@@ -537,7 +538,9 @@ def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str] | 
         backing = rt.empty(n, np.uint8)
         handle = testing.side_stream(rt)
         foreign = testing.ForeignArray(backing, stream=handle)
-        return foreign, lambda v: testing.produce(rt, handle, backing.ptr, n, v, delay=0.01), "emulated producer"
+        return (
+            foreign, lambda v: testing.produce(rt, handle, backing.ptr, n, v, delay=0.01), "emulated producer", handle
+        )
     if "cupy" in ctx.peers:
         cupy = ctx.peers["cupy"].cupy
         kernel = cupy.RawKernel(_SLOW_FILL, "slow_fill")
@@ -557,40 +560,55 @@ def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str] | 
                 with stream:
                     return dict(array.__cuda_array_interface__)
 
-        return Produced(), launch, "CuPy kernel, CUDA Array Interface v3"
+        return Produced(), launch, "CuPy kernel, CUDA Array Interface v3", int(stream.ptr)
     return None
 
 
 def group_handoff(ctx: Context) -> None:
-    """Submitting a download right after a ~10 ms producer kernel: no host wait, right bytes."""
+    """Submitting a download right after a ~10 ms producer kernel: no host wait, right bytes.
+
+    Each repetition also records whether the producer was still running when
+    the submission returned (an event recorded behind it, queried at once):
+    a submission that waited on the host would always find it finished.
+    """
+    import time as _time
+
     rt = ctx.rt
     n = 8 * MiB
     made = _producer(ctx, n)
     if made is None:
         ctx.record(Result("handoff", "ferry", "submit_after_producer", "d2h", n, note="no producer available"))
         return
-    foreign, launch, how = made
+    foreign, launch, how, handle = made
+    backend = rt._backend
+    producer_stream = backend.stream_from_handle(handle)
+    marker = backend.event_create()
     buf = rt.pinned(n)
     samples: list[float] = []
     valid = True
-    import time as _time
-
+    running = 0
     reps = 5 if ctx.quick else 20
-    for i in range(reps + 2):
-        value = 1 + i % 250
-        launch(value)
-        start = _time.perf_counter()
-        pending = rt.download_pending(foreign, buf)
-        elapsed = _time.perf_counter() - start
-        _, buf = pending.wait()
-        view = buf.as_array()
-        valid = valid and bool(view[0] == value and view[-1] == value and np.all(view[:: 1 << 12] == value))
-        del view
-        if i >= 2:
-            samples.append(elapsed)
-    buf.close()
-    result = Result("handoff", "ferry", "submit_after_producer", "d2h", n, samples=samples, valid=valid, note=how)
-    ctx.record(result)
+    try:
+        for i in range(reps + 2):
+            value = 1 + i % 250
+            launch(value)
+            backend.event_record(marker, producer_stream)
+            start = _time.perf_counter()
+            pending = rt.download_pending(foreign, buf)
+            elapsed = _time.perf_counter() - start
+            still_running = not backend.event_query(marker)
+            _, buf = pending.wait()
+            view = buf.as_array()
+            valid = valid and bool(view[0] == value and view[-1] == value and np.all(view[:: 1 << 12] == value))
+            del view
+            if i >= 2:
+                samples.append(elapsed)
+                running += still_running
+    finally:
+        buf.close()
+        backend.event_destroy(marker)
+    note = f"{how}; producer still running at return in {running}/{reps}"
+    ctx.record(Result("handoff", "ferry", "submit_after_producer", "d2h", n, samples=samples, valid=valid, note=note))
 
 
 def group_peer(ctx: Context) -> None:
