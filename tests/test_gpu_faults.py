@@ -8,9 +8,9 @@ is skipped only where no GPU is usable or CuPy (the kernel launcher) is
 missing.
 
 History: a first version held ferry's stream with a ``cuStreamWaitValue32``
-gate while the producer faulted; on the H200 (2026-11-29) that child hung and
-was killed at the timeout, where it hung unknown. This version has not run on
-a GPU yet; a hang shows the child's output so far in the failure message.
+gate while the producer faulted; on the H200 (2026-11-29) that child hung. This
+version (no gate; ordered through the producer's stream) passes on H200s
+(2026-11-29); a hang would show the child's output so far in the failure.
 """
 
 from __future__ import annotations
