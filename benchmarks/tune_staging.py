@@ -2,10 +2,12 @@
 direct/staged crossover. Prints one line per configuration; the defaults in
 ferry.StagingConfig come from these figures (docs/benchmarks.md).
 
-    PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick | --mid]
+    PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick | --mid | --slots]
 
 ``--mid`` sweeps how mid-size payloads (2-32 MiB) are cut (smallest chunk, so
-how many lanes wake) against the direct route.
+how many lanes wake) against the direct route. ``--slots`` sweeps small slots
+(which may keep a DMA'd chunk in the last-level cache until it is copied out)
+at 256 MiB.
 """
 
 from __future__ import annotations
@@ -53,7 +55,19 @@ def mid() -> None:
     print("direct        | " + " | ".join(measure(direct, sizes, 15)), flush=True)
 
 
+def small_slots() -> None:
+    print("lanes slot   depth | 256 MiB")
+    for n_lanes, slot, d in itertools.product([8, 12, 16], [256 << 10, 512 << 10, 1 * MiB, 2 * MiB, 4 * MiB], [3, 6]):
+        config = ferry.StagingConfig(
+            slot_bytes=slot, slots_per_lane=d, lanes=n_lanes, direct_bytes=0, min_chunk_bytes=min(slot, 1 * MiB)
+        )
+        print(f"{n_lanes:5d} {slot >> 10:5d}K {d:5d} | " + " | ".join(measure(config, [256 * MiB], 7)), flush=True)
+
+
 def main() -> None:
+    if "--slots" in sys.argv:
+        small_slots()
+        return
     if "--mid" in sys.argv:
         mid()
         return

@@ -47,7 +47,7 @@ import ctypes
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -118,9 +118,12 @@ class StagingConfig:
 # -- chunk plans ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """``nbytes`` at ``offset`` of the C-order byte image; ``index`` selects them from the array."""
+class Chunk(NamedTuple):
+    """``nbytes`` at ``offset`` of the C-order byte image; ``index`` selects them from the array.
+
+    A named tuple: a 256 MiB transfer plans 64 of them on the submitting
+    thread, and a tuple is built several times faster than a dataclass.
+    """
 
     offset: int
     nbytes: int
