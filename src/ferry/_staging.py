@@ -119,7 +119,7 @@ class StagingConfig:
 
 
 class Chunk(NamedTuple):
-    """``nbytes`` at ``offset`` of the C-order byte image; ``index`` selects them from the array.
+    """``nbytes`` at ``offset`` of the C-order byte image; ``select`` picks them from the array.
 
     A named tuple: a 256 MiB transfer plans 64 of them on the submitting
     thread, and a tuple is built several times faster than a dataclass.
@@ -127,7 +127,7 @@ class Chunk(NamedTuple):
 
     offset: int
     nbytes: int
-    index: tuple[Any, ...] | None  # None: the array is C-contiguous, copy raw bytes
+    select: tuple[Any, ...] | None  # None: the array is C-contiguous, copy raw bytes
 
 
 def plan_chunks(array: np.ndarray[Any, Any], chunk_bytes: int) -> list[Chunk]:
@@ -160,19 +160,19 @@ def plan_chunks(array: np.ndarray[Any, Any], chunk_bytes: int) -> list[Chunk]:
 
 def copy_in(slot_ptr: int, array: np.ndarray[Any, Any], chunk: Chunk, base_ptr: int) -> None:
     """Copy one chunk of ``array`` into the slot at ``slot_ptr`` (GIL released)."""
-    if chunk.index is None:
+    if chunk.select is None:
         _memmove(slot_ptr, base_ptr + chunk.offset, chunk.nbytes)
         return
-    part = array[chunk.index]
+    part = array[chunk.select]
     np.copyto(_slot_view(slot_ptr, part), part, casting="no")
 
 
 def copy_out(array: np.ndarray[Any, Any], chunk: Chunk, slot_ptr: int, base_ptr: int) -> None:
     """Copy one chunk from the slot at ``slot_ptr`` into ``array`` (GIL released)."""
-    if chunk.index is None:
+    if chunk.select is None:
         _memmove(base_ptr + chunk.offset, slot_ptr, chunk.nbytes)
         return
-    part = array[chunk.index]
+    part = array[chunk.select]
     np.copyto(part, _slot_view(slot_ptr, part), casting="no")
 
 
