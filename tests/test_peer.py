@@ -191,3 +191,28 @@ def test_cuda_routes_cover_every_device_the_driver_counts() -> None:
     found = ferry.routes("cuda")
     assert sorted((r.source, r.destination) for r in found) == [(i, j) for i in range(count) for j in range(count)]
     assert all((r.route == "same device") == (r.source == r.destination) for r in found)
+
+
+def test_ferry_gives_the_thread_its_current_context_back() -> None:
+    """A user's current device (another library's, here device 1's primary context) stays theirs."""
+    if _NO_PAIR is not None:
+        pytest.skip(f"no two usable GPUs: {_NO_PAIR}")
+    from cuda.bindings import driver
+
+    err, dev1 = driver.cuDeviceGet(1)
+    err, ctx1 = driver.cuDevicePrimaryCtxRetain(dev1)
+    assert not err
+    try:
+        (err,) = driver.cuCtxSetCurrent(ctx1)
+        assert not err
+        with ferry.Runtime("cuda", 0) as rt:
+            data = np.arange(1 << 20, dtype=np.uint8)
+            dev = rt.to_device(data)
+            assert np.array_equal(rt.to_host(dev), data)
+            err, current = driver.cuCtxGetCurrent()
+            assert int(current) == int(ctx1)
+            dev.close()
+        err, current = driver.cuCtxGetCurrent()
+        assert int(current) == int(ctx1)
+    finally:
+        driver.cuDevicePrimaryCtxRelease(dev1)
