@@ -199,6 +199,7 @@ def test_ferry_gives_the_thread_its_current_context_back() -> None:
         pytest.skip(f"no two usable GPUs: {_NO_PAIR}")
     from cuda.bindings import driver
 
+    err, before = driver.cuCtxGetCurrent()
     err, dev1 = driver.cuDeviceGet(1)
     err, ctx1 = driver.cuDevicePrimaryCtxRetain(dev1)
     assert not err
@@ -215,4 +216,5 @@ def test_ferry_gives_the_thread_its_current_context_back() -> None:
         err, current = driver.cuCtxGetCurrent()
         assert int(current) == int(ctx1)
     finally:
+        driver.cuCtxSetCurrent(before)  # leave the thread as the test found it
         driver.cuDevicePrimaryCtxRelease(dev1)
