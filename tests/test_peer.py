@@ -39,8 +39,7 @@ def machine(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+def _two_runtimes(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
     a, b = ferry.Runtime(machine, 0), ferry.Runtime(machine, 1)  # type: ignore[arg-type]
     try:
         yield a, b
@@ -51,14 +50,13 @@ def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
 
 
 @pytest.fixture
+def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    yield from _two_runtimes(machine)
+
+
+@pytest.fixture
 def emulated_pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
-    a, b = ferry.Runtime("emulated", 0), ferry.Runtime("emulated", 1)
-    try:
-        yield a, b
-    finally:
-        b.close()
-        a.close()
-    assert testing.violations(a) == [] and testing.violations(b) == []
+    yield from _two_runtimes("emulated")
 
 
 def test_routes_report_every_pair_and_why(machine: str) -> None:
