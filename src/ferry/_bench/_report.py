@@ -209,7 +209,8 @@ def markdown(meta: dict[str, Any], results: list[Result], checks: list[Check]) -
         for r in (r for r in results if r.group == group):
             lo = min(r.samples) if r.samples else float("nan")
             hi = max(r.samples) if r.samples else float("nan")
-            gbps = "-" if math.isnan(r.gbps) or r.direction in ("host", "-") or r.group == "handoff" else f"{r.gbps:.2f}"
+            no_rate = math.isnan(r.gbps) or r.direction in ("host", "-") or r.group == "handoff"
+            gbps = "-" if no_rate else f"{r.gbps:.2f}"
             valid = {True: "yes", False: f"NO {r.note}", None: "-"}[r.valid]
             lines.append(
                 f"| {r.impl} | {r.route} | {r.direction} | {_fmt_size(r.nbytes)} | {_fmt_time(r.median)} "
