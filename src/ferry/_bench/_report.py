@@ -52,6 +52,10 @@ def compute_checks(results: list[Result]) -> list[Check]:
         value = a.gbps / b.gbps
         checks.append(Check(name, f"{a.gbps:.2f} / {b.gbps:.2f} GB/s = {value:.3f}", what, value >= minimum))
 
+    def bandwidth_check(name: str, r: Result | None, minimum: float) -> None:
+        measured = "not measured" if r is None else f"{r.gbps:.1f} GB/s"
+        checks.append(Check(name, measured, f">= {minimum:g} GB/s", None if r is None else r.gbps >= minimum))
+
     sizes = sorted({r.nbytes for r in results if r.group == "transfer" and r.nbytes >= MiB})
     for n in sizes:
         for d in ("h2d", "d2h"):
@@ -118,14 +122,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
         n = large[0].nbytes
         for d in ("h2d", "d2h"):
             f = _find(large, impl="ferry", route="pageable", direction=d)
-            checks.append(
-                Check(
-                    f"pageable {d} {n // MiB} MiB (reused output)",
-                    "not measured" if f is None else f"{f.gbps:.1f} GB/s",
-                    ">= 35 GB/s",
-                    None if f is None else f.gbps >= 35,
-                )
-            )
+            bandwidth_check(f"pageable {d} {n // MiB} MiB (reused output)", f, 35)
             ratio_check(
                 f"pageable {d} vs PyTorch pageable copy_",
                 f,
@@ -140,14 +137,8 @@ def compute_checks(results: list[Result]) -> list[Check]:
                 4.0,
                 ">= 4x",
             )
-        fresh = _find(large, impl="ferry", route="fresh")
-        checks.append(
-            Check(
-                f"pageable d2h {n // MiB} MiB into a fresh output",
-                "not measured" if fresh is None else f"{fresh.gbps:.1f} GB/s",
-                ">= 20 GB/s",
-                None if fresh is None else fresh.gbps >= 20,
-            )
+        bandwidth_check(
+            f"pageable d2h {n // MiB} MiB into a fresh output", _find(large, impl="ferry", route="fresh"), 20
         )
     handoff = [r for r in results if r.group == "handoff"]
     if handoff:
@@ -169,14 +160,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
         )
     for d in ("h2d", "d2h"):
         f = _find(results, group="transfer", impl="ferry", route="pageable", direction=d, nbytes=8 * MiB)
-        checks.append(
-            Check(
-                f"pageable {d} 8 MiB",
-                "not measured" if f is None else f"{f.gbps:.1f} GB/s",
-                ">= 25 GB/s",
-                None if f is None else f.gbps >= 25,
-            )
-        )
+        bandwidth_check(f"pageable {d} 8 MiB", f, 25)
     return checks
 
 
