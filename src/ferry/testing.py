@@ -31,6 +31,8 @@ __all__ = [
     "consume",
     "Read",
     "ForeignArray",
+    "backend_of",
+    "abandoned_objects",
 ]
 
 _DIRECTIONS = ("upload", "download", "both")
@@ -81,6 +83,16 @@ def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) ->
     if not hasattr(backend, "fail_next_copy"):
         raise FerryError(f"fault injection needs the emulated device, not {runtime.backend}")
     backend.fail_next_copy(sticky=sticky, after=after)
+
+
+def backend_of(runtime: Runtime) -> Any:
+    """The runtime's device backend (the ``Backend`` protocol object), for tests and probes."""
+    return runtime._backend
+
+
+def abandoned_objects(runtime: Runtime) -> list[Any]:
+    """Every object abandoned by a failed transfer of this runtime (kept forever)."""
+    return [o for r in runtime._abandoned for o in r.moved + r.leased]
 
 
 def violations(runtime: Runtime) -> list[str]:
