@@ -1,7 +1,19 @@
 """Every backend-neutral test runs on each available backend.
 
 The emulated device always runs. CUDA runs when a GPU is usable; it is skipped
-only on the narrow probe (no driver, no device), whose reason is shown.
+only on the narrow probe (no driver, no device). Every such skip carries one
+short reason (:data:`NO_GPU`, or :data:`NO_PAIR` for two-GPU tests), so
+``-ra`` folds them into one summary line; the driver's own message is printed
+once, as the ``ferry cuda:`` line of the session header (and of the summary).
+
+What needs a GPU is declared, never probed by hand in a test:
+
+- the ``backend_name`` fixture's ``"cuda"`` parameter (and ``rt``, built on it);
+- the ``machine`` fixture's ``"cuda"`` parameter (two GPUs; ``pair`` builds on it);
+- ``@pytest.mark.cuda`` (one GPU) or ``@pytest.mark.cuda(devices=2)``.
+
+Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``), ``lint``
+(runs ruff or mypy), ``cuda``.
 """
 
 from __future__ import annotations
@@ -14,34 +26,117 @@ import ferry
 from ferry import testing
 from ferry._backends._cuda import probe
 
+NO_GPU = "no usable GPU (see 'ferry cuda:' in the report header or summary)"
+NO_PAIR = "no two usable GPUs (see 'ferry cuda:' in the report header or summary)"
 
-def cuda_unavailable_reason() -> str | None:
+
+def _probe(devices: int) -> str | None:
+    """Why ``devices`` CUDA devices are not usable here (the driver's message), or ``None``."""
     try:
-        probe(0)
+        for index in range(devices):
+            probe(index)
     except ferry.DeviceUnavailableError as exc:
         return str(exc)
     return None
 
 
-_CUDA_REASON = cuda_unavailable_reason()
+_CUDA_REASON = _probe(1)
+_PAIR_REASON = _CUDA_REASON if _CUDA_REASON is not None else _probe(2)
+_skipped_for_gpu = 0
 
 
-def make_runtime(backend: str, **options: object) -> ferry.Runtime:
-    if backend == "cuda" and _CUDA_REASON is not None:
-        pytest.skip(f"no usable GPU: {_CUDA_REASON}")
-    return ferry.Runtime(backend, **options)  # type: ignore[arg-type]
+def cuda_unavailable_reason() -> str | None:
+    """The driver's message saying why no GPU is usable, or ``None`` when one is."""
+    return _CUDA_REASON
+
+
+def require_gpus(devices: int = 1) -> None:
+    """Skip the running test unless ``devices`` GPUs are usable.
+
+    The one place a CUDA skip is raised: one location and one reason, so pytest
+    folds every such skip into one summary line.
+    """
+    global _skipped_for_gpu
+    reason = _CUDA_REASON if devices <= 1 else _PAIR_REASON
+    if reason is not None:
+        _skipped_for_gpu += 1
+        pytest.skip(NO_GPU if _CUDA_REASON is not None else NO_PAIR)
+
+
+# -- hooks ------------------------------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # registered here too so that the markers exist whatever pyproject.toml says (duplicates are harmless)
+    config.addinivalue_line("markers", "slow: slow tests (deselect with -m 'not slow' for the quick loop)")
+    config.addinivalue_line("markers", "lint: runs a linter or type checker (ruff, mypy)")
+    config.addinivalue_line("markers", "cuda(devices=1): needs that many usable GPUs; skipped otherwise")
+
+
+def _cuda_line() -> str:
+    if _CUDA_REASON is not None:
+        return f"ferry cuda: no usable GPU: {_CUDA_REASON}"
+    if _PAIR_REASON is not None:
+        return f"ferry cuda: one usable GPU (two-GPU tests skipped: {_PAIR_REASON})"
+    return "ferry cuda: two or more usable GPUs"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _cuda_line()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _skipped_for_gpu:  # the header is not shown with -q: say why once here as well
+        terminalreporter.write_line(_cuda_line())
+
+
+def _gpus_needed(item: pytest.Item) -> int:
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    needed = 0
+    if params.get("backend_name") == "cuda":
+        needed = 1
+    if params.get("machine") == "cuda":
+        needed = 2
+    marker = item.get_closest_marker("cuda")
+    if marker is not None:
+        needed = max(needed, int(marker.kwargs.get("devices", marker.args[0] if marker.args else 1)))
+    return needed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # raised here, not in a fixture: pytest reports a fixture's skip at each test's own
+    # location, which would defeat the folding into one line
+    needed = _gpus_needed(item)
+    if needed:
+        require_gpus(needed)
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(params=["emulated", "cuda"])
 def backend_name(request: pytest.FixtureRequest) -> str:
-    if request.param == "cuda" and _CUDA_REASON is not None:
-        pytest.skip(f"no usable GPU: {_CUDA_REASON}")
+    """Each backend; the ``"cuda"`` one is skipped (by the setup hook) without a GPU."""
+    return str(request.param)
+
+
+@pytest.fixture(params=["emulated", "cuda"])
+def machine(request: pytest.FixtureRequest) -> str:
+    """Each backend with two devices: the emulated machine, or two GPUs."""
     return str(request.param)
 
 
 @pytest.fixture
+def cuda_reason() -> str | None:
+    """The driver's message saying why no GPU is usable, or ``None``."""
+    return _CUDA_REASON
+
+
+@pytest.fixture
 def rt(backend_name: str) -> Iterator[ferry.Runtime]:
-    runtime = ferry.Runtime(backend_name)
+    runtime = ferry.Runtime(backend_name)  # type: ignore[arg-type]
     try:
         yield runtime
         assert testing.violations(runtime) == []
@@ -58,3 +153,31 @@ def emu() -> Iterator[ferry.Runtime]:
     finally:
         runtime.close()
     assert testing.violations(runtime) == []
+
+
+def two_runtimes(backend: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    """Runtimes on devices 0 and 1 of ``backend``, closed afterwards and checked for violations."""
+    a = ferry.Runtime(backend, 0)  # type: ignore[arg-type]
+    try:
+        b = ferry.Runtime(backend, 1)  # type: ignore[arg-type]
+    except BaseException:
+        a.close()
+        raise
+    try:
+        yield a, b
+    finally:
+        b.close()
+        a.close()
+    assert testing.violations(a) == [] and testing.violations(b) == []
+
+
+@pytest.fixture
+def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    """Two runtimes on two devices of each machine (see ``machine``)."""
+    yield from two_runtimes(machine)
+
+
+@pytest.fixture
+def emulated_pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
+    """Two runtimes on the emulated machine's devices 0 and 1."""
+    yield from two_runtimes("emulated")

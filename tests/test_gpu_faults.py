@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cuda_unavailable_reason
-
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 CHILD = r"""
@@ -69,10 +67,8 @@ print("closed", flush=True)
 """
 
 
+@pytest.mark.cuda
 def test_a_faulting_producer_fails_the_next_transfer_and_every_call_after() -> None:
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no usable GPU: {reason}")
     try:
         import cupy  # noqa: F401 - only to launch the faulting kernel
     except ImportError:

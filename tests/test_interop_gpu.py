@@ -9,15 +9,13 @@ import numpy as np
 import pytest
 
 import ferry
-from conftest import cuda_unavailable_reason
 from ferry import testing
+
+pytestmark = pytest.mark.cuda  # skipped without a usable GPU (conftest.py)
 
 
 @pytest.fixture
 def gpu() -> ferry.Runtime:
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"no usable GPU: {reason}")
     return ferry.Runtime("cuda")
 
 

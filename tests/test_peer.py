@@ -7,56 +7,17 @@ injection also run on CUDA when the machine has two usable GPUs.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import ferry
 from ferry import testing
-from ferry._backends._cuda import probe
 
 MiB = 1 << 20
 SMALL_SLOTS = ferry.StagingConfig(slot_bytes=256 << 10, slots_per_lane=2, lanes=2, direct_bytes=64 << 10)
 
-
-def _second_gpu_missing() -> str | None:
-    try:
-        probe(0)
-        probe(1)
-    except ferry.DeviceUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-_NO_PAIR = _second_gpu_missing()
-
-
-@pytest.fixture(params=["emulated", "cuda"])
-def machine(request: pytest.FixtureRequest) -> str:
-    if request.param == "cuda" and _NO_PAIR is not None:
-        pytest.skip(f"no two usable GPUs: {_NO_PAIR}")
-    return str(request.param)
-
-
-def _two_runtimes(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
-    a, b = ferry.Runtime(machine, 0), ferry.Runtime(machine, 1)  # type: ignore[arg-type]
-    try:
-        yield a, b
-    finally:
-        b.close()
-        a.close()
-    assert testing.violations(a) == [] and testing.violations(b) == []
-
-
-@pytest.fixture
-def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
-    yield from _two_runtimes(machine)
-
-
-@pytest.fixture
-def emulated_pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
-    yield from _two_runtimes("emulated")
+# the machine, pair and emulated_pair fixtures (two runtimes on devices 0 and 1) live in conftest.py
 
 
 def test_routes_report_every_pair_and_why(machine: str) -> None:
@@ -176,11 +137,8 @@ def test_device_copies_inside_a_batch(pair: tuple[ferry.Runtime, ferry.Runtime])
     assert np.array_equal(b.to_host(peer_dst), data[::-1])
 
 
+@pytest.mark.cuda
 def test_cuda_routes_cover_every_device_the_driver_counts() -> None:
-    try:
-        probe(0)
-    except ferry.DeviceUnavailableError as exc:
-        pytest.skip(f"no usable GPU: {exc}")
     from cuda.bindings import driver
 
     (err,) = driver.cuInit(0)
@@ -191,10 +149,9 @@ def test_cuda_routes_cover_every_device_the_driver_counts() -> None:
     assert all((r.route == "same device") == (r.source == r.destination) for r in found)
 
 
+@pytest.mark.cuda(devices=2)
 def test_ferry_gives_the_thread_its_current_context_back() -> None:
     """A user's current device (another library's, here device 1's primary context) stays theirs."""
-    if _NO_PAIR is not None:
-        pytest.skip(f"no two usable GPUs: {_NO_PAIR}")
     from cuda.bindings import driver
 
     err, before = driver.cuCtxGetCurrent()

@@ -103,11 +103,8 @@ def test_cli_demo_runs_and_verifies(backend_name: str) -> None:
     assert "round trip bytes equal" in result.stdout and "MISMATCH" not in result.stdout
 
 
-def test_cuda_backend_without_a_gpu_says_why() -> None:
-    from conftest import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is None:
+def test_cuda_backend_without_a_gpu_says_why(cuda_reason: str | None) -> None:
+    if cuda_reason is None:
         pytest.skip("a GPU is usable here: the refusal cannot be observed")
     import ferry
 
