@@ -48,6 +48,7 @@ def test_public_types_cannot_be_constructed_directly() -> None:
         ferry.DeviceArray(None, 0, (1,), None, 1)  # type: ignore[arg-type]
 
 
+@pytest.mark.lint
 def test_ruff_is_clean() -> None:
     pytest.importorskip("ruff", reason="ruff is part of the test extra")
     ruff = shutil.which("ruff") or f"{sys.executable} -m ruff"
@@ -56,6 +57,8 @@ def test_ruff_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.lint
+@pytest.mark.slow  # ~9 s without a mypy cache
 def test_mypy_is_clean() -> None:
     pytest.importorskip("mypy", reason="mypy is part of the test extra")
     result = subprocess.run([sys.executable, "-m", "mypy", "src"], cwd=ROOT,

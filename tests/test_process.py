@@ -114,6 +114,7 @@ def test_cuda_backend_without_a_gpu_says_why(cuda_reason: str | None) -> None:
     assert ferry.Runtime("auto").backend == "emulated"
 
 
+@pytest.mark.slow
 def test_cli_bench_quick_writes_the_report(tmp_path: Path) -> None:
     import json
 

@@ -101,6 +101,7 @@ def test_bad_input_is_refused_clearly_and_changes_nothing(
         other.close()
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_dropped_handles_keep_memory_and_the_queue_bounded() -> None:
     capacity = 64
     rt = ferry.Runtime("emulated", retirement_capacity=capacity, emulated_bandwidth=1e12, emulated_latency=0.0)
