@@ -1,56 +1,184 @@
 """``python -m ferry info | demo | bench``: what ferry sees, ferry at work, and what each route costs.
 
-Both run on the emulated device when no GPU is usable and say which backend
-they use (``--backend`` or ``FERRY_BACKEND`` choose one explicitly).
+Every command runs on the emulated device when no GPU is usable and says which
+backend it uses and, when it fell back, why (``--backend`` or ``FERRY_BACKEND``
+choose one explicitly). A usage mistake (a bad option, a bad ``FERRY_BACKEND``,
+a device that does not exist, a payload that cannot fit in memory) gets one
+line on stderr and exit status 2, as argparse does, never a traceback; a closed
+pipe (``python -m ferry info | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from ._errors import BufferMovedError, DeviceUnavailableError
-from ._runtime import Runtime
+from . import BufferMovedError, DeviceUnavailableError, Runtime, routes
 
 __all__: list[str] = []
+
+PROG = "python -m ferry"
+BACKENDS = ("auto", "cuda", "emulated")
+
+_DESCRIPTION = """\
+What ferry sees (info), ferry at work (demo), and what each route costs (bench).
+Without a usable GPU every command runs on the emulated device and says why;
+--backend, or the FERRY_BACKEND environment variable, picks a backend."""
+
+_EPILOG = """\
+exit status: 0 on success, 1 when a check fails (demo: bytes or guard; bench: a
+case failed validation), 2 for a usage mistake (one line on stderr)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``prog: error: message``, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(Exception):
+    """A user's mistake found after parsing: one line on stderr, exit status 2."""
+
+
+def _whole_number(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+    return value
+
+
+def _device_index(text: str) -> int:
+    return _whole_number(text, 0)
+
+
+def _mebibytes(text: str) -> int:
+    return _whole_number(text, 1)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for row in cells[1:]:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)
 
 
-def cmd_info(rt: Runtime) -> int:
-    """Print backend, device, driver, link and pool state."""
-    info = rt.info()
-    print(f"ferry on the {rt.backend} backend")
-    for key, value in info.items():
+# -- backend choice --------------------------------------------------------------------------------
+
+
+def _requested_backend(flag: str) -> tuple[str, str]:
+    """The backend asked for and who asked: ``--backend``, ``FERRY_BACKEND`` or nobody."""
+    if flag != "auto":
+        return flag, f"--backend {flag}"
+    env = os.environ.get("FERRY_BACKEND")
+    if env is None:
+        return "auto", ""
+    if env not in BACKENDS:
+        raise UsageError(f"FERRY_BACKEND must be one of {', '.join(BACKENDS)}, not {env!r}")
+    return env, f"FERRY_BACKEND={env}"
+
+
+def _open_runtime(backend: str, device: int) -> Runtime:
+    try:
+        return Runtime(backend, device)
+    except (DeviceUnavailableError, ValueError) as exc:  # no such device, no GPU with --backend cuda
+        raise UsageError(str(exc)) from None
+
+
+def _why_emulated(requested: str, asked_by: str, device: int) -> str:
+    """Why the runtime runs on the emulated device, in a few words."""
+    if requested == "emulated":
+        return f"chosen with {asked_by}"
+    from ._backends._cuda import probe
+
+    try:
+        probe(device)
+    except DeviceUnavailableError as exc:
+        return f"no usable GPU: {exc}"
+    return "the CUDA backend could not start on this device"
+
+
+# -- info ------------------------------------------------------------------------------------------
+
+
+def cmd_info(rt: Runtime, why_emulated: str | None = None) -> int:
+    """Print the backend (and why it was chosen), device, driver, link, pool state and routes."""
+    header = f"ferry on the {rt.backend} backend"
+    print(header if why_emulated is None else f"{header} ({why_emulated})")
+    for key, value in rt.info().items():
         shown = f"{value} ({_fmt_bytes(int(value))})" if key.endswith("_bytes") else value
         print(f"  {key:20s} {shown}")
-    from ._peer import routes
-
     print("device-to-device routes:")
     for route in routes(rt.backend):
-        print(f"  {route.source} -> {route.destination}: {route.route:11s} {route.reason}")
+        reason = "" if route.reason == route.route else f" ({route.reason})"
+        print(f"  {route.source} -> {route.destination}: {route.route}{reason}")
     return 0
+
+
+# -- demo ------------------------------------------------------------------------------------------
+
+
+def _available_host_bytes() -> int | None:
+    """Host memory this process can still take: the least of MemAvailable and a cgroup limit."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError, AttributeError):
+            return None
+    return max(0, min(found))
+
+
+def _check_demo_fits(rt: Runtime, mib: int) -> None:
+    """Refuse a payload the machine cannot hold, before allocating any of it."""
+    nbytes = mib << 20
+    # the payload, three pinned buffers (pool size classes round up by < 25 %), and on
+    # the emulated device the device array too: host memory.
+    copies = 6 if rt.backend == "emulated" else 5
+    available = _available_host_bytes()
+    if available is not None and copies * nbytes > available:
+        raise UsageError(
+            f"demo --mib {mib} needs about {_fmt_bytes(copies * nbytes)} of host memory "
+            f"({copies} times the payload) and {_fmt_bytes(available)} is available; pick a smaller --mib"
+        )
+    device_bytes = rt.info().get("memory_bytes")
+    if isinstance(device_bytes, int) and nbytes > device_bytes:
+        raise UsageError(f"demo --mib {mib} does not fit in the device's {_fmt_bytes(device_bytes)}")
 
 
 def _host_work(iterations: int) -> float:
@@ -77,6 +205,7 @@ def _row(step: str, nbytes: int, seconds: float | None, result: str, rate: bool 
 
 def cmd_demo(rt: Runtime, mib: int) -> int:
     """Upload, overlap host work with a pending download, wait, verify, report."""
+    _check_demo_fits(rt, mib)
     nbytes = mib << 20
     print(f"ferry demo on the {rt.backend} backend ({rt.info()['name']}), payload {mib} MiB")
     rows: list[list[str]] = []
@@ -102,12 +231,16 @@ def cmd_demo(rt: Runtime, mib: int) -> int:
     except BufferMovedError:
         guarded = "BufferMovedError"
     ready = pending.is_ready()
-    pending.wait()
+    device, dst = pending.wait()
+    del pending
     rows.append(_row("read while in flight", 0, None, guarded))
     rows.append(_row("is_ready() right after submit", 0, None, str(ready)))
 
     # 3. overlap: host work between submit and wait is hidden behind the copy.
-    t_copy, _ = _timed(lambda: rt.download_pending(device, dst).wait())
+    def copy_alone() -> Any:
+        return rt.download_pending(device, dst).wait()
+
+    t_copy, (device, dst) = _timed(copy_alone)
     iterations = 100_000
     t_probe, _ = _timed(lambda: _host_work(iterations))
     iterations = max(1, int(iterations * (0.8 * t_copy) / max(t_probe, 1e-9)))
@@ -129,8 +262,15 @@ def cmd_demo(rt: Runtime, mib: int) -> int:
     # 4. verify the round trip, then drop a handle unwaited: it retires, never blocks.
     ok = bool(np.array_equal(dst.as_array(np.uint32), data))
     rows.append(_row("round trip bytes equal", nbytes, None, "ok" if ok else "MISMATCH"))
-    spare = rt.pinned(nbytes)
-    t_drop, _ = _timed(lambda: rt.download_pending(device, spare))  # the handle is dropped at once
+    spare = [rt.pinned(nbytes)]
+
+    def submit_and_drop() -> None:
+        # neither the handle nor the buffer stays bound: the handle is dropped at once and
+        # its record (which now owns the buffer) goes to the retirement queue
+        rt.download_pending(device, spare.pop())
+
+    t_drop, _ = _timed(submit_and_drop)
+    dropped_at = time.perf_counter()
     rows.append(_row("submit + drop a pending handle", 0, t_drop, "to the retirement queue"))
     src.close()  # its upload was waited: the block is free for reuse
     stats_before = rt.stats().pinned_allocations
@@ -138,46 +278,100 @@ def cmd_demo(rt: Runtime, mib: int) -> int:
     buf.close()
     hit = "pool hit" if stats_before == rt.stats().pinned_allocations else "pool miss"
     rows.append(_row("pinned(n) again", nbytes, t_reuse, hit))
+    while rt.stats().retiring and time.perf_counter() - dropped_at < 10.0:
+        rt.poll()  # frees the dropped handle's record once its copy is complete; never blocks
+        time.sleep(0.0005)
+    retired = "record freed, nobody waited" if rt.stats().retiring == 0 else "still retiring"
+    rows.append(_row("rt.poll() until it retired", 0, time.perf_counter() - dropped_at, retired))
     print(_table(["step", "bytes", "time", "GB/s", "result"], rows))
     if rt.backend == "emulated":
         print(
             "\n(emulated device: its copy engines are Python threads, so pure-Python host work\n"
             " competes with them for the GIL; on CUDA the DMA needs no Python thread at all)"
         )
-    rt.poll()
     stats = rt.stats()
     print(
         f"\nstats: submitted {stats.submitted}, completed {stats.completed}, failed {stats.failed}, "
-        f"retiring {stats.retiring}, pinned pool {_fmt_bytes(stats.pinned_pool_bytes)} "
-        f"({stats.pinned_allocations} allocations)"
+        f"in flight {stats.in_flight}, retiring {stats.retiring}, "
+        f"pinned pool {_fmt_bytes(stats.pinned_pool_bytes)} ({stats.pinned_allocations} allocations)"
     )
     return 0 if ok and guarded == "BufferMovedError" else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m ferry``."""
-    parser = argparse.ArgumentParser(prog="python -m ferry", description=__doc__)
-    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "emulated"])
-    parser.add_argument("--device", type=int, default=0)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="backend, device, driver, PCIe link, pool state")
-    demo = sub.add_parser("demo", help="uploads, overlapped download, verification, a table")
-    demo.add_argument("--mib", type=int, default=64, help="payload size in MiB (default 64)")
-    from ._bench import add_arguments, run
+# -- entry point -----------------------------------------------------------------------------------
 
-    add_arguments(sub.add_parser("bench", help="every route against the peers: table, JSON, plot"))
+
+def _parser() -> _Parser:
+    from ._bench import DESCRIPTION as BENCH_DESCRIPTION
+    from ._bench import add_arguments
+
+    parser = _Parser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="auto (the default): CUDA when a GPU is usable, else the emulated device")
+    parser.add_argument("--device", type=_device_index, default=0, metavar="N", help="device index (default 0)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    sub.add_parser("info", help="backend, device, driver, PCIe link, pool state, routes",
+                   description="Print the backend (and why it was chosen), the device, driver, PCIe link, "
+                               "pinned pool state and the device-to-device routes.")
+    demo = sub.add_parser("demo", help="uploads, an overlapped download, verification, a table",
+                          description="Upload a random payload, download it while host work runs, verify the "
+                                      "bytes, drop a handle unwaited, and print what each step cost.")
+    demo.add_argument("--mib", type=_mebibytes, default=64, metavar="N",
+                      help="payload size in MiB, at least 1 (default 64)")
+    bench = sub.add_parser("bench", help="every route against the peers: table, JSON, plot",
+                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(bench)
+    return parser
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
-        rt = Runtime(args.backend, args.device)
-    except DeviceUnavailableError as exc:
-        print(f"ferry: {exc}", file=sys.stderr)
-        return 2
-    with rt:
-        if args.command == "info":
-            return cmd_info(rt)
+        requested, asked_by = _requested_backend(args.backend)
         if args.command == "bench":
-            return run(rt, args)
-        return cmd_demo(rt, args.mib)
+            from ._bench import prepare_output
+
+            problem = prepare_output(args)
+            if problem is not None:
+                raise UsageError(problem)
+        rt = _open_runtime(requested, args.device)
+        with rt:
+            if args.command == "info":
+                why = _why_emulated(requested, asked_by, args.device) if rt.backend == "emulated" else None
+                return cmd_info(rt, why)
+            if args.command == "bench":
+                from ._bench import run
+
+                return run(rt, args)
+            return cmd_demo(rt, args.mib)
+    except UsageError as exc:
+        parser.exit(2, f"{PROG}{'' if args.command is None else ' ' + args.command}: error: {exc}\n")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured)
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m ferry`` and of the ``ferry`` script; returns the exit status."""
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return status
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, like other Unix tools
+        _quiet_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,95 +1,195 @@
 """``python -m ferry bench``: every route, side by side with the peers, in one run.
 
-Writes a Markdown table to stdout and, under ``--out``, ``bench.md``,
+Prints a Markdown report to stdout and writes, into ``--out`` (default
+``bench-out`` in the current directory, said at the start), ``bench.md``,
 ``bench.json`` (machine, GPU, driver, versions, every sample) and
-``bench.png`` (bandwidth against size per route and peer).
+``bench.png`` (bandwidth against size per route and peer; needs matplotlib).
+``--no-files`` writes nothing. Progress goes to stderr: a bar with the case
+count and the time left (rich, from the ``bench`` extra), or one line per case.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Callable, Iterator
+import textwrap
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._groups import GROUPS, Context
+from ._groups import GROUPS, Context, case_count
 from ._peers import load_peers
 from ._protocol import Budget, Result
 from ._report import compute_checks, markdown, metadata, plot, write_json
 
 __all__: list[str] = []
 
+DEFAULT_OUT = "bench-out"
+
+DESCRIPTION = f"""\
+Time every route (pinned, pageable, registered, fresh outputs, both directions,
+small transfers, hand-off, device to device) and compare it, in the same run,
+with the raw driver, PyTorch and CuPy where they are installed.
+
+The report goes to stdout; bench.md, bench.json and bench.png go to --out
+(default ./{DEFAULT_OUT}; --no-files writes nothing). Progress goes to stderr.
+On the emulated device the figures model a device and the GPU targets read
+"n/a (emulated)".
+
+groups: {textwrap.fill(", ".join(GROUPS), 72, subsequent_indent="  ")}"""
+
+
+def _groups(text: str) -> str:
+    selected = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = [g for g in selected if g not in GROUPS]
+    if not selected or unknown:
+        shown = ", ".join(unknown) if unknown else "none"
+        raise argparse.ArgumentTypeError(f"unknown group(s): {shown}; choose from {', '.join(GROUPS)}")
+    return ",".join(selected)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 3600):
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most 3600 seconds, not {text}")
+    return value
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench subcommand's options."""
     parser.add_argument("--quick", action="store_true", help="a run under a minute: fewer sizes, shorter timing")
-    parser.add_argument(
-        "--groups",
-        default=",".join(GROUPS),
-        help=f"comma-separated groups (default: all): {', '.join(GROUPS)}",
-    )
-    parser.add_argument("--out", default="bench-out", help="folder for bench.md, bench.json, bench.png")
-    parser.add_argument("--seconds", type=float, default=None, help="timing budget per case (seconds)")
+    parser.add_argument("--groups", type=_groups, default=",".join(GROUPS), metavar="G1,G2",
+                        help="comma-separated groups to run (default: all)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                       help=f"folder for bench.md, bench.json, bench.png (default: ./{DEFAULT_OUT}, created)")
+    where.add_argument("--no-files", action="store_true", help="print the report only; write no file")
+    parser.add_argument("--seconds", type=_seconds, default=None, metavar="S",
+                        help="timing budget per case in seconds, more than 0 (default 0.4, 0.05 with --quick)")
+
+
+def prepare_output(args: argparse.Namespace) -> str | None:
+    """Say where the report goes and make sure it can go there, before anything is
+    measured; returns what is wrong with ``--out`` (a usage mistake), if anything."""
+    if args.no_files:
+        print("bench: report to stdout only (--no-files)", file=sys.stderr)
+        return None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return f"--out {args.out}: exists and is not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {args.out}: cannot create it ({exc.strerror})"
+    print(f"bench: writing bench.md, bench.json, bench.png to {out.resolve()}", file=sys.stderr)
+    return None
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class _Lines:
+    """Progress without rich, or when stderr is not a terminal: one line per case."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        left = f"about {_clock(elapsed / self.done * (self.total - self.done))} left" if self.done else "estimating"
+        width = len(str(self.total))
+        print(f"[{self.done + 1:{width}d}/{self.total}] {label}  ({_clock(elapsed)} elapsed, {left})",
+              file=sys.stderr, flush=True)
+        self.done += 1
+
+    def settle(self, done: int) -> None:
+        self.done = done
+
+
+class _Bar:
+    """A rich progress bar: cases done out of the total, elapsed, time left."""
+
+    def __init__(self, bar: Any, task: Any) -> None:
+        self.bar, self.task, self.started = bar, task, 0
+
+    def __call__(self, label: str) -> None:
+        self.bar.update(self.task, completed=self.started, description=label)
+        self.started += 1
+
+    def settle(self, done: int) -> None:
+        self.started = done
+        self.bar.update(self.task, completed=done)
 
 
 @contextmanager
-def _progress() -> Iterator[Callable[[str], None]]:
+def _progress(total: int) -> Iterator[_Lines | _Bar]:
     try:
         from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
     except ImportError:
-        count = [0]
-
-        def plain(label: str) -> None:
-            count[0] += 1
-            print(f"[{count[0]:4d}] {label}", file=sys.stderr, flush=True)
-
-        yield plain
+        yield _Lines(total)
         return
     console = Console(stderr=True)
+    if not console.is_terminal:
+        yield _Lines(total)
+        return
     with Progress(
-        SpinnerColumn(), TextColumn("{task.completed:>4.0f} cases"), TextColumn("{task.description}"),
-        TimeElapsedColumn(), console=console, transient=False,
+        BarColumn(), MofNCompleteColumn(), TextColumn("cases"), TimeElapsedColumn(), TextColumn("elapsed,"),
+        TimeRemainingColumn(), TextColumn("left"), TextColumn("{task.description}"),
+        console=console, transient=False,
     ) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def update(label: str) -> None:
-            bar.update(task, advance=1, description=label)
-
-        yield update
+        yield _Bar(bar, bar.add_task("starting", total=total))
 
 
 def run(rt: Any, args: argparse.Namespace) -> int:
     """Run the selected groups on ``rt`` and write the report."""
-    selected = [g.strip() for g in args.groups.split(",") if g.strip()]
-    unknown = [g for g in selected if g not in GROUPS]
-    if unknown:
-        print(f"unknown group(s): {', '.join(unknown)}; choose from {', '.join(GROUPS)}", file=sys.stderr)
-        return 2
+    selected = _groups(args.groups).split(",")
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.4)
     peers, missing = load_peers(rt)
     budget = Budget(seconds=seconds, min_reps=3 if args.quick else 5)
     meta = metadata(rt, peers, missing, args)
-    with _progress() as progress:
-        ctx = Context(rt, peers, budget, args.quick, progress)
-        for name in selected:
+    ctx = Context(rt, peers, budget, args.quick, lambda label: None)
+    counts = [case_count(name, ctx) for name in selected]
+    with _progress(sum(counts)) as progress:
+        ctx.progress = progress
+        done = 0
+        for name, count in zip(selected, counts, strict=True):
             try:
                 GROUPS[name](ctx)
             except Exception as exc:
                 ctx.results.append(Result(name, "ferry", "-", "-", 0, valid=False, note=f"group failed: {exc!r}"))
+            done += count
+            progress.settle(done)
     checks = compute_checks(ctx.results)
     report = markdown(meta, ctx.results, checks)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.md").write_text(report)
-    write_json(out / "bench.json", meta, ctx.results, checks)
-    why_not = plot(out / "bench.png", meta, ctx.results)
     print(report)
-    print(f"written: {out / 'bench.md'}, {out / 'bench.json'}" + (f", {out / 'bench.png'}" if why_not is None else ""))
-    if why_not is not None:
-        print(f"no plot: {why_not}")
+    if not args.no_files:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.md").write_text(report)
+        write_json(out / "bench.json", meta, ctx.results, checks)
+        why_not = plot(out / "bench.png", meta, ctx.results)
+        written = [out / "bench.md", out / "bench.json"] + ([out / "bench.png"] if why_not is None else [])
+        print(f"written: {', '.join(str(p) for p in written)}", file=sys.stderr)
+        if why_not is not None:
+            print(f"no plot: {why_not}", file=sys.stderr)
     invalid = [r for r in ctx.results if r.valid is False]
     if invalid:
         print(f"{len(invalid)} case(s) failed validation", file=sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import testing
 from ._peers import Case
 from ._protocol import Budget, Result, measure, payload, poison
 
@@ -533,8 +534,6 @@ def _producer(ctx: Context, n: int) -> tuple[Any, Callable[[int], None], str, in
     description, and the producer's stream handle."""
     rt = ctx.rt
     if rt.backend == "emulated":
-        from ferry import testing
-
         backing = rt.empty(n, np.uint8)
         handle = testing.side_stream(rt)
         foreign = testing.ForeignArray(backing, stream=handle)
@@ -580,7 +579,7 @@ def group_handoff(ctx: Context) -> None:
         ctx.record(Result("handoff", "ferry", "submit_after_producer", "d2h", n, note="no producer available"))
         return
     foreign, launch, how, handle = made
-    backend = rt._backend
+    backend = testing.backend_of(rt)
     producer_stream = backend.stream_from_handle(handle)
     marker = backend.event_create()
     buf = rt.pinned(n)
@@ -616,7 +615,7 @@ def group_peer(ctx: Context) -> None:
     from .._runtime import Runtime
 
     rt = ctx.rt
-    count = rt._backend.device_count()
+    count = testing.backend_of(rt).device_count()
     if count < 2:
         ctx.record(Result("peer", "ferry", "-", "-", 0, note=f"{count} device: no pair to measure"))
         return
@@ -663,6 +662,27 @@ def _device_pair_cases(ctx: Context, route: str, a: Any, b: Any, data0: Any, dat
     ctx.run("peer", Case("ferry", route, "0->1", n, forward, check_forward))
     ctx.run("peer", Case("ferry", route, "1->0", n, backward, check_backward))
     ctx.run("peer", Case("ferry", route, "both", 2 * n, both, check_both))
+
+
+def case_count(group: str, ctx: Context) -> int:
+    """How many cases ``group`` runs (or records) in ``ctx``: the progress bar's total."""
+    has = {name: int(name in ctx.peers) for name in ("raw", "torch", "cupy")}
+    peer_cases = 2 * has["raw"] + 4 * has["torch"] + 2 * has["cupy"]  # per direction, see _peer_cases
+    pageable_peers = has["raw"] + has["torch"] + has["cupy"]
+    if group == "peer":
+        return 6 if testing.backend_of(ctx.rt).device_count() >= 2 else 1
+    counts = {
+        "transfer": len(ctx.sizes) * 2 * (4 + peer_cases),
+        "host_copies": 4,
+        "large": 1 + 2 * (2 + pageable_peers) + has["torch"] + has["cupy"],
+        "overlap": 2 * 4,
+        "both": 2 + has["raw"],
+        "latency": 2 * 2 * (1 + pageable_peers),
+        "many_small": 2 + has["raw"] + has["torch"],
+        "pinned_alloc": 2 * 2,
+        "handoff": 1,
+    }
+    return counts[group]
 
 
 GROUPS: dict[str, Callable[[Context], None]] = {

@@ -203,9 +203,17 @@ def markdown(meta: dict[str, Any], results: list[Result], checks: list[Check]) -
         lines.append("")
     lines += ["## checks", "", "| check | measured | target | result |", "|---|---|---|---|"]
     for c in checks:
-        verdict = {True: "pass", False: "MISS", None: "not run"}[c.passed]
-        lines.append(f"| {c.name} | {c.measured} | {c.target} | {verdict} |")
+        lines.append(f"| {c.name} | {c.measured} | {c.target} | {verdict(c, meta['backend'])} |")
     return "\n".join(lines) + "\n"
+
+
+def verdict(check: Check, backend: str) -> str:
+    """pass, MISS or not run; on the emulated device a measured GPU target reads "n/a (emulated)"."""
+    if check.passed is None:
+        return "not run"
+    if backend == "emulated":  # every target is a GPU's: a modelled device neither meets nor misses it
+        return "n/a (emulated)"
+    return "pass" if check.passed else "MISS"
 
 
 def metadata(rt: Any, peers: dict[str, Any], missing: dict[str, str], args: Any) -> dict[str, Any]:
@@ -236,7 +244,7 @@ def write_json(path: Path, meta: dict[str, Any], results: list[Result], checks: 
     doc = {
         "meta": meta,
         "results": [r.to_json() for r in results],
-        "checks": [c.__dict__ for c in checks],
+        "checks": [{**c.__dict__, "verdict": verdict(c, meta["backend"])} for c in checks],
     }
     path.write_text(json.dumps(doc, indent=1, default=str))
 
@@ -249,7 +257,7 @@ def plot(path: Path, meta: dict[str, Any], results: list[Result]) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'ferry[bench]')"
+        return "matplotlib is not installed (pip install 'cuda-ferry[bench]')"
     transfer = [r for r in results if r.group == "transfer" and r.samples and r.valid]
     if not transfer:
         return "the transfer group was not run"

@@ -1,0 +1,239 @@
+"""``python -m ferry``, run as a user runs it: in a subprocess, reading exit status,
+stdout and stderr. A user's mistake gets one line on stderr and exit status 2,
+never a traceback; a closed pipe ends the command quietly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ferry import DeviceUnavailableError
+from ferry.__main__ import _available_host_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# groups that run in about a second on the emulated device; handoff yields a GPU target
+QUICK_GROUPS = "host_copies,latency,pinned_alloc,handoff,many_small"
+
+
+def _env(**extra: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_BACKEND"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def ferry(*args: str, cwd: Path | None = None, **env: str | None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=_env(**env), timeout=300)
+
+
+def _gpu_usable() -> bool:
+    from ferry._backends._cuda import probe
+
+    try:
+        probe(0)
+    except DeviceUnavailableError:
+        return False
+    return True
+
+
+def _assert_usage_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("python -m ferry") and ": error: " in lines[0]
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        (["info"], {"FERRY_BACKEND": "bogus"}, ["FERRY_BACKEND", "'bogus'"]),
+        (["info"], {"FERRY_BACKEND": ""}, ["FERRY_BACKEND"]),
+        (["--device", "-1", "info"], {}, ["--device", "-1"]),
+        (["--device", "x", "info"], {}, ["--device", "'x'"]),
+        (["--device", "99", "info"], {"FERRY_BACKEND": "emulated"}, ["device 99"]),
+        (["--backend", "bogus", "info"], {}, ["--backend", "bogus"]),
+        (["demo", "--mib", "0"], {}, ["--mib", "at least 1"]),
+        (["demo", "--mib", "-5"], {}, ["--mib", "-5"]),
+        (["demo", "--mib", "1.5"], {}, ["--mib", "'1.5'"]),
+        (["bench", "--seconds", "-1"], {}, ["--seconds", "-1"]),
+        (["bench", "--seconds", "0"], {}, ["--seconds"]),
+        (["bench", "--seconds", "nan"], {}, ["--seconds"]),
+        (["bench", "--groups", "transfer,bogus"], {}, ["bogus", "choose from"]),
+        (["bench", "--out", "x", "--no-files"], {}, ["not allowed with"]),
+        ([], {}, ["required"]),
+        (["frobnicate"], {}, ["frobnicate"]),
+    ],
+)
+def test_a_usage_mistake_is_one_line_and_status_2(args: list[str], env: dict[str, str], needles: list[str],
+                                                  tmp_path: Path) -> None:
+    result = ferry(*args, cwd=tmp_path, **env)
+    _assert_usage_error(result, *needles)
+    assert list(tmp_path.iterdir()) == []  # a refused bench wrote nothing
+
+
+def test_a_demo_that_cannot_fit_in_memory_is_refused_before_allocating(tmp_path: Path) -> None:
+    available = _available_host_bytes()
+    if available is not None and available > 6 * (100_000 << 20):
+        pytest.skip("this machine could hold a 97.7 GiB demo")
+    result = ferry("demo", "--mib", "100000", FERRY_BACKEND="emulated")
+    _assert_usage_error(result, "--mib 100000", "available")
+
+
+def test_bench_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "report"
+    target.write_text("keep me")
+    result = ferry("bench", "--quick", "--out", str(target), FERRY_BACKEND="emulated")
+    _assert_usage_error(result, "--out", "not a folder")
+    assert target.read_text() == "keep me"
+
+
+def test_cuda_without_a_gpu_is_a_usage_error() -> None:
+    if _gpu_usable():
+        pytest.skip("a GPU is usable here")
+    _assert_usage_error(ferry("--backend", "cuda", "info"), "driver")
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_closed_pipe_ends_quietly(unbuffered: bool) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "ferry", "info"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=_env(FERRY_BACKEND="emulated", PYTHONUNBUFFERED="1" if unbuffered else None))
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before ferry prints its first line
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert stderr == ""
+
+
+def test_a_closed_pipe_after_the_first_line_ends_quietly() -> None:
+    result = subprocess.run(f"'{sys.executable}' -m ferry info | head -1; echo \"status ${{PIPESTATUS[0]}}\"",
+                            shell=True, executable="/bin/bash", capture_output=True, text=True, cwd=ROOT,
+                            env=_env(FERRY_BACKEND="emulated"), timeout=120)
+    assert result.stdout.splitlines() == [result.stdout.splitlines()[0], "status 0"]
+    assert result.stdout.startswith("ferry on the emulated backend")
+    assert result.stderr == ""
+
+
+def test_info_says_why_it_runs_on_the_emulated_device() -> None:
+    chosen = ferry("--backend", "emulated", "info")
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.splitlines()[0] == "ferry on the emulated backend (chosen with --backend emulated)"
+    by_env = ferry("info", FERRY_BACKEND="emulated")
+    assert by_env.stdout.splitlines()[0] == "ferry on the emulated backend (chosen with FERRY_BACKEND=emulated)"
+    auto = ferry("info")
+    assert auto.returncode == 0, auto.stderr
+    if _gpu_usable():
+        assert auto.stdout.startswith("ferry on the cuda backend\n")
+        return
+    from ferry._backends._cuda import probe
+
+    with pytest.raises(DeviceUnavailableError) as reason:
+        probe(0)
+    assert auto.stdout.splitlines()[0] == f"ferry on the emulated backend (no usable GPU: {reason.value})"
+
+
+def test_info_prints_each_route_once_without_repeated_words() -> None:
+    result = ferry("info", FERRY_BACKEND="emulated", FERRY_EMULATED_DEVICES="2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    routes = lines[lines.index("device-to-device routes:") + 1:]
+    assert len(routes) == 4
+    for line in routes:
+        match = re.fullmatch(r"  (\d) -> (\d): (same device|peer|staged)( \((.+)\))?", line)
+        assert match is not None, line
+        assert match.group(5) != match.group(3)
+    assert "  0 -> 0: same device" in routes
+
+
+def test_demo_stats_add_up_and_the_dropped_handle_retires() -> None:
+    result = ferry("demo", "--mib", "4", FERRY_BACKEND="emulated")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    stats = re.search(r"stats: submitted (\d+), completed (\d+), failed (\d+), in flight (\d+), retiring (\d+)",
+                      result.stdout)
+    assert stats is not None, result.stdout
+    submitted, completed, failed, in_flight, retiring = (int(g) for g in stats.groups())
+    assert submitted == completed + failed + in_flight + retiring
+    assert (submitted, completed, in_flight, retiring) == (5, 5, 0, 0)
+    assert "record freed, nobody waited" in result.stdout
+    assert "BufferMovedError" in result.stdout and "MISMATCH" not in result.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["info"], ["demo"], ["bench"]])
+def test_help_is_plain_text(command: list[str]) -> None:
+    result = ferry(*command, "--help")
+    assert result.returncode == 0
+    assert result.stderr == ""
+    assert result.stdout.startswith("usage: python -m ferry")
+    for markup in ("``", ":class:", ":func:", ":meth:", "`"):
+        assert markup not in result.stdout
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A short bench on the emulated device, in an empty folder, with the default --out."""
+    cwd = tmp_path_factory.mktemp("bench")
+    result = ferry("bench", "--quick", "--seconds", "0.001", "--groups", QUICK_GROUPS, cwd=cwd,
+                   FERRY_BACKEND="emulated")
+    return result, cwd
+
+
+def test_bench_says_where_it_writes_and_writes_only_there(
+        bench_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, cwd = bench_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = cwd / "bench-out"
+    assert result.stderr.splitlines()[0] == f"bench: writing bench.md, bench.json, bench.png to {out.resolve()}"
+    assert [p.name for p in cwd.iterdir()] == ["bench-out"]
+    written = sorted(p.name for p in out.iterdir())
+    assert written in (["bench.json", "bench.md"], ["bench.json", "bench.md", "bench.png"])
+    assert (out / "bench.md").read_text() in result.stdout
+
+
+def test_bench_progress_shows_the_total_and_the_time_left(
+        bench_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, cwd = bench_run
+    results = json.loads((cwd / "bench-out" / "bench.json").read_text())["results"]
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    total = len(results)
+    assert len(progress) == total
+    for i, line in enumerate(progress, 1):
+        assert re.match(rf"\[ *{i}/{total}\] ", line), line
+    assert all(re.search(r"about \d+:\d\d left\)$", line) for line in progress[1:])
+
+
+def test_bench_marks_gpu_targets_not_applicable_on_the_emulated_device(
+        bench_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, cwd = bench_run
+    checks = result.stdout.split("## checks", 1)[1]
+    assert "MISS" not in checks and "| pass |" not in checks
+    assert "| n/a (emulated) |" in checks
+    verdicts = {c["verdict"] for c in json.loads((cwd / "bench-out" / "bench.json").read_text())["checks"]}
+    assert verdicts <= {"n/a (emulated)", "not run"} and "n/a (emulated)" in verdicts
+
+
+def test_bench_no_files_writes_nothing(tmp_path: Path) -> None:
+    result = ferry("bench", "--quick", "--seconds", "0.001", "--groups", "latency", "--no-files", cwd=tmp_path,
+                   FERRY_BACKEND="emulated")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "write no file" in ferry("bench", "--help").stdout
+    assert result.stderr.splitlines()[0] == "bench: report to stdout only (--no-files)"
+    assert "## latency" in result.stdout
+    assert list(tmp_path.iterdir()) == []
