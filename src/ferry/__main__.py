@@ -45,7 +45,7 @@ def cmd_info(rt: Runtime) -> int:
     for key, value in info.items():
         shown = f"{value} ({_fmt_bytes(int(value))})" if key.endswith("_bytes") else value
         print(f"  {key:20s} {shown}")
-    from ._peer import routes
+    from ._routes._peer import routes
 
     print("device-to-device routes:")
     for route in routes(rt.backend):

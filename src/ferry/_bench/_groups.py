@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime import parts_of
 from ._peers import Case
 from ._protocol import Budget, Result, measure, payload, poison
 
@@ -497,7 +498,7 @@ def _alloc_at(ctx: Context, n: int) -> None:
     def fresh_setup() -> None:
         if "buf" in box:
             box.pop("buf").close()
-        rt._pool.trim()
+        parts_of(rt).pool.trim()
 
     def pooled_setup() -> None:
         if "buf" in box:
@@ -580,7 +581,7 @@ def group_handoff(ctx: Context) -> None:
         ctx.record(Result("handoff", "ferry", "submit_after_producer", "d2h", n, note="no producer available"))
         return
     foreign, launch, how, handle = made
-    backend = rt._backend
+    backend = parts_of(rt).backend
     producer_stream = backend.stream_from_handle(handle)
     marker = backend.event_create()
     buf = rt.pinned(n)
@@ -616,15 +617,15 @@ def group_peer(ctx: Context) -> None:
     from .._runtime import Runtime
 
     rt = ctx.rt
-    count = rt._backend.device_count()
+    count = parts_of(rt).backend.device_count()
     if count < 2:
         ctx.record(Result("peer", "ferry", "-", "-", 0, note=f"{count} device: no pair to measure"))
         return
     n = ctx.large()
     data0, data1 = payload(n, 31), payload(n, 37)
     for route, peer in (("peer", True), ("staged", False)):
-        a = Runtime(rt.backend, 0, peer_access=peer, staging=rt._staging)
-        b = Runtime(rt.backend, 1, peer_access=peer, staging=rt._staging)
+        a = Runtime(rt.backend, 0, peer_access=peer, staging=parts_of(rt).staging)
+        b = Runtime(rt.backend, 1, peer_access=peer, staging=parts_of(rt).staging)
         try:
             _device_pair_cases(ctx, route, a, b, data0, data1)
         finally:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime import parts_of
 from ._protocol import poison
 
 __all__: list[str] = []
@@ -53,7 +54,7 @@ class RawDriver:
         from cuda.bindings import driver
 
         self.d = driver
-        self.backend = rt._backend
+        self.backend = parts_of(rt).backend
         self.streams = [self.backend.stream_create(), self.backend.stream_create()]
         self.events = [self.backend.event_create(), self.backend.event_create()]
         self._pinned: list[int] = []
