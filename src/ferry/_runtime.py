@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections.abc import Iterator
 from sys import getrefcount
 from typing import Any
 
@@ -36,6 +37,7 @@ from ._memory._register import Registration
 from ._parts import Parts
 from ._pending import PendingCopy, PendingDownload, PendingUpload
 from ._routes._host import check_copyable
+from ._routes._peer import copy_between
 from ._routes._pinned import submit_pinned
 from ._routes._staged import StagingConfig
 from ._state import IN_FLIGHT, OWNED
@@ -307,7 +309,8 @@ class Runtime:
             source._leases += 1
         return PendingDownload(completion, record)
 
-    def batch(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
         """Share one completion event among the transfers submitted inside the block.
 
         Inside ``with rt.batch():`` (on this thread) each copy is enqueued at
@@ -319,7 +322,8 @@ class Runtime:
         Nested blocks join the outer one.
         """
         self._health.check_open()
-        return self._completion.batch()
+        with self._completion.batch():
+            yield
 
     # -- pageable routes ----------------------------------------------------------------------------
     def upload(self, source: np.ndarray[Any, Any], destination: DeviceArray | None = None) -> PendingUpload:
@@ -423,31 +427,7 @@ class Runtime:
             raise TransferSubmitError("the source does not belong to a ferry runtime")
         if other.backend != self.backend:
             raise TransferSubmitError(f"cannot copy from a {other.backend} device to a {self.backend} device")
-        same = other is self
-        locks = [self._lock] if same else sorted([self._lock, other._lock], key=id)
-        with contextlib.ExitStack() as stack:
-            for lock in locks:
-                stack.enter_context(lock)
-            for runtime in (self, other):
-                if runtime._health.refusal is not None:
-                    raise TransferSubmitError(runtime._health.refusal)
-            if source is destination:
-                raise TransferSubmitError("copy_pending needs two different arrays")
-            problem = destination._submission_problem(self, write=True) or source._submission_problem(
-                other, write=False
-            )
-            if problem:
-                raise TransferSubmitError(problem)
-            nbytes = source._nbytes
-            if destination._nbytes < nbytes:
-                raise TransferSubmitError(
-                    f"the destination holds {destination._nbytes} bytes; the source has {nbytes}"
-                )
-            if self._completion.maintenance_due():
-                self._completion.maintain()
-            record = self._parts.peer.submit(other._parts.side, source, destination, nbytes, same)
-            destination._state = IN_FLIGHT
-            source._leases += 1  # under the source runtime's lock
+        record = copy_between(self, self._parts, other, other._parts, source, destination)
         return PendingCopy(self._completion, record)
 
     # -- stats and lifetime ---------------------------------------------------------------------------

@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 from .._backends._base import Backend, DeviceError
 from .._completion import Extras
 from .._errors import TransferSubmitError
+from .._state import IN_FLIGHT
 
 if TYPE_CHECKING:
     from .._completion import Completion, Record
     from .._memory._pinned import PinnedPool
+    from .._parts import Parts
 
 __all__ = ["Route", "routes"]
 
@@ -255,3 +257,34 @@ def _then_record(backend: Backend, copy: Any) -> Any:
             raise
 
     return run
+
+
+def copy_between(
+    owner: object, parts: Parts, source_owner: object, source_parts: Parts, source: Any, destination: Any
+) -> Record:
+    """Check and submit ``destination <- source`` under both runtimes' locks (see ``copy_pending``)."""
+    same = source_parts is parts
+    locks = [parts.lock] if same else sorted([parts.lock, source_parts.lock], key=id)
+    with contextlib.ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        for side in (parts, source_parts):
+            if side.health.refusal is not None:
+                raise TransferSubmitError(side.health.refusal)
+        if source is destination:
+            raise TransferSubmitError("copy_pending needs two different arrays")
+        problem = destination._submission_problem(owner, write=True) or source._submission_problem(
+            source_owner, write=False
+        )
+        if problem:
+            raise TransferSubmitError(problem)
+        nbytes = source._nbytes
+        if destination._nbytes < nbytes:
+            raise TransferSubmitError(f"the destination holds {destination._nbytes} bytes; the source has {nbytes}")
+        completion = parts.completion
+        if completion.maintenance_due():
+            completion.maintain()
+        record = parts.peer.submit(source_parts.side, source, destination, nbytes, same)
+        destination._state = IN_FLIGHT
+        source._leases += 1  # under the source runtime's lock
+    return record
