@@ -14,6 +14,8 @@ import numpy as np
 from cuda.bindings import driver as d
 
 import ferry
+from ferry import testing
+from ferry._runtime import parts_of
 
 
 def per_call(fn: Callable[[], object], n: int = 20000) -> float:
@@ -30,8 +32,8 @@ def per_call(fn: Callable[[], object], n: int = 20000) -> float:
 
 def main() -> None:
     rt = ferry.Runtime("cuda")
-    be = rt._backend
-    stream, event = rt._h2d, be.event_create()
+    be = testing.backend_of(rt)
+    stream, event = parts_of(rt).h2d, be.event_create()
     buf, dev = rt.pinned(16), rt.empty(16, np.uint8)
     hptr, dptr = buf.ptr, dev.ptr
     lib = ctypes.CDLL("libcuda.so.1")

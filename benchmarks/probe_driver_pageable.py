@@ -19,13 +19,14 @@ import numpy as np
 from cuda.bindings import driver as d
 
 import ferry
+from ferry import testing
 
 MiB = 1 << 20
 
 
 def main() -> None:
     rt = ferry.Runtime("cuda")
-    ctx = rt._backend._ctx
+    ctx = testing.backend_of(rt)._ctx
     local = threading.local()
 
     def stream() -> object:

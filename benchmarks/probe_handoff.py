@@ -16,7 +16,7 @@ from typing import Any
 import cupy
 
 import ferry
-from ferry._runtime import Runtime
+from ferry import Runtime
 
 SPIN = r"""
 extern "C" __global__ void spin(unsigned char* p, long long cycles) {

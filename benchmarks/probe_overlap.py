@@ -12,6 +12,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 import ferry
+from ferry import testing
 from ferry._bench._groups import _calibrate, host_work
 from ferry._bench._protocol import Budget, measure
 
@@ -45,7 +46,7 @@ def main() -> None:
         host_work(iterations)
         box["dev"], box["buf"] = p.wait()
 
-    be = rt._backend
+    be = testing.backend_of(rt)
     stream, event = be.stream_create(), be.event_create()
     hptr, dptr = box["buf"].ptr, box["dev"].ptr
 

@@ -184,7 +184,7 @@ def test_pageable_download_through_dlpack(rt: ferry.Runtime) -> None:
     source, out = rt.download(DLPackOnly(dev)).wait()
     assert isinstance(source, DLPackOnly)
     assert np.array_equal(out, data)
-    from ferry import _dlpack
+    from ferry._interop import _dlpack
 
     exported = len(_dlpack._exports)
     with pytest.raises(ferry.TransferSubmitError, match="mismatch"):

@@ -236,12 +236,12 @@ class FerryMachine(RuleBasedStateMachine):
         self.rt.close()
         s = self.rt.stats()
         abandoned = [
-            o for r in self.rt._abandoned for o in r.moved + r.leased if isinstance(o, ferry.DeviceArray)
+            o for o in testing.abandoned_objects(self.rt) if isinstance(o, ferry.DeviceArray)
         ]
         assert s.in_flight == 0 and s.retiring == 0
         assert s.device_bytes == sum(o.nbytes for o in abandoned)  # abandoned memory stays allocated
         assert testing.violations(self.rt) == []
-        device_allocs, _ = self.rt._backend.live_allocations()
+        device_allocs, _ = testing.backend_of(self.rt).live_allocations()
         assert device_allocs == sum(1 for o in abandoned if o.nbytes)  # everything else was freed
 
 

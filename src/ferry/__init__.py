@@ -11,15 +11,18 @@ from that module's ``__all__``.
 
 from __future__ import annotations
 
-from . import _buffer, _device_array, _errors, _peer, _pending, _register, _runtime, _staging, _waiting
+from . import _buffer, _device_array, _errors, _pending, _runtime, _stats, _waiting
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
-from ._peer import *  # noqa: F403
+from ._memory import _register
+from ._memory._register import *  # noqa: F403
 from ._pending import *  # noqa: F403
-from ._register import *  # noqa: F403
+from ._routes import _peer, _staged
+from ._routes._peer import *  # noqa: F403
+from ._routes._staged import *  # noqa: F403
 from ._runtime import *  # noqa: F403
-from ._staging import *  # noqa: F403
+from ._stats import *  # noqa: F403
 from ._waiting import *  # noqa: F403
 
 __version__ = "0.1.0"
@@ -30,7 +33,8 @@ __all__ += _buffer.__all__
 __all__ += _device_array.__all__
 __all__ += _pending.__all__
 __all__ += _runtime.__all__
-__all__ += _staging.__all__
+__all__ += _stats.__all__
+__all__ += _staged.__all__
 __all__ += _register.__all__
 __all__ += _waiting.__all__
 __all__ += _peer.__all__

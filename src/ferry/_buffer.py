@@ -34,19 +34,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._errors import BufferMovedError
+from ._state import CLOSED, IN_FLIGHT, OWNED, State
 
 if TYPE_CHECKING:
-    from ._pool import Block
-    from ._runtime import Runtime
+    from ._memory._pinned import Block, PinnedPool
 
 __all__ = ["PinnedHostBuffer"]
 
-OWNED = "owned"
-IN_FLIGHT = "in_flight"
-ABANDONED = "abandoned"
-CLOSED = "closed"
-
-_BASE_REFS = 2  # the buffer's own reference + getrefcount's argument
+BASE_REFS = 2  # the buffer's own reference + getrefcount's argument
 
 
 def check_dtype(dtype: Any) -> np.dtype[Any]:
@@ -79,18 +74,18 @@ class PinnedHostBuffer:
 
     __slots__ = ("__weakref__", "_base", "_block", "_nbytes", "_runtime", "_state")
 
-    def __init__(self, runtime: Runtime, block: Block, nbytes: int, *, _token: object = None) -> None:
+    def __init__(self, owner: object, pool: PinnedPool, block: Block, nbytes: int, *, _token: object = None) -> None:
         if _token is not _FACTORY:
             raise TypeError("PinnedHostBuffer is created by Runtime.pinned(nbytes)")
-        self._runtime = runtime
+        self._runtime = owner  # identity only: the runtime that may submit it
         self._block = block
         self._nbytes = nbytes
         raw = (ctypes.c_ubyte * nbytes).from_address(block.ptr)
         base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
         # the block returns to the pool only when the base (so every view) is gone
-        weakref.finalize(base, runtime._pool.release, block)
+        weakref.finalize(base, pool.release, block)
         self._base: np.ndarray[Any, np.dtype[np.uint8]] | None = base
-        self._state = OWNED
+        self._state: State = OWNED
 
     # -- public surface ---------------------------------------------------------------
     @property
@@ -99,8 +94,8 @@ class PinnedHostBuffer:
         return self._nbytes
 
     @property
-    def state(self) -> str:
-        """``"owned"``, ``"in_flight"``, ``"abandoned"`` or ``"closed"``."""
+    def state(self) -> State:
+        """``"owned"``, ``"in_flight"``, ``"abandoned"`` or ``"closed"`` (a :class:`str` enum)."""
         return self._state
 
     @property
@@ -120,7 +115,7 @@ class PinnedHostBuffer:
         base = self._base
         if base is None:
             return 0
-        return sys.getrefcount(base) - _BASE_REFS - 1  # minus the local name
+        return sys.getrefcount(base) - BASE_REFS - 1  # minus the local name
 
     def as_array(
         self, dtype: Any = np.uint8, shape: int | tuple[int, ...] | None = None
@@ -175,9 +170,9 @@ class PinnedHostBuffer:
         is never freed). Raises :class:`~ferry.BufferMovedError` while in flight.
         Views still alive keep the memory out of the pool until they die.
         """
-        if self._state == IN_FLIGHT:
+        if self._state is IN_FLIGHT:
             raise BufferMovedError("cannot close a buffer that is in flight; wait() for it first")
-        if self._state == OWNED:
+        if self._state is OWNED:
             self._state = CLOSED
             self._base = None
 
@@ -186,17 +181,17 @@ class PinnedHostBuffer:
 
     # -- for the runtime ------------------------------------------------------------------
     def _require_owned(self, verb: str) -> None:
-        if self._state != OWNED:
+        if self._state is not OWNED:
             raise BufferMovedError(f"cannot {verb} a pinned buffer that is {self._state}")
 
-    def _submission_problem(self, runtime: Runtime) -> str | None:
+    def _submission_problem(self, owner: object) -> str | None:
         """Why this buffer cannot be handed to a transfer now, or ``None``."""
-        if self._runtime is not runtime:
+        if self._runtime is not owner:
             return "the pinned buffer belongs to another runtime"
-        if self._state != OWNED:
+        if self._state is not OWNED:
             return f"the pinned buffer is {self._state}"
         base = self._base
-        views = sys.getrefcount(base) - _BASE_REFS - 1
+        views = sys.getrefcount(base) - BASE_REFS - 1
         if views:
             return (
                 f"the pinned buffer has {views} live view(s) (as_array results or arrays, "
@@ -206,7 +201,7 @@ class PinnedHostBuffer:
 
     def _release_for_close(self) -> None:
         """Runtime closing: owned buffers become closed (memory goes back with the base)."""
-        if self._state == OWNED:
+        if self._state is OWNED:
             self._state = CLOSED
             self._base = None
 
@@ -214,6 +209,6 @@ class PinnedHostBuffer:
 _FACTORY = object()
 
 
-def new_buffer(runtime: Runtime, block: Block, nbytes: int) -> PinnedHostBuffer:
+def new_buffer(owner: object, pool: PinnedPool, block: Block, nbytes: int) -> PinnedHostBuffer:
     """Factory used by :meth:`ferry.Runtime.pinned`."""
-    return PinnedHostBuffer(runtime, block, nbytes, _token=_FACTORY)
+    return PinnedHostBuffer(owner, pool, block, nbytes, _token=_FACTORY)

@@ -22,18 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._backends._base import DeviceError
 from ._errors import BufferMovedError
+from ._state import CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
 
 if TYPE_CHECKING:
-    from ._runtime import Runtime
+    from ._memory._device import DeviceMemory
 
 __all__ = ["DeviceArray"]
-
-OWNED = "owned"
-IN_FLIGHT = "in_flight"
-READ_LEASED = "read_leased"
-ABANDONED = "abandoned"
-CLOSED = "closed"
 
 _FACTORY = object()
 
@@ -44,11 +40,14 @@ class DeviceArray:
     Create one with :meth:`ferry.Runtime.empty` or :meth:`ferry.Runtime.to_device`.
     """
 
-    __slots__ = ("__weakref__", "_dtype", "_leases", "_nbytes", "_ptr", "_ready", "_runtime", "_shape", "_state")
+    __slots__ = (
+        "__weakref__", "_dtype", "_leases", "_memory", "_nbytes", "_ptr", "_ready", "_runtime", "_shape", "_state"
+    )
 
     def __init__(
         self,
-        runtime: Runtime,
+        owner: object,
+        memory: DeviceMemory,
         ptr: int,
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
@@ -58,12 +57,13 @@ class DeviceArray:
     ) -> None:
         if _token is not _FACTORY:
             raise TypeError("DeviceArray is created by Runtime.empty(shape, dtype)")
-        self._runtime = runtime
+        self._runtime = owner  # identity only: the runtime that may submit it
+        self._memory = memory
         self._ptr = ptr
         self._shape = shape
         self._dtype = dtype
         self._nbytes = nbytes
-        self._state = OWNED
+        self._state: State = OWNED
         self._leases = 0
         self._ready: Any = None  # the pending upload this array was handed off by (see hand_off)
 
@@ -90,12 +90,12 @@ class DeviceArray:
     @property
     def device(self) -> int:
         """The device index."""
-        return self._runtime.device
+        return self._memory.device
 
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         """``"owned"``, ``"read_leased"``, ``"in_flight"``, ``"abandoned"`` or ``"closed"``."""
-        if self._state == OWNED and self._leases:
+        if self._state is OWNED and self._leases:
             return READ_LEASED
         return self._state
 
@@ -105,7 +105,7 @@ class DeviceArray:
 
         Work you enqueue on it yourself is not ordered with ferry's transfers.
         """
-        if self._state != OWNED:
+        if self._state is not OWNED:
             raise BufferMovedError(f"cannot take the address of a device array that is {self._state}")
         return self._ptr
 
@@ -122,7 +122,7 @@ class DeviceArray:
         outside ferry's checks: do not hand the array to a transfer while a
         consumer still uses it.
         """
-        from ._interop import export_cai
+        from ._interop._cai import export_cai
 
         return export_cai(self)
 
@@ -143,7 +143,7 @@ class DeviceArray:
         ``__cuda_array_interface__``; ``copy=True`` and other devices are
         refused with ``BufferError``.
         """
-        from ._dlpack import export_capsule
+        from ._interop._dlpack import export_capsule
 
         if copy:
             raise BufferError("ferry exports its memory without copies")
@@ -154,8 +154,10 @@ class DeviceArray:
             raise BufferMovedError(f"cannot export a device array that is {state}")
         ready = self._ready
         if ready is not None and not ready.done and stream != -1 and ready.event is not None:
-            backend = self._runtime._backend
-            backend.stream_wait_event(backend.stream_from_handle(1 if stream is None else int(stream)), ready.event)
+            try:
+                self._memory.order_export(ready.event, 1 if stream is None else int(stream))
+            except DeviceError as exc:  # internal: the consumer sees what DLPack consumers expect
+                raise BufferError(f"could not order the consumer's stream after the pending upload: {exc}") from exc
         return export_capsule(self, self._ptr, self._shape, self._dtype, self.__dlpack_device__())
 
     def close(self) -> None:
@@ -164,26 +166,26 @@ class DeviceArray:
         Idempotent once closed; a no-op when abandoned (never freed). Raises
         :class:`~ferry.BufferMovedError` while in flight or read-leased.
         """
-        if self._state == OWNED and not self._leases:
+        if self._state is OWNED and not self._leases:
             self._state = CLOSED
-            self._runtime._free_device(self._ptr, self._nbytes)
-        elif self._state == IN_FLIGHT or self._leases:
+            self._memory.free(self._ptr, self._nbytes)
+        elif self._state is IN_FLIGHT or self._leases:
             raise BufferMovedError(f"cannot close a device array that is {self.state}; wait() for it first")
 
     def __del__(self) -> None:
         # never calls the backend: the address is freed by the runtime's next call
         if getattr(self, "_state", None) == OWNED:
             self._state = CLOSED
-            self._runtime._deferred.append((self._ptr, self._nbytes))
+            self._memory.defer(self._ptr, self._nbytes)
 
     def __repr__(self) -> str:
         return f"<DeviceArray shape={self._shape} dtype={self._dtype} device={self.device} {self.state}>"
 
     # -- for the runtime ----------------------------------------------------------------
-    def _submission_problem(self, runtime: Runtime, *, write: bool) -> str | None:
-        if self._runtime is not runtime:
+    def _submission_problem(self, owner: object, *, write: bool) -> str | None:
+        if self._runtime is not owner:
             return "the device array belongs to another runtime"
-        if self._state != OWNED:
+        if self._state is not OWNED:
             return f"the device array is {self._state}"
         if write and self._leases:
             return (
@@ -193,13 +195,15 @@ class DeviceArray:
         return None
 
     def _release_for_close(self) -> None:
-        if self._state == OWNED:
+        if self._state is OWNED:
             self._state = CLOSED
             self._leases = 0
 
 
 def new_device_array(
-    runtime: Runtime, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int
+    owner: object, memory: DeviceMemory, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int
 ) -> DeviceArray:
     """Factory used by :meth:`ferry.Runtime.empty`."""
-    return DeviceArray(runtime, ptr, shape, dtype, nbytes, _token=_FACTORY)
+    array = DeviceArray(owner, memory, ptr, shape, dtype, nbytes, _token=_FACTORY)
+    memory.arrays.add(array)
+    return array

@@ -55,4 +55,6 @@ class DeviceUnavailableError(FerryError):
 
 
 class RuntimeClosedError(FerryError):
-    """The runtime was closed (or is unusable in this forked child)."""
+    """The runtime cannot be used any more: it was closed, it was inherited by a
+    forked child process, or the device reported a sticky error that makes its
+    context unusable. The message says which."""

@@ -1,12 +1,12 @@
-"""PendingUpload and PendingDownload: is_ready, wait, and drop -> retirement.
+"""The handles: PendingUpload, PendingDownload and PendingCopy.
 
-A handle owns a *record*: the event recorded after its copy, the stream, and
-the objects the copy touches (moved ones, which are in flight, and leased
-ones, the read-leased sources of downloads). The handle is the only way back
-to those objects: ``wait()`` returns them once the event proves the copy
-complete. A handle dropped without ``wait()`` hands its record to the runtime's
-retirement queue (see ``_retire.py``) and nothing else: no blocking, no device
-call, nothing freed early.
+A handle is thin: it holds one *record* (see ``_completion.py``) and asks the
+runtime's completion part about it, through the narrow
+:class:`~ferry._completion.CompletionPort`. The handle is the only way back
+to the objects a transfer took: ``wait()`` returns them once completion is
+proven. A handle dropped without ``wait()`` hands its record to the
+retirement queue (see ``_retire.py``) and nothing else: no blocking, no
+device call, nothing freed early.
 """
 
 from __future__ import annotations
@@ -17,132 +17,23 @@ import sys
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._errors import FerryError, TransferFailedError
+from ._errors import FerryError
 
 if TYPE_CHECKING:
-    from ._backends._base import DeviceError
+    from ._completion import CompletionPort, Record
     from ._device_array import DeviceArray  # noqa: F401
-    from ._runtime import Runtime
 
 __all__ = ["PendingUpload", "PendingDownload", "PendingCopy"]
-
-
-class Record:
-    """What one submitted transfer holds until its completion is proven.
-
-    ``moved`` objects are in flight; ``leased`` device arrays are read-leased;
-    ``result`` is what ``wait()`` returns. The pinned routes need nothing
-    else; everything the other routes add lives in ``extra``.
-    """
-
-    __slots__ = (
-        "done",
-        "error",
-        "event",
-        "extra",
-        "leased",
-        "moved",
-        "nbytes",
-        "result",
-        "seq",
-        "stream",
-    )
-
-    def __init__(
-        self,
-        seq: int,
-        event: Any,
-        stream: Any,
-        moved: tuple[Any, ...],
-        leased: tuple[Any, ...],
-        result: tuple[Any, ...],
-        nbytes: int,
-    ) -> None:
-        self.seq = seq
-        self.event = event
-        self.stream = stream
-        self.moved = moved
-        self.leased = leased
-        self.result = result
-        self.nbytes = nbytes
-        self.done = False
-        self.error: DeviceError | None = None
-        self.extra: Extras | None = None
-
-    def __repr__(self) -> str:
-        status = "failed" if self.error else "done" if self.done else "pending"
-        return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
-
-
-class Extras:
-    """What the pageable and registered routes add to a record.
-
-    ``job`` is a staged job whose lanes prove completion (the record then has
-    no event); ``blocks`` are pool blocks the copy uses (back to the pool on
-    completion, abandoned on failure); ``host`` are the caller's arrays flagged
-    read-only for the flight; ``regs`` are registrations the copy uses.
-    ``device_touches_host`` is true when the DMA reads or writes the caller's
-    array itself (registered route): a failure then keeps the array read-only
-    and its registration in use forever. ``batch``/``shared``: see :class:`Batch`
-    (a record of a batch shares its event instead of owning one).
-    """
-
-    __slots__ = (
-        "batch", "blocks", "cross", "device_touches_host", "finish", "handed", "host", "imports", "job", "regs",
-        "shared",
-    )
-
-    def __init__(self) -> None:
-        self.finish: Callable[[], None] | None = None  # runs once on success, before publication
-        self.handed: Any = None  # the destination an upload handed off before completing
-        self.imports: list[Any] = []  # consumed DLPack capsules: deleters run once settled
-        self.cross: list[Any] = []  # (runtime, array): read leases held in another runtime
-        self.job: Any = None
-        self.batch: Batch | None = None  # open batch whose shared event is not recorded yet
-        self.shared: SharedEvent | None = None  # the event this record shares with its batch
-        self.blocks: list[Any] = []
-        self.host: list[Any] = []
-        self.regs: list[Any] = []
-        self.device_touches_host = False
-
-
-class SharedEvent:
-    """One event recorded for several records; back to the pool after the last one."""
-
-    __slots__ = ("done", "event", "users")
-
-    def __init__(self, event: Any, users: int) -> None:
-        self.event = event
-        self.users = users
-        self.done = False  # proven complete once: the other records need not ask again
-
-
-class Batch:
-    """Transfers submitted inside ``with rt.batch():`` on one thread.
-
-    Their copies are enqueued at once, but no per-transfer event is recorded:
-    each copy stream's records wait in a *segment*, and one event is recorded
-    for the whole segment when the block exits, or earlier when one of its
-    records is polled or waited (the segment is then closed and later
-    submissions start a new one). A shared event proves completion of every
-    copy enqueued before it on that stream, which is all its records.
-    """
-
-    __slots__ = ("depth", "segments")
-
-    def __init__(self) -> None:
-        self.segments: dict[int, tuple[Any, list[Record]]] = {}
-        self.depth = 0
 
 
 _Result = TypeVar("_Result")
 
 
 class _Pending(Generic[_Result]):
-    __slots__ = ("__weakref__", "_claimed", "_future", "_record", "_runtime", "_waited")
+    __slots__ = ("__weakref__", "_claimed", "_future", "_port", "_record", "_waited")
 
-    def __init__(self, runtime: Runtime, record: Record) -> None:
-        self._runtime = runtime
+    def __init__(self, port: CompletionPort, record: Record) -> None:
+        self._port = port
         self._record = record
         self._waited = False  # the record was settled (by wait() or by the watcher)
         self._claimed = False  # wait() returned (or raised) to the caller: at most once
@@ -158,12 +49,19 @@ class _Pending(Generic[_Result]):
 
         Returns ``False`` while the copy runs and ``True`` once it completed
         (also after ``wait()``). A device error is never reported as "not
-        ready": it raises :class:`~ferry.TransferFailedError`, and the
-        transfer's objects are abandoned.
+        ready": it raises, and the transfer's objects are abandoned.
+
+        Raises
+        ------
+        TransferFailedError
+            The device reported a failure for this transfer.
+        RuntimeClosedError
+            The runtime was closed before the transfer was waited, or is
+            unusable (a forked child, a sticky device error).
         """
         if self._waited:
             return True
-        return self._runtime._poll_record(self._record)
+        return self._port.poll(self._record)
 
     def wait(self) -> _Result:
         """Block until the copy completed, then hand back what was handed in.
@@ -182,13 +80,10 @@ class _Pending(Generic[_Result]):
         """
         if self._claimed:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
-        future = self._future
-        if future is not None and not future.cancelled():
-            result = future.result()  # the watcher performs the one wait
-        else:
-            result = self._runtime._wait_record(self._record)
+        future = self._future  # when set, the watcher performs the one wait
+        result = future.result() if future is not None and not future.cancelled() else self._port.wait(self._record)
         self._waited = self._claimed = True
-        return result  # type: ignore[no-any-return]
+        return result  # type: ignore[return-value]
 
     def future(self) -> concurrent.futures.Future[_Result]:
         """A :class:`concurrent.futures.Future` resolved with what ``wait()`` returns.
@@ -203,7 +98,7 @@ class _Pending(Generic[_Result]):
         if self._future is None:
             if self._claimed:
                 raise FerryError("this transfer was already waited; there is nothing left to wait for")
-            self._future = self._runtime._watch(self)
+            self._future = self._port.watch(self)
         return self._future  # type: ignore[no-any-return]
 
     def add_done_callback(self, fn: Callable[[_Pending[_Result]], object]) -> None:
@@ -226,7 +121,7 @@ class _Pending(Generic[_Result]):
         if self._waited or sys.is_finalizing():
             return
         with contextlib.suppress(Exception):  # a finalizer never raises
-            self._runtime._detach(self._record)
+            self._port.detach(self._record)
 
     def __repr__(self) -> str:
         status = "waited" if self._waited else repr(self._record)
@@ -258,11 +153,12 @@ class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
         consumers order themselves too. The pinned buffer stays in flight
         until ``wait()``, which still returns ``(buffer, destination)``.
 
-        Staged pageable uploads (``rt.upload`` of more than
-        ``StagingConfig.direct_bytes``) cannot be handed off: their bytes
-        arrive over several streams; wait for them instead.
+        A staged pageable upload (``rt.upload`` of more than
+        ``StagingConfig.direct_bytes``) is handed off when the native engine
+        runs it (the stream waits for every chunk's stream); with the
+        pure-Python engine it raises :class:`~ferry.FerryError`: wait for it.
         """
-        return self._runtime._hand_off(self, stream)
+        return self._port.hand_off(self, stream)
 
 
 class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):
@@ -285,11 +181,3 @@ class PendingCopy(_Pending["tuple[DeviceArray, DeviceArray]"]):
     """
 
     __slots__ = ()
-
-
-def failed_error(record: Record) -> TransferFailedError:
-    """The error ``is_ready``/``wait`` raise for a failed record."""
-    return TransferFailedError(
-        f"the transfer of {record.nbytes} bytes failed on the device ({record.error}); "
-        "nothing was published and its buffers are abandoned"
-    )

@@ -62,12 +62,12 @@ class RetirementQueue:
         incoming = self._incoming
         while incoming:
             record = incoming.popleft()
-            lane = self._by_stream.setdefault(id(record.stream), [])
-            if not lane or lane[-1].seq < record.seq:
-                lane.append(record)
+            queue = self._by_stream.setdefault(id(record.stream), [])
+            if not queue or queue[-1].seq < record.seq:
+                queue.append(record)
             else:
-                keys = [r.seq for r in lane]
-                lane.insert(bisect.bisect(keys, record.seq), record)
+                keys = [r.seq for r in queue]
+                queue.insert(bisect.bisect(keys, record.seq), record)
             self._count += 1
 
     def drain(
@@ -87,32 +87,32 @@ class RetirementQueue:
         if not self._count:
             return
         for key in list(self._by_stream):
-            lane = self._by_stream[key]
+            queue = self._by_stream[key]
             done = 0
-            for record in lane:
+            for record in queue:
                 if not is_done(record):
                     break
                 done += 1
             if done:
-                finished = lane[:done]
-                del lane[:done]
+                finished = queue[:done]
+                del queue[:done]
                 self._count -= done
                 for record in finished:
                     release(record)
-            if not lane:
+            if not queue:
                 del self._by_stream[key]
 
     def oldest(self) -> Any | None:
         """The record submitted first among those queued, or ``None``."""
         if self._incoming:
             self._absorb()
-        heads = [lane[0] for lane in self._by_stream.values() if lane]
+        heads = [queue[0] for queue in self._by_stream.values() if queue]
         return min(heads, key=lambda r: r.seq) if heads else None
 
     def records(self) -> list[Any]:
         """Every queued record (for close())."""
         self._absorb()
-        return [r for lane in self._by_stream.values() for r in lane]
+        return [r for queue in self._by_stream.values() for r in queue]
 
     def clear(self) -> None:
         """Forget every record (after close() settled them)."""

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ._backends._base import DeviceError
 
 if TYPE_CHECKING:
-    from ._pending import Record, _Pending
-    from ._runtime import Runtime
+    from ._completion import Completion, Record
+    from ._pending import _Pending
 
 __all__ = ["wait_all", "as_completed"]
 
@@ -59,7 +59,7 @@ class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         if handle is None or self.cancelled():
             return
         try:
-            result = handle._runtime._wait_record(handle._record)
+            result = handle._port.wait(handle._record)
         except BaseException as exc:  # delivered to whoever awaits
             handle._waited = True
             self._handle = None
@@ -72,8 +72,8 @@ class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
             self.set_result(result)
 
 
-class _Lane:
-    """Watches the transfers of one copy stream, oldest first."""
+class _StreamWatch:
+    """Watches the transfers of one copy stream, oldest first, on one sleeping thread."""
 
     def __init__(self, watcher: Watcher, key: int) -> None:
         self.watcher = watcher
@@ -104,19 +104,19 @@ class _Lane:
 
     def _sleep_until_done(self, record: Record) -> None:
         """Block, without spinning, until the record's copy is complete (or failed)."""
-        runtime = self.watcher.runtime
+        completion = self.watcher.completion
         extra = record.extra
         if record.done or record.error is not None:
             return
         if extra is not None and extra.job is not None:
-            extra.job.done.wait()
+            extra.job.wait_done()
             return
         if extra is not None and extra.batch is not None:
-            runtime._flush_for(record)
+            completion.flush_for(record)
         event = record.event
         if event is None:  # settled meanwhile (the event went back to the pool)
             return
-        backend = runtime._backend
+        backend = completion.backend
         try:
             if self.notify_stream is None:
                 self.notify_stream = backend.stream_create()
@@ -132,7 +132,7 @@ class _Lane:
             self.closing = True
             self.cond.notify()
         self.thread.join()
-        backend = self.watcher.runtime._backend
+        backend = self.watcher.completion.backend
         with contextlib.suppress(DeviceError):
             if self.notify_stream is not None:
                 backend.event_destroy(self.notify_event)
@@ -142,25 +142,25 @@ class _Lane:
 class Watcher:
     """The runtime's completion watcher: one sleeping thread per watched copy stream."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self._lanes: dict[int, _Lane] = {}
+    def __init__(self, completion: Completion) -> None:
+        self.completion = completion
+        self._watches: dict[int, _StreamWatch] = {}
         self._lock = threading.Lock()
 
     def watch(self, record: Record, future: TransferFuture) -> None:
         key = id(record.stream)
         with self._lock:
-            lane = self._lanes.get(key)
-            if lane is None:
-                lane = self._lanes[key] = _Lane(self, len(self._lanes))
-        lane.add(record, future)
+            watch = self._watches.get(key)
+            if watch is None:
+                watch = self._watches[key] = _StreamWatch(self, len(self._watches))
+        watch.add(record, future)
 
     def close(self) -> None:
         """Resolve what is watched (the runtime has waited for it), then stop."""
         with self._lock:
-            lanes, self._lanes = list(self._lanes.values()), {}
-        for lane in lanes:
-            lane.close()
+            watches, self._watches = list(self._watches.values()), {}
+        for watch in watches:
+            watch.close()
 
 
 def wait_all(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> list[Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._errors import FerryError
 from ._pending import _Pending
-from ._runtime import Runtime
+from ._runtime import Runtime, parts_of
 
 __all__ = [
     "hold",
@@ -54,15 +54,17 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
     """
     if direction not in _DIRECTIONS:
         raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
-    runtime._check_open()
-    backend = runtime._backend
+    parts = parts_of(runtime)
+    parts.health.check_open()
+    backend = parts.backend
     streams = []
-    if direction in ("upload", "both"):
-        streams.append(runtime._h2d)
-        streams.extend(runtime._lane_streams("upload"))
-    if direction in ("download", "both"):
-        streams.append(runtime._d2h)
-        streams.extend(runtime._lane_streams("download"))
+    with parts.lock:
+        if direction in ("upload", "both"):
+            streams.append(parts.h2d)
+            streams.extend(parts.staged.engine(True).streams())
+        if direction in ("download", "both"):
+            streams.append(parts.d2h)
+            streams.extend(parts.staged.engine(False).streams())
     gate = backend.gate_create()
     try:
         for stream in streams:
@@ -79,7 +81,7 @@ def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) ->
     to fail in the middle. With ``sticky=True`` the failure also poisons the
     device context, as a CUDA sticky error does: every later call fails.
     """
-    backend = runtime._backend
+    backend = parts_of(runtime).backend
     if not hasattr(backend, "fail_next_copy"):
         raise FerryError(f"fault injection needs the emulated device, not {runtime.backend}")
     backend.fail_next_copy(sticky=sticky, after=after)
@@ -87,23 +89,23 @@ def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) ->
 
 def backend_of(runtime: Runtime) -> Any:
     """The runtime's device backend (the ``Backend`` protocol object), for tests and probes."""
-    return runtime._backend
+    return parts_of(runtime).backend
 
 
 def abandoned_objects(runtime: Runtime) -> list[Any]:
     """Every object abandoned by a failed transfer of this runtime (kept forever)."""
-    return [o for r in runtime._abandoned for o in r.moved + r.leased]
+    return [o for r in parts_of(runtime).completion.abandoned for o in r.moved + r.leased]
 
 
 def violations(runtime: Runtime) -> list[str]:
     """Invariant violations the emulated device recorded (memory freed while a
     queued operation touched it, ...). Always empty on CUDA."""
-    return list(getattr(runtime._backend, "violations", []))
+    return list(getattr(parts_of(runtime).backend, "violations", []))
 
 
 def host_waits(runtime: Runtime) -> int:
     """How many host-blocking synchronizations the backend performed so far."""
-    return int(runtime._backend.sync_calls)
+    return int(getattr(parts_of(runtime).backend, "sync_calls", 0))
 
 
 def live_objects(runtime: Runtime) -> dict[str, Any]:
@@ -114,13 +116,14 @@ def live_objects(runtime: Runtime) -> dict[str, Any]:
     ``retiring`` and ``abandoned`` (records).
     """
     gc.collect()
+    parts = parts_of(runtime)
     handles = sum(
-        1 for obj in gc.get_objects() if isinstance(obj, _Pending) and obj._runtime is runtime
+        1 for obj in gc.get_objects() if isinstance(obj, _Pending) and obj._port is parts.completion
     )
     stats = runtime.stats()
     return {
-        "buffers": len(runtime._buffers),
-        "arrays": len(runtime._arrays),
+        "buffers": len(parts.buffers),
+        "arrays": len(parts.memory.arrays),
         "handles": handles,
         "in_flight": stats.in_flight,
         "retiring": stats.retiring,
@@ -133,15 +136,16 @@ def live_objects(runtime: Runtime) -> dict[str, Any]:
 
 def side_stream(runtime: Runtime) -> int:
     """A new stream of the runtime's device, as the integer handle other libraries use."""
-    runtime._check_open()
-    backend = runtime._backend
+    parts = parts_of(runtime)
+    parts.health.check_open()
+    backend = parts.backend
     stream = backend.stream_create()
-    runtime._side_streams.append(stream)
+    parts.side_streams.append(stream)
     return int(backend.stream_handle(stream))
 
 
 def _emulated(runtime: Runtime) -> Any:
-    backend = runtime._backend
+    backend = parts_of(runtime).backend
     if not hasattr(backend, "enqueue_fill"):
         raise FerryError(f"simulated producers and consumers need the emulated device, not {runtime.backend}")
     return backend

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import testing
+from .._runtime import parts_of
 from ._peers import Case
 from ._protocol import Budget, Result, measure, payload, poison
 
@@ -498,7 +499,7 @@ def _alloc_at(ctx: Context, n: int) -> None:
     def fresh_setup() -> None:
         if "buf" in box:
             box.pop("buf").close()
-        rt._pool.trim()
+        parts_of(rt).pool.trim()
 
     def pooled_setup() -> None:
         if "buf" in box:
@@ -622,8 +623,8 @@ def group_peer(ctx: Context) -> None:
     n = ctx.large()
     data0, data1 = payload(n, 31), payload(n, 37)
     for route, peer in (("peer", True), ("staged", False)):
-        a = Runtime(rt.backend, 0, peer_access=peer, staging=rt._staging)
-        b = Runtime(rt.backend, 1, peer_access=peer, staging=rt._staging)
+        a = Runtime(rt.backend, 0, peer_access=peer, staging=parts_of(rt).staging)
+        b = Runtime(rt.backend, 1, peer_access=peer, staging=parts_of(rt).staging)
         try:
             _device_pair_cases(ctx, route, a, b, data0, data1)
         finally:

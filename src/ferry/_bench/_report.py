@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._runtime import parts_of
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -230,7 +231,7 @@ def metadata(rt: Any, peers: dict[str, Any], missing: dict[str, str], args: Any)
         "host": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
         "python": platform.python_version(),
         "numpy": numpy.__version__,
-        "staging": str(rt._staging),
+        "staging": str(parts_of(rt).staging),
         "mode": "quick" if args.quick else "full",
     }
     for name, peer in peers.items():

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._pool import size_class
+from ._pinned import size_class
 
 __all__: list[str] = []
 
@@ -41,7 +41,6 @@ class HostCache:
         self._lock = threading.Lock()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._free_bytes = 0
-        self.reuses = 0
 
     @property
     def free_bytes(self) -> int:
@@ -62,7 +61,6 @@ class HostCache:
             block = blocks.pop() if blocks else None
             if block is not None:
                 self._free_bytes -= cls
-                self.reuses += 1
         if block is None:
             block = mmap.mmap(-1, cls)
             if hasattr(mmap, "MADV_HUGEPAGE"):

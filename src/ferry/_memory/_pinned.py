@@ -1,4 +1,4 @@
-"""The pinned pool: size classes, reuse gated by fences.
+"""The pinned pool: size classes, reuse only of blocks given back.
 
 ``cuMemHostAlloc`` costs milliseconds (2.3 ms for 8 MiB, 99 ms for 256 MiB on
 the reference machine), twenty times the DMA it enables, so pinned blocks are
@@ -6,12 +6,10 @@ allocated once and reused. Sizes are rounded up to a class with four classes
 per power of two (at most 25 % slack; 4 KiB minimum), and a free block is
 handed out again only for its own class.
 
-Reuse is gated: a block comes back with an optional *fence* (anything with a
-non-blocking ``done() -> bool``), the last device work that may touch it. A
-block whose fence is not done is skipped, never handed out. With ferry's
-ownership discipline blocks normally come back after their transfer was proven
-complete, so the gate is a second line of defence (and the contract for
-staging slots that recycle blocks themselves).
+A block comes back only once no device work can touch it: a buffer's block
+when its transfer was proven complete and every view of it died, a staging
+block when its DMA's event completed. A block that a failed copy may still
+touch never comes back (it is abandoned, and counted by whoever held it).
 
 Releasing is safe from finalizers and any thread: it appends to a list under a
 plain lock and never calls the backend. Memory is freed only from
@@ -22,21 +20,12 @@ which the runtime calls from ordinary calls.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
 
-from ._backends._base import Backend
+from .._backends._base import Backend
 
 __all__: list[str] = []
 
 _MIN_CLASS = 4096
-
-
-class Fence(Protocol):
-    """The last device work that may touch a block."""
-
-    def done(self) -> bool:
-        """True once that work is complete; never blocks, never raises."""
-        ...
 
 
 def size_class(nbytes: int) -> int:
@@ -50,12 +39,11 @@ def size_class(nbytes: int) -> int:
 class Block:
     """One pinned allocation of ``capacity`` bytes at ``ptr``."""
 
-    __slots__ = ("capacity", "fence", "ptr")
+    __slots__ = ("capacity", "ptr")
 
     def __init__(self, ptr: int, capacity: int) -> None:
         self.ptr = ptr
         self.capacity = capacity
-        self.fence: Fence | None = None
 
 
 class PinnedPool:
@@ -71,36 +59,30 @@ class PinnedPool:
         self._doomed: list[Block] = []  # to be freed at the next collect()
         self._closed = False
         self.allocations = 0  # backend host_alloc calls
-        self.reuses = 0
-        self.leaked_bytes = 0  # blocks released after close() (never freed)
 
     # -- acquire / release --------------------------------------------------------
     def acquire(self, nbytes: int) -> Block:
-        """A block of at least ``nbytes``, reused when one is free and fenced off."""
+        """A block of at least ``nbytes``, reused when one of its class is free."""
         cls = size_class(nbytes)
         with self._lock:
             free = self._free.get(cls)
             if free:
-                for i in range(len(free) - 1, -1, -1):
-                    block = free[i]
-                    if block.fence is None or block.fence.done():
-                        del free[i]
-                        block.fence = None
-                        self._free_bytes -= block.capacity
-                        self.reuses += 1
-                        return block
+                block = free.pop()
+                self._free_bytes -= block.capacity
+                return block
         ptr = self._backend.host_alloc(cls)
         with self._lock:
             self.allocations += 1
             self._held_bytes += cls
         return Block(ptr, cls)
 
-    def release(self, block: Block, fence: Fence | None = None) -> None:
-        """Give ``block`` back. Safe from finalizers: never calls the backend."""
-        block.fence = fence
+    def release(self, block: Block) -> None:
+        """Give ``block`` back (no device work touches it any more).
+
+        Safe from finalizers and any thread: never calls the backend.
+        """
         with self._lock:
-            if self._closed:
-                self.leaked_bytes += block.capacity
+            if self._closed:  # released after close(): the process reclaims it
                 return
             self._free.setdefault(block.capacity, []).append(block)
             self._free_bytes += block.capacity
@@ -108,15 +90,14 @@ class PinnedPool:
                 pass
 
     def _evict_one(self) -> bool:
-        # caller holds the lock: move the largest fenced-off free block to _doomed
+        # caller holds the lock: move the largest free block to _doomed
         for cls in sorted(self._free, reverse=True):
             blocks = self._free[cls]
-            for i, block in enumerate(blocks):
-                if block.fence is None or block.fence.done():
-                    del blocks[i]
-                    self._free_bytes -= block.capacity
-                    self._doomed.append(block)
-                    return True
+            if blocks:
+                block = blocks.pop()
+                self._free_bytes -= block.capacity
+                self._doomed.append(block)
+                return True
         return False
 
     # -- freeing (ordinary calls only) ---------------------------------------------------
@@ -132,7 +113,7 @@ class PinnedPool:
                 self._held_bytes -= block.capacity
 
     def trim(self) -> int:
-        """Free every free block whose fence is done; return the bytes freed."""
+        """Free every free block; return the bytes freed."""
         with self._lock:
             while self._evict_one():
                 pass

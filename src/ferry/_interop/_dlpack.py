@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import TransferSubmitError
+from .._errors import TransferSubmitError
 
 __all__: list[str] = []
 
-KDL_CPU, KDL_CUDA = 1, 2
+KDL_CUDA = 2
 _CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}  # kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool
 _KINDS = {v: k for k, v in _CODES.items()}
 

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import BufferMovedError, TransferSubmitError
+from .._errors import BufferMovedError, TransferSubmitError
+from .._state import CLOSED, OWNED, READ_LEASED, State
 
 if TYPE_CHECKING:
-    from ._device_array import DeviceArray
+    from .._device_array import DeviceArray
 
 __all__: list[str] = []
 
@@ -55,6 +56,8 @@ class Foreign:
 
     __slots__ = ("_leases", "_nbytes", "_ptr", "_state", "dtype", "imported", "obj", "readonly", "shape", "stream")
 
+    _state: State
+
     def __init__(
         self, obj: Any, ptr: int, nbytes: int, shape: tuple[int, ...], dtype: np.dtype[Any],
         stream: int | None, readonly: bool,
@@ -66,19 +69,17 @@ class Foreign:
         self.dtype = dtype
         self.stream = stream
         self.readonly = readonly
-        self._state = "owned"
+        self._state = OWNED
         self._leases = 0
         self.imported: Any = None  # the consumed DLPack capsule, when the array came that way
 
     def _release_for_close(self) -> None:
-        self._state = "closed"
+        self._state = CLOSED
 
 
 def interface_of(obj: Any) -> dict[str, Any] | None:
     """The CUDA Array Interface of a foreign device array, read once; ``None`` when ``obj``
-    has none (or is a ferry array). Raises TransferSubmitError when reading it fails."""
-    if _is_ferry(obj):
-        return None
+    has none. Callers handle ferry arrays first. Raises TransferSubmitError when reading it fails."""
     name = "__cuda_array_interface__"
     if not hasattr(type(obj), name) and not hasattr(obj, name):  # a property is found without computing it
         return None
@@ -91,12 +92,6 @@ def interface_of(obj: Any) -> dict[str, Any] | None:
     if not isinstance(cai, dict):
         raise TransferSubmitError(f"the CUDA Array Interface of {type(obj).__name__} is not a dict")
     return cai
-
-
-def _is_ferry(obj: Any) -> bool:
-    from ._device_array import DeviceArray
-
-    return isinstance(obj, DeviceArray)
 
 
 def foreign_from(obj: Any, cai: dict[str, Any], *, write: bool) -> Foreign:
@@ -126,15 +121,15 @@ def foreign_from(obj: Any, cai: dict[str, Any], *, write: bool) -> Foreign:
     return Foreign(obj, int(ptr or 0), count * dtype.itemsize, shape, dtype, stream, bool(readonly))
 
 
-def foreign_from_dlpack(obj: Any, runtime: Any, copy_stream: int) -> Foreign:
+def foreign_from_dlpack(obj: Any, device_index: int, copy_stream: int) -> Foreign:
     """Consume ``obj.__dlpack__(stream=<ferry's copy stream>)``: the producer orders that
     stream after its pending work, so no event is needed here."""
     from ._dlpack import KDL_CUDA, Imported
 
     device = tuple(obj.__dlpack_device__())
-    if device != (KDL_CUDA, runtime.device):
+    if device != (KDL_CUDA, device_index):
         raise TransferSubmitError(
-            f"the {type(obj).__name__} lives on DLPack device {device}, not CUDA device {runtime.device}"
+            f"the {type(obj).__name__} lives on DLPack device {device}, not CUDA device {device_index}"
         )
     try:
         capsule = obj.__dlpack__(stream=copy_stream)
@@ -167,18 +162,18 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def export_cai(array: DeviceArray) -> dict[str, Any]:
     """The CUDA Array Interface (version 3) of a ferry array that is owned or read-leased."""
     state = array.state
-    if state not in ("owned", "read_leased"):
+    if state not in (OWNED, READ_LEASED):
         raise BufferMovedError(f"cannot export a device array that is {state}")
     stream = None
     ready = array._ready
     if ready is not None and not ready.done:
-        stream = array._runtime._backend.stream_handle(ready.stream)
+        stream = array._memory.backend.stream_handle(ready.stream)
     descr = array.dtype.descr if array.dtype.names else [("", array.dtype.str)]
     return {
         "shape": array.shape,
         "typestr": array.dtype.str,
         "descr": descr,
-        "data": (array._ptr, state == "read_leased"),
+        "data": (array._ptr, state is READ_LEASED),
         "strides": None,
         "version": CAI_VERSION,
         "stream": stream,

@@ -1,4 +1,7 @@
-"""Pageable routes: chunked, pipelined staging through a bounded ring of pinned slots.
+"""The staged route: chunked, pipelined staging through a bounded ring of pinned slots.
+
+This module is the pure-Python engine (worker threads); the compiled engine
+in ``ferry._native`` runs the same plan on native threads when it is built.
 
 The problem
 -----------
@@ -13,8 +16,9 @@ The shape
 A staging engine has a fixed set of *lanes* per direction. A lane is one
 worker thread with its own copy stream and ``slots_per_lane`` pinned slots of
 ``slot_bytes`` each, taken once from the runtime's pinned pool. A transfer is
-cut into slot-sized chunks dealt round-robin to the lanes; each lane runs its
-chunks in order:
+cut into chunks of ``StagingConfig.chunk_bytes(nbytes)`` (its share of every
+lane, at least ``min_chunk_bytes``, at most one slot) dealt round-robin to the
+lanes; each lane runs its chunks in order:
 
 * upload: wait until the slot's previous DMA completed (its event), copy the
   chunk from the array into the slot (``memmove`` / ``numpy.copyto``, GIL
@@ -51,10 +55,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ._backends._base import DeviceError
+from .._backends._base import DeviceError
 
 if TYPE_CHECKING:
-    from ._pool import Block, PinnedPool
+    from .._completion import Completion, Record
+    from .._memory._pinned import Block, PinnedPool
+    from ._base import HostCopy, HostLeases
 
 __all__ = ["StagingConfig"]
 
@@ -203,7 +209,7 @@ class StagedJob:
         lanes: int,
     ) -> None:
         self.direction = direction
-        self.array = array
+        self.array: Any = array  # dropped once the record settles
         self.array_ptr = int(array.ctypes.data) if array.flags.c_contiguous else 0
         self.device_ptr = device_ptr
         self.chunks = chunks
@@ -214,6 +220,14 @@ class StagedJob:
         self._remaining = min(lanes, len(chunks))
         if self._remaining == 0:
             self.done.set()
+
+    def is_done(self) -> bool:
+        """Whether every lane finished its share. Never blocks."""
+        return self.done.is_set()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until every lane finished (or ``timeout`` seconds passed); return whether done."""
+        return self.done.wait(timeout)
 
     def lane_finished(self, copied: int, error: DeviceError | None) -> None:
         with self._lock:
@@ -330,13 +344,12 @@ class Lane:
     def _abandon_slots(self) -> None:
         """A DMA failed: the device may still touch these slots; never reuse them."""
         engine = self.engine
-        for slot in self.slots:
-            engine.abandoned_bytes += slot.block.capacity
-            engine.held_bytes -= slot.block.capacity
+        lost = sum(slot.block.capacity for slot in self.slots)
+        engine.count(held=-lost, abandoned=lost)
         self.slots = []
         try:
             self.slots = [self._new_slot() for _ in range(engine.config.slots_per_lane)]
-            engine.held_bytes += sum(s.block.capacity for s in self.slots)
+            engine.count(held=sum(s.block.capacity for s in self.slots))
         except DeviceError:
             self.slots = []  # the device is gone; later jobs fail at once
 
@@ -349,7 +362,7 @@ class Lane:
         engine = self.engine
         for slot in self.slots:
             engine.pool.release(slot.block)
-            engine.held_bytes -= slot.block.capacity
+            engine.count(held=-slot.block.capacity)
             with contextlib.suppress(DeviceError):
                 engine.backend.event_destroy(slot.event)
         self.slots = []
@@ -358,26 +371,33 @@ class Lane:
 
 
 class StagingEngine:
-    """The lanes of one direction, created on first use."""
+    """The lanes of one direction, created on first use (the pure-Python engine)."""
 
     def __init__(self, backend: Any, pool: PinnedPool, config: StagingConfig, direction: str) -> None:
         self.backend = backend
         self.pool = pool
         self.config = config
         self.direction = direction
-        self.held_bytes = 0
-        self.abandoned_bytes = 0
+        self._count_lock = threading.Lock()  # lanes update the counters from their threads
+        self.held_bytes = 0  # pinned bytes the lanes' slots hold
+        self.abandoned_bytes = 0  # slots a failed DMA may still touch: never reused
         self._lanes: list[Lane] = []
         self._next = 0
 
-    def lanes(self) -> list[Lane]:
-        """The lanes, started on first use."""
-        return self._ensure_lanes()
+    def count(self, *, held: int = 0, abandoned: int = 0) -> None:
+        """Adjust the staging counters (any thread)."""
+        with self._count_lock:
+            self.held_bytes += held
+            self.abandoned_bytes += abandoned
+
+    def streams(self) -> list[Any]:
+        """The lanes' copy streams (lanes started if needed)."""
+        return [lane.stream for lane in self._ensure_lanes()]
 
     def _ensure_lanes(self) -> list[Lane]:
         if not self._lanes:
             lanes = [Lane(self, i) for i in range(self.config.lanes)]
-            self.held_bytes += sum(s.block.capacity for lane in lanes for s in lane.slots)
+            self.count(held=sum(s.block.capacity for lane in lanes for s in lane.slots))
             self._lanes = lanes
         return self._lanes
 
@@ -404,3 +424,69 @@ class StagingEngine:
             lane.stop()
         for lane in lanes:
             lane.release()
+
+
+class StagedRoute:
+    """Chunks through the lanes of one engine per direction (see the module docstring)."""
+
+    name = "staged"
+
+    def __init__(
+        self, completion: Completion, pool: PinnedPool, config: StagingConfig, leases: HostLeases
+    ) -> None:
+        self.completion = completion
+        self.pool = pool
+        self.config = config
+        self.leases = leases
+        self.engines: dict[str, StagingEngine] = {}
+        self._lock = threading.Lock()
+        self.host_copied = 0
+        self._abandoned_before = 0  # abandoned by engines already closed
+
+    def engine(self, upload: bool) -> StagingEngine:
+        """The direction's engine, created on first use. Lock held."""
+        direction = "upload" if upload else "download"
+        engine = self.engines.get(direction)
+        if engine is None:
+            engine = self.engines[direction] = StagingEngine(self.completion.backend, self.pool, self.config, direction)
+        return engine
+
+    def streams(self, request: HostCopy) -> list[Any]:
+        """Every lane's stream of the direction."""
+        return self.engine(request.upload).streams()
+
+    def submit(self, request: HostCopy) -> Record:
+        """Deal the chunks to the lanes; the record's job proves completion. Lock held."""
+        host = request.host
+        engine = self.engine(request.upload)
+        alias = host if request.upload else host.view()  # lanes write through a view taken before read-only
+        job = engine.submit(alias, request.device._ptr)
+        record = self.completion.job_record(
+            job, engine, request.moved, request.leased, request.result, request.nbytes, request.extra
+        )
+
+        def cleanup(failed: bool) -> None:
+            with self._lock:
+                self.host_copied += job.host_bytes
+            job.array = None
+
+        request.extra.cleanups.append(cleanup)
+        request.extra.cleanups.append(self.leases.lease(host))
+        return record
+
+    @property
+    def held_bytes(self) -> int:
+        """Pinned bytes the lanes hold."""
+        return sum(e.held_bytes for e in self.engines.values())
+
+    @property
+    def abandoned_bytes(self) -> int:
+        """Slots abandoned by failed DMAs."""
+        return self._abandoned_before + sum(e.abandoned_bytes for e in self.engines.values())
+
+    def close(self) -> None:
+        """Stop the lanes after their queued work and free their slots."""
+        for engine in self.engines.values():
+            engine.close()
+            self._abandoned_before += engine.abandoned_bytes
+        self.engines.clear()

@@ -1,0 +1,43 @@
+"""Argument checks shared by the facade: sizes, shapes, and allocation errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._backends._base import DeviceError
+from ._errors import FerryError
+
+__all__: list[str] = []
+
+MAX_BYTES = 1 << 48  # larger requests are refused up front (no device has this much)
+_OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def size_arg(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    result = int(value)
+    if result > MAX_BYTES:
+        raise ValueError(f"{name}={result} is larger than any machine's memory")
+    return result
+
+
+def shape_arg(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        dims: tuple[int, ...] = (int(shape),)
+    else:
+        try:
+            dims = tuple(size_arg(s, "a dimension") for s in shape)
+        except TypeError as exc:
+            raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from exc
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    return dims
+
+
+def alloc_error(what: str, nbytes: int, exc: DeviceError) -> Exception:
+    if exc.code == _OOM:
+        return MemoryError(f"{what} allocation of {nbytes} bytes failed: out of memory ({exc})")
+    return FerryError(f"{what} allocation of {nbytes} bytes failed: {exc}")

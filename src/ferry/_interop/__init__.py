@@ -1,0 +1,1 @@
+"""Interop with other GPU libraries: foreign arrays, the CUDA Array Interface, DLPack."""

@@ -1,0 +1,125 @@
+"""The device side of a submission: a ferry array, or a foreign one wrapped for one transfer.
+
+Also the ordering rule for publication: ferry's copy runs after the work the
+device side's bytes depend on (a producer's kernels, an earlier upload handed
+off), through a stream-side wait, never a host wait.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._backends._base import Backend
+from .._device_array import DeviceArray
+from .._errors import TransferSubmitError
+from ._cai import Foreign, foreign_from, foreign_from_dlpack, interface_of
+
+if TYPE_CHECKING:
+    from .._completion import Completion
+
+__all__: list[str] = []
+
+_KDL_CUDA = 2
+PINNED = "a PinnedHostBuffer (rt.pinned(n))"
+DEVICE = "a DeviceArray (rt.empty(shape, dtype))"
+
+
+def expect(obj: Any, kind: type, call: str, name: str, what: str) -> None:
+    """Refuse ``obj`` unless it is a ``kind``, saying what was expected."""
+    if not isinstance(obj, kind):
+        hint = ""
+        if isinstance(obj, np.ndarray):
+            hint = "; NumPy arrays go through rt.upload()/rt.download()"
+        raise TransferSubmitError(f"{call}: {name} must be {what}, got {type(obj).__name__}{hint}")
+
+
+def dlpack_device_type(obj: Any) -> int | None:
+    """The DLPack device type of ``obj`` (2: CUDA), or None if it speaks no DLPack."""
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        return None
+    try:
+        return int(obj.__dlpack_device__()[0])
+    except Exception:
+        return None
+
+
+def device_side(
+    obj: Any, owner: object, backend: Backend, call: str, name: str, *, write: bool, stream: Any
+) -> Any:
+    """A ferry array of ``owner`` (checked) or a foreign one (wrapped); anything else is refused.
+
+    A foreign array comes through its CUDA Array Interface or, failing that,
+    DLPack (asked for a capsule ordered on ``stream``, ferry's copy stream).
+    Raises :class:`~ferry.TransferSubmitError`; a consumed capsule is given
+    back by :func:`give_back` if the submission is refused later.
+    """
+    if isinstance(obj, DeviceArray):
+        problem = obj._submission_problem(owner, write=write)
+        if problem:
+            raise TransferSubmitError(problem)
+        return obj
+    cai = interface_of(obj)
+    if dlpack_device_type(obj) == _KDL_CUDA and (cai is None or int(cai.get("version", 0)) < 3):
+        # DLPack orders ferry's stream after the producer (a CUDA Array Interface
+        # before version 3 names no stream, so it cannot)
+        return foreign_from_dlpack(obj, int(backend.device), backend.stream_handle(stream))
+    if cai is not None:
+        return foreign_from(obj, cai, write=write)
+    expect(obj, DeviceArray, call, name, DEVICE)
+    return obj  # unreachable: expect raised
+
+
+def give_back(device: Any) -> None:
+    """A submission was refused after a DLPack capsule was consumed: release it."""
+    imported = getattr(device, "imported", None)
+    if imported is not None:
+        imported.release()
+
+
+def release_import(device: Any) -> Any:
+    """A cleanup for a record that consumed ``device``'s DLPack capsule (or None)."""
+    imported = getattr(device, "imported", None)
+    if imported is None:
+        return None
+
+    def cleanup(failed: bool) -> None:
+        if not failed:  # a failed copy may still touch the producer's memory: never hand it back
+            imported.release()
+
+    return cleanup
+
+
+def order_before(completion: Completion, streams: list[Any], device: Any, ordered: Any = None) -> None:
+    """Make ``streams`` wait, on the device, for the work ``device``'s bytes depend on.
+
+    A ferry array handed off by a pending upload waits for that upload's
+    completion; a foreign array waits for its producer stream (an event
+    recorded there), or, when it came through DLPack, for ``ordered`` (the
+    copy stream its producer already made wait). No host wait. Lock held;
+    raises DeviceError.
+    """
+    backend = completion.backend
+    ready = getattr(device, "_ready", None)
+    if ready is not None and not ready.done:
+        for _, event in completion.ends(ready):
+            if event is not None:
+                for stream in streams:
+                    backend.stream_wait_event(stream, event)
+    if not isinstance(device, Foreign):
+        return
+    if device.stream is not None:
+        source = backend.stream_from_handle(device.stream)
+    elif device.imported is not None and ordered is not None and any(s is not ordered for s in streams):
+        source = ordered
+    else:
+        return
+    event = completion.take_event()
+    try:
+        backend.event_record(event, source)
+        for stream in streams:
+            if stream is not source:
+                backend.stream_wait_event(stream, event)
+    finally:
+        completion.events.append(event)  # a wait captured the record: the event is reusable

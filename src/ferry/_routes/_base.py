@@ -1,0 +1,101 @@
+"""What every route shares: the copy request, the interface, and the caller's read-only flags.
+
+A *host route* moves bytes between a NumPy array and a device array. The
+facade checks the arguments, builds a :class:`HostCopy`, picks the route
+(registered, direct or staged) and calls its :meth:`HostRoute.submit`, which
+enqueues the copy and returns the record; the facade then moves the states.
+Each route attaches to the record's :class:`~ferry._completion.Extras` the
+cleanups it needs when the record leaves flight, so completion never knows
+which route ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .._completion import Extras, Record
+
+__all__: list[str] = []
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """One NumPy array <-> device array copy, checked and ready to enqueue.
+
+    ``device`` is a ferry array or a foreign wrapper; ``copy`` is the
+    backend's ``htod_record``/``dtoh_record``; ``moved``, ``leased`` and
+    ``result`` are the record's.
+    """
+
+    upload: bool
+    host: np.ndarray[Any, Any]
+    device: Any
+    stream: Any
+    copy: Callable[[int, int, int, Any, Any], None]
+    moved: tuple[Any, ...]
+    leased: tuple[Any, ...]
+    result: tuple[Any, ...]
+    extra: Extras
+
+    @property
+    def nbytes(self) -> int:
+        """The payload's size."""
+        return int(self.host.nbytes)
+
+
+class HostRoute(Protocol):
+    """A way to move a NumPy array's bytes to or from the device."""
+
+    name: str
+
+    def streams(self, request: HostCopy) -> list[Any]:
+        """The streams the copy will run on (ordered after the device side's producer first)."""
+        ...
+
+    def submit(self, request: HostCopy) -> Record:
+        """Enqueue the copy; lock held. Raises TransferSubmitError with nothing enqueued."""
+        ...
+
+
+class HostLeases:
+    """The caller's NumPy arrays flagged read-only while a transfer uses them (counted, restored)."""
+
+    def __init__(self) -> None:
+        self._leases: dict[int, list[Any]] = {}
+
+    def lease(self, array: np.ndarray[Any, Any]) -> Callable[[bool], None]:
+        """Flag ``array`` read-only for one flight; return the cleanup that restores it."""
+        entry = self._leases.get(id(array))
+        if entry is None:
+            self._leases[id(array)] = [array, 1, bool(array.flags.writeable)]
+            if array.flags.writeable:
+                array.flags.writeable = False
+        else:
+            entry[1] += 1
+
+        def cleanup(failed: bool) -> None:
+            self._unlease(array)
+
+        return cleanup
+
+    def _unlease(self, array: np.ndarray[Any, Any]) -> None:
+        entry = self._leases.get(id(array))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._leases[id(array)]
+            if entry[2]:
+                with contextlib.suppress(ValueError):
+                    array.flags.writeable = True
+
+
+def array_ptr(array: np.ndarray[Any, Any]) -> int:
+    """The address of an array's first byte."""
+    return int(array.ctypes.data)
