@@ -1,0 +1,2071 @@
+/*
+ * ferry._native._engine: the staging engine on native threads.
+ *
+ * What it does
+ * ------------
+ * A pageable NumPy array cannot be the target of a DMA. The engine moves it
+ * through a bounded ring of page-locked *slots*: the host copies a chunk of
+ * the array into a slot, the copy engine moves the slot to the device (and
+ * the reverse for downloads). Python hands the engine a job (addresses,
+ * sizes, shape and strides, all plain integers) and learns the outcome from
+ * the job's completion. Native threads never touch a Python object and never
+ * take the GIL.
+ *
+ * Threads
+ * -------
+ * An Engine serves one direction ("upload" or "download"). It owns N lanes.
+ * A lane is one pthread with its own stream, `slots_per_lane` slots of
+ * `slot_bytes` and one event per slot. The lane allocates all of that itself
+ * on its own thread (after cuCtxSetCurrent on the given context) and frees
+ * it on its own thread when it exits, so no other thread ever needs the
+ * context to be current. The lane sleeps on its condition variable until a
+ * *share* (the chunks of one job dealt to it) is queued.
+ *
+ * In emulated mode (no GPU), each lane also owns a stream worker: a second
+ * pthread that runs the lane's "DMAs" (memcpy, then a sleep that models
+ * nbytes / bandwidth + latency), event records and mark writes in order, so
+ * a stream is asynchronous exactly as a CUDA stream is.
+ *
+ * Jobs, chunks, shares
+ * --------------------
+ * submit() cuts the array's C-order byte image into chunks (contiguous: raw
+ * byte ranges; strided: sub-arrays along the axes, like plan_chunks in
+ * _staging.py) and deals them round-robin to min(lanes, chunks) lanes,
+ * starting at a rotating lane. A share is (job, first chunk, stride), so the
+ * plan costs O(lanes) at submit time, whatever the array's size; a chunk's
+ * geometry is computed by the lane when it gets to it.
+ *
+ * Upload, per chunk: reap the slot (wait for its previous DMA through its
+ * event), gather the chunk into the slot, enqueue HtoD, record the slot's
+ * event. A share is reported complete when the event after its last DMA is
+ * reaped: either when the lane reuses that slot, or, when the lane has no
+ * more queued work, by reaping all busy slots before it sleeps. So a lane
+ * starts the next job's host copies while the previous job's last DMAs are
+ * in flight, and a job is done only once all of its DMAs completed.
+ * Download, per share: enqueue DtoH into up to `slots` slots ahead, then for
+ * each chunk wait its event, scatter the slot into the array, enqueue the
+ * next DtoH into the freed slot. A download share ends with all its slots
+ * idle. Either way each payload byte is copied by the host exactly once and
+ * staging memory is exactly lanes * slots_per_lane * slot_bytes.
+ *
+ * Completion
+ * ----------
+ * job->remaining counts the lanes that still owe their share. The lane that
+ * brings it to zero sets job->done (a release store, under the job's mutex)
+ * and broadcasts the job's condition variable. done() is one acquire load;
+ * wait() sleeps on the condition variable with the GIL released, in slices
+ * of at most 50 ms, and checks Python signals between slices
+ * (PyErr_CheckSignals: a KeyboardInterrupt raised by the handler propagates
+ * out of wait()).
+ *
+ * Stream-order hand-off: marks
+ * ----------------------------
+ * With record_events=True each share gets a *mark*: a per-lane 32-bit word
+ * and a value, assigned at submit time (per lane, values increase by one for
+ * each marked share, so a lane's marks are written in increasing order).
+ * The lane enqueues cuStreamWriteValue32(word, value) right after the
+ * share's last DMA and before that chunk's event record, so the write lands
+ * only after all of the share's DMAs completed. job.marks() lists (device
+ * address of the word, value) at once after submit; a consumer stream is
+ * ordered after the whole job on the device, with no host wait, by
+ * cuStreamWaitValue32(consumer, address, value, CU_STREAM_WAIT_VALUE_GEQ)
+ * for each mark (GEQ is a cyclic comparison, so wrap-around is harmless).
+ * A share that does not reach its last DMA (the job failed) writes its mark
+ * from the host once everything older on the lane's stream is complete, so a
+ * consumer never hangs on a failed job (Python sees the failure on the job).
+ * The words live in one mapped pinned page per engine that is deliberately
+ * never freed: a consumer stream may still be queued behind a wait on it
+ * after the engine is closed.
+ *
+ * Failure
+ * -------
+ * The first driver error of a job is kept with its code; job->failed makes
+ * every lane skip the job's remaining chunks. A lane that meets an error
+ * *recovers*: it waits for every busy slot's event (attributing an error to
+ * that slot's job), reports the shares those events end, then abandons all
+ * of its slots (never reused, never freed on CUDA; counted in
+ * abandoned_bytes) and allocates fresh ones. If that allocation fails the
+ * lane is *broken*: every later share on it fails at once with that error.
+ * An error is sticky (the context is unusable) for codes 700, 701, 702,
+ * 714-719 and 999 on CUDA; in emulated mode sticky iff it came from
+ * fail_next_copy(sticky=True) (code 719), after which the emulated device is
+ * poisoned: every later emulated driver call fails with 719.
+ *
+ * Invariants
+ * ----------
+ * - A slot with busy=1 may still be touched by a DMA; it is reused only
+ *   after its event was synchronized, and is freed only at close after
+ *   every DMA completed. Abandoned slots are never reused.
+ * - The lane's slot ring, cursor and busy flags are touched by the lane
+ *   thread only. Queues are protected by the lane mutex, job errors by the
+ *   job mutex, emulated stream state by the stream mutex; counters that
+ *   Python reads (done, failed, host_bytes, held/abandoned bytes) are C11
+ *   atomics.
+ * - A job is freed when its last reference goes: one for the Python Job
+ *   object, one per share. A Python Job keeps its Engine object alive.
+ * - close() waits for every queued job (it lifts a hold first), then joins
+ *   the lanes. tp_dealloc of an Engine created in another process (fork)
+ *   touches neither threads nor locks: it leaks on purpose.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* -- the few driver types, declared locally (no CUDA headers) ----------------------------------- */
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+
+#define CU_MEMHOSTALLOC_PORTABLE 0x01u
+#define CU_MEMHOSTALLOC_DEVICEMAP 0x02u
+#define CU_STREAM_NON_BLOCKING 0x1u
+#define CU_EVENT_BLOCKING_SYNC 0x1u
+#define CU_EVENT_DISABLE_TIMING 0x2u
+#define CU_STREAM_WRITE_VALUE_DEFAULT 0x0u
+
+#define ERR_OUT_OF_MEMORY 2
+#define ERR_LAUNCH_FAILED 719
+#define ERR_UNKNOWN 999
+
+typedef CUresult (*fn_ctx_set_current)(CUcontext);
+typedef CUresult (*fn_mem_host_alloc)(void **, size_t, unsigned int);
+typedef CUresult (*fn_mem_free_host)(void *);
+typedef CUresult (*fn_mem_host_get_device_pointer)(CUdeviceptr *, void *, unsigned int);
+typedef CUresult (*fn_stream_create)(CUstream *, unsigned int);
+typedef CUresult (*fn_stream_destroy)(CUstream);
+typedef CUresult (*fn_event_create)(CUevent *, unsigned int);
+typedef CUresult (*fn_event_destroy)(CUevent);
+typedef CUresult (*fn_event_record)(CUevent, CUstream);
+typedef CUresult (*fn_event_synchronize)(CUevent);
+typedef CUresult (*fn_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+typedef CUresult (*fn_memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*fn_stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
+typedef CUresult (*fn_get_error_text)(CUresult, const char **);
+
+typedef struct {
+    fn_ctx_set_current cuCtxSetCurrent;
+    fn_mem_host_alloc cuMemHostAlloc;
+    fn_mem_free_host cuMemFreeHost;
+    fn_mem_host_get_device_pointer cuMemHostGetDevicePointer;
+    fn_stream_create cuStreamCreate;
+    fn_stream_destroy cuStreamDestroy;
+    fn_event_create cuEventCreate;
+    fn_event_destroy cuEventDestroy;
+    fn_event_record cuEventRecord;
+    fn_event_synchronize cuEventSynchronize;
+    fn_memcpy_htod_async cuMemcpyHtoDAsync;
+    fn_memcpy_dtoh_async cuMemcpyDtoHAsync;
+    fn_stream_write_value32 cuStreamWriteValue32;
+    fn_get_error_text cuGetErrorName;   /* optional */
+    fn_get_error_text cuGetErrorString; /* optional */
+} driver_t;
+
+/* Names Python must hand over (cuGetProcAddress, version >= 12000, so the _v2 ABIs). */
+static const char *const DRIVER_NAMES[] = {
+    "cuCtxSetCurrent",    "cuMemHostAlloc",     "cuMemFreeHost",     "cuMemHostGetDevicePointer",
+    "cuStreamCreate",     "cuStreamDestroy",    "cuEventCreate",     "cuEventDestroy",
+    "cuEventRecord",      "cuEventSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
+    "cuStreamWriteValue32", "cuGetErrorName",   "cuGetErrorString",
+};
+#define DRIVER_REQUIRED 13 /* the first 13 are required, the two error-text calls optional */
+#define N_DRIVER_NAMES ((int)(sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0])))
+
+#define MAX_DIMS 64
+#define MAX_LANES 64
+#define MAX_SLOTS 64
+#define MARK_STRIDE 64 /* bytes between two lanes' mark words (one cache line each) */
+#define MARK_PAGE 4096
+#define SLICE_NS 50000000LL /* wait() checks signals at least this often */
+
+static int is_sticky_cuda(int code) {
+    return code == 700 || code == 701 || code == 702 || (code >= 714 && code <= 719) || code == 999;
+}
+
+/* -- time ------------------------------------------------------------------------------------- */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static struct timespec ts_of(int64_t ns) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)(ns / 1000000000LL);
+    ts.tv_nsec = (long)(ns % 1000000000LL);
+    return ts;
+}
+
+/* A condition variable on CLOCK_MONOTONIC, so timed waits ignore wall-clock jumps. */
+static int cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr)) return -1;
+    int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    if (!rc) rc = pthread_cond_init(cv, &attr);
+    pthread_condattr_destroy(&attr);
+    return rc ? -1 : 0;
+}
+
+/* -- errors ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    int code;
+    int sticky;
+    char text[200];
+} err_t;
+
+/* -- jobs ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    CUdeviceptr address; /* device address of the lane's mark word */
+    uint32_t value;
+} mark_t;
+
+typedef struct job {
+    atomic_int refs;
+    int upload;
+    char *host;             /* the array's element [0, ..., 0] */
+    CUdeviceptr dev;        /* device side (emulated: a real host address) */
+    size_t nbytes;
+    size_t itemsize;
+    int ndim;
+    int contiguous;
+    size_t chunk_bytes;
+    size_t nchunks;
+    /* strided plan (like _staging.plan_chunks): chunks cut along `axis`, `per` indices each */
+    int axis;
+    size_t per;
+    size_t nper; /* chunks per prefix: ceil(shape[axis] / per) */
+    Py_ssize_t shape[MAX_DIMS];
+    Py_ssize_t strides[MAX_DIMS];
+    size_t step[MAX_DIMS]; /* bytes of one index step along each axis in the C-order image */
+    /* outcome */
+    atomic_int done;
+    atomic_int failed;
+    atomic_int remaining;
+    atomic_size_t host_bytes;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    err_t err; /* under mu; valid once failed */
+    int nmarks;
+    mark_t marks[MAX_LANES];
+    int nlanes;
+} job_t;
+
+static void job_decref(job_t *job) {
+    if (atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1) {
+        pthread_mutex_destroy(&job->mu);
+        pthread_cond_destroy(&job->cv);
+        free(job);
+    }
+}
+
+static void job_fail(job_t *job, const err_t *e) {
+    pthread_mutex_lock(&job->mu);
+    if (!atomic_load_explicit(&job->failed, memory_order_relaxed)) {
+        job->err = *e;
+        atomic_store_explicit(&job->failed, 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&job->mu);
+}
+
+static void job_complete(job_t *job) {
+    pthread_mutex_lock(&job->mu);
+    atomic_store_explicit(&job->done, 1, memory_order_release);
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+typedef struct {
+    size_t offset; /* in the C-order image (and on the device) */
+    size_t nbytes;
+    char *host;    /* strided: the sub-array's first element */
+    int nd;        /* strided: the sub-array's dims */
+    Py_ssize_t len[MAX_DIMS];
+    Py_ssize_t str[MAX_DIMS];
+} chunk_t;
+
+static void job_chunk(const job_t *job, size_t k, chunk_t *c) {
+    if (job->contiguous) {
+        c->offset = k * job->chunk_bytes;
+        c->nbytes = job->nbytes - c->offset < job->chunk_bytes ? job->nbytes - c->offset : job->chunk_bytes;
+        c->host = job->host + c->offset;
+        c->nd = 0;
+        return;
+    }
+    size_t prefix = k / job->nper;
+    size_t r = k % job->nper;
+    size_t start = r * job->per;
+    size_t count = (size_t)job->shape[job->axis] - start;
+    if (count > job->per) count = job->per;
+    Py_ssize_t host_off = 0;
+    size_t image_off = 0;
+    for (int a = job->axis - 1; a >= 0; a--) { /* decompose prefix over shape[:axis], C order */
+        size_t idx = prefix % (size_t)job->shape[a];
+        prefix /= (size_t)job->shape[a];
+        host_off += (Py_ssize_t)idx * job->strides[a];
+        image_off += idx * job->step[a];
+    }
+    host_off += (Py_ssize_t)start * job->strides[job->axis];
+    image_off += start * job->step[job->axis];
+    c->offset = image_off;
+    c->nbytes = count * job->step[job->axis];
+    c->host = job->host + host_off;
+    c->nd = job->ndim - job->axis;
+    c->len[0] = (Py_ssize_t)count;
+    c->str[0] = job->strides[job->axis];
+    for (int a = job->axis + 1; a < job->ndim; a++) {
+        c->len[a - job->axis] = job->shape[a];
+        c->str[a - job->axis] = job->strides[a];
+    }
+}
+
+/* Copy one run of `e` bytes `m` times, host side stepping by `s`, image side contiguous. */
+static inline void copy_row(char *img, char *host, size_t e, Py_ssize_t m, Py_ssize_t s, int gather) {
+#define ROW(T)                                                                                  \
+    do {                                                                                        \
+        for (Py_ssize_t j = 0; j < m; j++) {                                                    \
+            T v;                                                                                \
+            if (gather) {                                                                       \
+                memcpy(&v, host + j * s, sizeof(T));                                            \
+                memcpy(img + (size_t)j * sizeof(T), &v, sizeof(T));                             \
+            } else {                                                                            \
+                memcpy(&v, img + (size_t)j * sizeof(T), sizeof(T));                             \
+                memcpy(host + j * s, &v, sizeof(T));                                            \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+    switch (e) {
+    case 1: ROW(uint8_t); return;
+    case 2: ROW(uint16_t); return;
+    case 4: ROW(uint32_t); return;
+    case 8: ROW(uint64_t); return;
+    default: break;
+    }
+#undef ROW
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (gather)
+            memcpy(img + (size_t)j * e, host + j * s, e);
+        else
+            memcpy(host + j * s, img + (size_t)j * e, e);
+    }
+}
+
+/* Move a chunk between the array and `img` (its C-order bytes): gather=1 array -> img. */
+static void chunk_copy(const job_t *job, const chunk_t *c, char *img, int gather) {
+    if (c->nd == 0) {
+        if (gather)
+            memcpy(img, c->host, c->nbytes);
+        else
+            memcpy(c->host, img, c->nbytes);
+        return;
+    }
+    /* normalize: the innermost host-contiguous run of e bytes, then one row dim (m, s), then outer dims */
+    size_t e = job->itemsize;
+    int i = c->nd - 1;
+    while (i >= 0 && (c->len[i] == 1 || c->str[i] == (Py_ssize_t)e)) {
+        e *= (size_t)c->len[i];
+        i--;
+    }
+    Py_ssize_t m = 1, s = 0;
+    if (i >= 0) {
+        m = c->len[i];
+        s = c->str[i];
+        i--;
+    }
+    int outer = 0;
+    Py_ssize_t olen[MAX_DIMS], ostr[MAX_DIMS], idx[MAX_DIMS];
+    for (int a = 0; a <= i; a++) {
+        if (c->len[a] == 1) continue;
+        olen[outer] = c->len[a];
+        ostr[outer] = c->str[a];
+        idx[outer] = 0;
+        outer++;
+    }
+    size_t row_bytes = e * (size_t)m;
+    char *host = c->host;
+    for (;;) {
+        if (m == 1 || s == (Py_ssize_t)e) { /* the row is contiguous too */
+            if (gather)
+                memcpy(img, host, row_bytes);
+            else
+                memcpy(host, img, row_bytes);
+        } else {
+            copy_row(img, host, e, m, s, gather);
+        }
+        img += row_bytes;
+        int a = outer - 1; /* odometer over the outer dims */
+        for (; a >= 0; a--) {
+            host += ostr[a];
+            if (++idx[a] < olen[a]) break;
+            host -= ostr[a] * olen[a];
+            idx[a] = 0;
+        }
+        if (a < 0) break;
+    }
+}
+
+/* -- shares and slots -------------------------------------------------------------------------- */
+
+typedef struct share {
+    struct share *next;
+    job_t *job;
+    size_t first;
+    size_t stride;
+    size_t copied;
+    int has_mark;
+    int mark_written;
+    uint32_t mark;
+} share_t;
+
+typedef struct emu_event {
+    uint64_t recorded;
+    uint64_t done;
+    int error; /* the failure carried by generation `done`, or 0 */
+} emu_event_t;
+
+typedef struct {
+    char *ptr;
+    void *ev;        /* CUevent, or emu_event_t* */
+    int busy;        /* a DMA may touch the slot until the event is reaped */
+    job_t *job;      /* whose chunk last used it (not a reference: its share holds one) */
+    share_t *ends;   /* the share that completes when this slot's event is reaped */
+} slot_t;
+
+typedef struct abandoned {
+    struct abandoned *next;
+    char *ptr;
+    void *ev;
+} abandoned_t;
+
+struct engine;
+
+/* -- emulated streams --------------------------------------------------------------------------- */
+
+enum { OP_COPY, OP_RECORD, OP_MARK, OP_STOP };
+
+typedef struct emu_op {
+    struct emu_op *next;
+    int kind;
+    char *dst;
+    const char *src;
+    size_t n;
+    int fail; /* 0, or the code this copy fails with */
+    emu_event_t *ev;
+    uint64_t gen;
+    _Atomic uint32_t *word;
+    uint32_t value;
+} emu_op_t;
+
+typedef struct {
+    struct engine *eng;
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;      /* ops queued, hold lifted */
+    pthread_cond_t done_cv; /* an event completed */
+    emu_op_t *head, *tail;
+    emu_op_t *stop_op; /* allocated up front, so that stopping cannot fail */
+    int pending_error; /* set by a failed copy, taken by the next record */
+} emu_stream_t;
+
+/* -- lanes and the engine ------------------------------------------------------------------------ */
+
+typedef struct lane {
+    struct engine *eng;
+    int index;
+    pthread_t thread;
+    int started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    share_t *head, *tail;
+    int stopping;
+    /* lane-private from here */
+    CUstream stream;
+    emu_stream_t *es;
+    slot_t slots[MAX_SLOTS];
+    int nslots;
+    size_t cursor;
+    slot_t *cur_last; /* the slot of the current share's latest DMA, NULL after a recovery */
+    int broken;
+    err_t broken_err;
+    abandoned_t *abandoned; /* emulated only: freed once the stream worker is joined */
+    /* marks */
+    _Atomic uint32_t *mark_host;
+    CUdeviceptr mark_dev;
+    uint32_t mark_next; /* under eng->mu */
+} lane_t;
+
+typedef struct engine {
+    int emulated;
+    int upload;
+    int nlanes;
+    int slots_per_lane;
+    size_t slot_bytes;
+    size_t min_chunk_bytes;
+    double bandwidth;
+    double latency;
+    CUcontext ctx;
+    driver_t drv;
+    pid_t pid;
+    lane_t lanes[MAX_LANES];
+    pthread_mutex_t mu; /* submit/close, lane rotation, mark numbering, ready handshake, faults */
+    pthread_cond_t cv;  /* ready handshake, hold */
+    int ready;
+    int setup_failed;
+    err_t setup_err;
+    int next_lane;
+    int closing;
+    int closed;
+    atomic_int held;
+    atomic_llong held_bytes;
+    atomic_llong abandoned_bytes;
+    /* emulated faults */
+    int fail_armed;
+    int fail_after;
+    int fail_sticky;
+    atomic_int poison;
+    /* marks page */
+    char *mark_page;
+    int mark_page_cuda;
+    CUdeviceptr mark_page_dev;
+} engine_t;
+
+/* -- error texts --------------------------------------------------------------------------------- */
+
+static void make_err(const engine_t *eng, int code, const char *op, err_t *e) {
+    e->code = code;
+    if (eng->emulated) {
+        e->sticky = code == ERR_LAUNCH_FAILED;
+        const char *what;
+        switch (code) {
+        case ERR_UNKNOWN: what = "emulated copy failure (injected)"; break;
+        case ERR_LAUNCH_FAILED: what = "emulated copy failure (injected, sticky: the emulated device is poisoned)"; break;
+        case ERR_OUT_OF_MEMORY: what = "out of host memory"; break;
+        default: what = "emulated driver error"; break;
+        }
+        snprintf(e->text, sizeof e->text, "%s (in %s)", what, op);
+        return;
+    }
+    e->sticky = is_sticky_cuda(code);
+    const char *name = NULL, *desc = NULL;
+    if (eng->drv.cuGetErrorName && eng->drv.cuGetErrorName(code, &name) != 0) name = NULL;
+    if (eng->drv.cuGetErrorString && eng->drv.cuGetErrorString(code, &desc) != 0) desc = NULL;
+    if (name && desc)
+        snprintf(e->text, sizeof e->text, "%s: %s (in %s)", name, desc, op);
+    else
+        snprintf(e->text, sizeof e->text, "CUresult %d (in %s)", code, op);
+}
+
+/* -- emulated device ------------------------------------------------------------------------------- */
+
+static int emu_push(emu_stream_t *es, emu_op_t *op) {
+    op->next = NULL;
+    pthread_mutex_lock(&es->mu);
+    if (es->tail)
+        es->tail->next = op;
+    else
+        es->head = op;
+    es->tail = op;
+    pthread_cond_signal(&es->cv);
+    pthread_mutex_unlock(&es->mu);
+    return 0;
+}
+
+static void sleep_until(int64_t deadline) {
+    struct timespec ts = ts_of(deadline);
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+static void *emu_stream_main(void *arg) {
+    emu_stream_t *es = arg;
+    engine_t *eng = es->eng;
+    for (;;) {
+        pthread_mutex_lock(&es->mu);
+        while (!es->head || (atomic_load(&eng->held) && es->head->kind != OP_STOP))
+            pthread_cond_wait(&es->cv, &es->mu);
+        emu_op_t *op = es->head;
+        es->head = op->next;
+        if (!es->head) es->tail = NULL;
+        pthread_mutex_unlock(&es->mu);
+        switch (op->kind) {
+        case OP_STOP:
+            free(op);
+            return NULL;
+        case OP_COPY: {
+            int64_t start = now_ns();
+            if (!op->fail) {
+                memcpy(op->dst, op->src, op->n);
+            } else {
+                memcpy(op->dst, op->src, op->n / 2); /* a torn copy */
+                if (op->fail == ERR_LAUNCH_FAILED) atomic_store(&eng->poison, ERR_LAUNCH_FAILED);
+                pthread_mutex_lock(&es->mu);
+                if (!es->pending_error) es->pending_error = op->fail;
+                pthread_mutex_unlock(&es->mu);
+            }
+            int64_t deadline = start + (int64_t)((eng->latency + (double)op->n / eng->bandwidth) * 1e9);
+            if (deadline - now_ns() > 20000) sleep_until(deadline);
+            break;
+        }
+        case OP_RECORD:
+            pthread_mutex_lock(&es->mu);
+            op->ev->done = op->gen;
+            op->ev->error = es->pending_error;
+            es->pending_error = 0;
+            pthread_cond_broadcast(&es->done_cv);
+            pthread_mutex_unlock(&es->mu);
+            break;
+        case OP_MARK:
+            atomic_store_explicit(op->word, op->value, memory_order_release);
+            break;
+        default:
+            break;
+        }
+        free(op);
+    }
+}
+
+static int emu_enqueue_copy(lane_t *L, char *dst, const char *src, size_t n) {
+    engine_t *eng = L->eng;
+    int poison = atomic_load(&eng->poison);
+    if (poison) return poison;
+    emu_op_t *op = calloc(1, sizeof *op);
+    if (!op) return ERR_OUT_OF_MEMORY;
+    op->kind = OP_COPY;
+    op->dst = dst;
+    op->src = src;
+    op->n = n;
+    pthread_mutex_lock(&eng->mu);
+    if (eng->fail_armed) {
+        if (eng->fail_after > 0) {
+            eng->fail_after--;
+        } else {
+            op->fail = eng->fail_sticky ? ERR_LAUNCH_FAILED : ERR_UNKNOWN;
+            eng->fail_armed = 0;
+        }
+    }
+    pthread_mutex_unlock(&eng->mu);
+    return emu_push(L->es, op);
+}
+
+static int emu_record(lane_t *L, emu_event_t *ev) {
+    int poison = atomic_load(&L->eng->poison);
+    if (poison) return poison;
+    emu_op_t *op = calloc(1, sizeof *op);
+    if (!op) return ERR_OUT_OF_MEMORY;
+    op->kind = OP_RECORD;
+    op->ev = ev;
+    pthread_mutex_lock(&L->es->mu);
+    op->gen = ++ev->recorded;
+    pthread_mutex_unlock(&L->es->mu);
+    return emu_push(L->es, op);
+}
+
+static int emu_mark(lane_t *L, uint32_t value) {
+    int poison = atomic_load(&L->eng->poison);
+    if (poison) return poison;
+    emu_op_t *op = calloc(1, sizeof *op);
+    if (!op) return ERR_OUT_OF_MEMORY;
+    op->kind = OP_MARK;
+    op->word = L->mark_host;
+    op->value = value;
+    return emu_push(L->es, op);
+}
+
+static int emu_sync(lane_t *L, emu_event_t *ev) {
+    emu_stream_t *es = L->es;
+    pthread_mutex_lock(&es->mu);
+    uint64_t want = ev->recorded;
+    while (ev->done < want) pthread_cond_wait(&es->done_cv, &es->mu);
+    int err = ev->done == want ? ev->error : 0;
+    pthread_mutex_unlock(&es->mu);
+    if (err) return err;
+    return atomic_load(&L->eng->poison);
+}
+
+static emu_stream_t *emu_stream_start(engine_t *eng, int *code) {
+    emu_stream_t *es = calloc(1, sizeof *es);
+    if (!es) {
+        *code = ERR_OUT_OF_MEMORY;
+        return NULL;
+    }
+    es->eng = eng;
+    es->stop_op = calloc(1, sizeof *es->stop_op);
+    if (!es->stop_op) goto fail_mu;
+    es->stop_op->kind = OP_STOP;
+    if (pthread_mutex_init(&es->mu, NULL)) goto fail_mu;
+    if (pthread_cond_init(&es->cv, NULL)) goto fail_cv;
+    if (pthread_cond_init(&es->done_cv, NULL)) goto fail_done;
+    if (pthread_create(&es->thread, NULL, emu_stream_main, es)) goto fail_thread;
+    es->started = 1;
+    return es;
+fail_thread:
+    pthread_cond_destroy(&es->done_cv);
+fail_done:
+    pthread_cond_destroy(&es->cv);
+fail_cv:
+    pthread_mutex_destroy(&es->mu);
+fail_mu:
+    free(es->stop_op);
+    free(es);
+    *code = ERR_OUT_OF_MEMORY;
+    return NULL;
+}
+
+/* Runs every queued op first (close lifts a hold before it stops the lanes). */
+static void emu_stream_stop(emu_stream_t *es) {
+    emu_push(es, es->stop_op); /* the worker frees it */
+    pthread_join(es->thread, NULL);
+    pthread_cond_destroy(&es->done_cv);
+    pthread_cond_destroy(&es->cv);
+    pthread_mutex_destroy(&es->mu);
+    free(es);
+}
+
+/* -- the driver seam: one function per operation, CUDA or emulated ---------------------------------- */
+
+static int d_htod(lane_t *L, CUdeviceptr dst, const char *src, size_t n) {
+    if (L->eng->emulated) return emu_enqueue_copy(L, (char *)(uintptr_t)dst, src, n);
+    return L->eng->drv.cuMemcpyHtoDAsync(dst, src, n, L->stream);
+}
+
+static int d_dtoh(lane_t *L, char *dst, CUdeviceptr src, size_t n) {
+    if (L->eng->emulated) return emu_enqueue_copy(L, dst, (const char *)(uintptr_t)src, n);
+    return L->eng->drv.cuMemcpyDtoHAsync(dst, src, n, L->stream);
+}
+
+static int d_record(lane_t *L, slot_t *slot) {
+    if (L->eng->emulated) return emu_record(L, slot->ev);
+    return L->eng->drv.cuEventRecord(slot->ev, L->stream);
+}
+
+static int d_sync(lane_t *L, slot_t *slot) {
+    if (L->eng->emulated) return emu_sync(L, slot->ev);
+    return L->eng->drv.cuEventSynchronize(slot->ev);
+}
+
+static int d_mark(lane_t *L, uint32_t value) {
+    if (L->eng->emulated) return emu_mark(L, value);
+    return L->eng->drv.cuStreamWriteValue32(L->stream, L->mark_dev, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+}
+
+static int d_slot_alloc(lane_t *L, slot_t *slot) {
+    engine_t *eng = L->eng;
+    memset(slot, 0, sizeof *slot);
+    if (eng->emulated) {
+        int poison = atomic_load(&eng->poison);
+        if (poison) return poison;
+        void *p = NULL;
+        if (posix_memalign(&p, 4096, eng->slot_bytes)) return ERR_OUT_OF_MEMORY;
+        for (size_t off = 0; off < eng->slot_bytes; off += 4096) ((volatile char *)p)[off] = 0; /* pre-touch */
+        emu_event_t *ev = calloc(1, sizeof *ev);
+        if (!ev) {
+            free(p);
+            return ERR_OUT_OF_MEMORY;
+        }
+        slot->ptr = p;
+        slot->ev = ev;
+        return 0;
+    }
+    void *p = NULL;
+    CUevent ev = NULL;
+    int rc = eng->drv.cuMemHostAlloc(&p, eng->slot_bytes, CU_MEMHOSTALLOC_PORTABLE);
+    if (rc) return rc;
+    rc = eng->drv.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
+    if (rc) {
+        eng->drv.cuMemFreeHost(p);
+        return rc;
+    }
+    slot->ptr = p;
+    slot->ev = ev;
+    return 0;
+}
+
+static void d_slot_free(lane_t *L, char *ptr, void *ev) {
+    engine_t *eng = L->eng;
+    if (eng->emulated) {
+        free(ptr);
+        free(ev);
+        return;
+    }
+    eng->drv.cuEventDestroy(ev);
+    eng->drv.cuMemFreeHost(ptr);
+}
+
+/* -- lanes ----------------------------------------------------------------------------------------- */
+
+static void mark_store_host(lane_t *L, uint32_t value) {
+    atomic_store_explicit(L->mark_host, value, memory_order_release);
+}
+
+/* A share is complete: all of its DMAs and host copies are done (or it was abandoned by a failure). */
+static void finish_share(lane_t *L, share_t *s) {
+    job_t *job = s->job;
+    if (s->has_mark && !s->mark_written) mark_store_host(L, s->mark);
+    atomic_fetch_add_explicit(&job->host_bytes, s->copied, memory_order_relaxed);
+    if (atomic_fetch_sub_explicit(&job->remaining, 1, memory_order_acq_rel) == 1) job_complete(job);
+    job_decref(job);
+    free(s);
+}
+
+static int alloc_slots(lane_t *L, err_t *e) {
+    engine_t *eng = L->eng;
+    for (int i = 0; i < eng->slots_per_lane; i++) {
+        int rc = d_slot_alloc(L, &L->slots[i]);
+        if (rc) {
+            make_err(eng, rc, "allocating a staging slot", e);
+            for (int j = 0; j < i; j++) d_slot_free(L, L->slots[j].ptr, L->slots[j].ev);
+            L->nslots = 0;
+            return -1;
+        }
+    }
+    L->nslots = eng->slots_per_lane;
+    atomic_fetch_add(&eng->held_bytes, (long long)eng->slot_bytes * eng->slots_per_lane);
+    return 0;
+}
+
+/*
+ * After an error: wait for every busy slot (oldest first, an error goes to that slot's job), report
+ * the shares their events end, abandon every slot, take fresh ones (or mark the lane broken).
+ */
+static void lane_recover(lane_t *L) {
+    engine_t *eng = L->eng;
+    int n = L->nslots;
+    for (int j = 0; j < n; j++) {
+        slot_t *slot = &L->slots[(L->cursor + (size_t)j) % (size_t)n];
+        if (!slot->busy) continue;
+        int rc = d_sync(L, slot);
+        slot->busy = 0;
+        if (rc && slot->job) {
+            err_t e;
+            make_err(eng, rc, "waiting for a staging DMA", &e);
+            job_fail(slot->job, &e);
+        }
+        if (slot->ends) {
+            share_t *s = slot->ends;
+            slot->ends = NULL;
+            finish_share(L, s);
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        if (eng->emulated) {
+            abandoned_t *a = malloc(sizeof *a);
+            if (a) {
+                a->ptr = L->slots[j].ptr;
+                a->ev = L->slots[j].ev;
+                a->next = L->abandoned;
+                L->abandoned = a;
+            } /* else: leaked, which is what abandoning means on CUDA anyway */
+        }
+        memset(&L->slots[j], 0, sizeof L->slots[j]);
+    }
+    if (n) {
+        atomic_fetch_sub(&eng->held_bytes, (long long)eng->slot_bytes * n);
+        atomic_fetch_add(&eng->abandoned_bytes, (long long)eng->slot_bytes * n);
+    }
+    L->nslots = 0;
+    L->cursor = 0;
+    L->cur_last = NULL;
+    err_t e;
+    if (alloc_slots(L, &e)) {
+        L->broken = 1;
+        L->broken_err = e;
+    }
+}
+
+/* Wait for one busy slot; report the share it ends. Returns 0, or -1 after a recovery. */
+static int reap(lane_t *L, slot_t *slot) {
+    int rc = d_sync(L, slot);
+    slot->busy = 0;
+    if (rc) {
+        err_t e;
+        make_err(L->eng, rc, "waiting for a staging DMA", &e);
+        if (slot->job) job_fail(slot->job, &e);
+        if (slot->ends) {
+            share_t *s = slot->ends;
+            slot->ends = NULL;
+            finish_share(L, s);
+        }
+        lane_recover(L);
+        return -1;
+    }
+    if (slot->ends) {
+        share_t *s = slot->ends;
+        slot->ends = NULL;
+        finish_share(L, s);
+    }
+    return 0;
+}
+
+static void reap_all(lane_t *L) {
+    for (;;) {
+        int n = L->nslots, again = 0;
+        for (int j = 0; j < n; j++) {
+            slot_t *slot = &L->slots[(L->cursor + (size_t)j) % (size_t)n];
+            if (slot->busy && reap(L, slot)) {
+                again = 1; /* recovered: the ring changed */
+                break;
+            }
+        }
+        if (!again) return;
+    }
+}
+
+static int any_busy(const lane_t *L) {
+    for (int j = 0; j < L->nslots; j++)
+        if (L->slots[j].busy) return 1;
+    return 0;
+}
+
+/* CUDA mode: a hold pauses lanes at chunk boundaries (emulated mode holds the stream workers). */
+static void hold_wait(engine_t *eng) {
+    if (eng->emulated || !atomic_load(&eng->held)) return;
+    pthread_mutex_lock(&eng->mu);
+    while (atomic_load(&eng->held)) pthread_cond_wait(&eng->cv, &eng->mu);
+    pthread_mutex_unlock(&eng->mu);
+}
+
+static void fail_with(lane_t *L, job_t *job, int rc, const char *op) {
+    err_t e;
+    make_err(L->eng, rc, op, &e);
+    job_fail(job, &e);
+}
+
+static void run_upload(lane_t *L, share_t *s) {
+    job_t *job = s->job;
+    chunk_t c;
+    L->cur_last = NULL;
+    for (size_t k = s->first; k < job->nchunks;) {
+        if (atomic_load_explicit(&job->failed, memory_order_acquire)) break;
+        if (L->broken) {
+            job_fail(job, &L->broken_err);
+            break;
+        }
+        hold_wait(L->eng);
+        slot_t *slot = &L->slots[L->cursor % (size_t)L->nslots];
+        if (slot->busy && reap(L, slot)) continue; /* recovered: re-check this chunk's job, fresh slots */
+        job_chunk(job, k, &c);
+        chunk_copy(job, &c, slot->ptr, 1);
+        s->copied += c.nbytes;
+        slot->job = job;
+        slot->ends = NULL;
+        slot->busy = 1; /* from here on a DMA may touch it */
+        int rc = d_htod(L, job->dev + c.offset, slot->ptr, c.nbytes);
+        if (rc) {
+            fail_with(L, job, rc, "cuMemcpyHtoDAsync");
+            lane_recover(L);
+            break;
+        }
+        if (s->has_mark && k + s->stride >= job->nchunks) {
+            rc = d_mark(L, s->mark);
+            if (rc) {
+                fail_with(L, job, rc, "cuStreamWriteValue32");
+                lane_recover(L);
+                break;
+            }
+            s->mark_written = 1;
+        }
+        rc = d_record(L, slot);
+        if (rc) {
+            fail_with(L, job, rc, "cuEventRecord");
+            lane_recover(L);
+            break;
+        }
+        L->cursor++;
+        L->cur_last = slot;
+        k += s->stride;
+    }
+    if (L->cur_last) {
+        L->cur_last->ends = s; /* reported when that event is reaped */
+        L->cur_last = NULL;
+        return;
+    }
+    /* nothing of this share is in flight; a host-written mark must not race an older device write */
+    if (s->has_mark && !s->mark_written) reap_all(L);
+    finish_share(L, s);
+}
+
+static void run_download(lane_t *L, share_t *s) {
+    job_t *job = s->job;
+    size_t n = job->nchunks > s->first ? (job->nchunks - s->first + s->stride - 1) / s->stride : 0;
+    chunk_t c;
+    if (L->broken) {
+        job_fail(job, &L->broken_err);
+        finish_share(L, s);
+        return;
+    }
+    size_t depth = (size_t)L->nslots, issued = 0;
+    int broke = 0;
+    /* every slot is idle here: download shares end with their slots reaped */
+    for (size_t i = 0; i < n && !broke; i++) {
+        while (issued < n && issued < i + depth && !atomic_load(&job->failed)) {
+            hold_wait(L->eng);
+            slot_t *slot = &L->slots[issued % depth];
+            job_chunk(job, s->first + issued * s->stride, &c);
+            slot->job = job;
+            slot->ends = NULL;
+            slot->busy = 1;
+            const char *op = "cuMemcpyDtoHAsync";
+            int rc = d_dtoh(L, slot->ptr, job->dev + c.offset, c.nbytes);
+            if (!rc) {
+                op = "cuEventRecord";
+                rc = d_record(L, slot);
+            }
+            if (rc) {
+                fail_with(L, job, rc, op);
+                lane_recover(L);
+                broke = 1;
+                break;
+            }
+            issued++;
+        }
+        if (broke || i >= issued) break; /* failed elsewhere: nothing more was issued */
+        slot_t *slot = &L->slots[i % depth];
+        int rc = d_sync(L, slot);
+        slot->busy = 0;
+        if (rc) {
+            fail_with(L, job, rc, "waiting for a staging DMA");
+            lane_recover(L);
+            broke = 1;
+            break;
+        }
+        if (!atomic_load(&job->failed)) {
+            job_chunk(job, s->first + i * s->stride, &c);
+            chunk_copy(job, &c, slot->ptr, 0);
+            s->copied += c.nbytes;
+        }
+    }
+    if (!broke) reap_all(L); /* a failure elsewhere may leave issued-but-unreaped slots */
+    finish_share(L, s);
+}
+
+static int lane_setup(lane_t *L, err_t *e) {
+    engine_t *eng = L->eng;
+    int rc;
+    if (eng->emulated) {
+        L->es = emu_stream_start(eng, &rc);
+        if (!L->es) {
+            make_err(eng, rc, "starting an emulated stream", e);
+            return -1;
+        }
+    } else {
+        rc = eng->drv.cuCtxSetCurrent(eng->ctx);
+        if (rc) {
+            make_err(eng, rc, "cuCtxSetCurrent", e);
+            return -1;
+        }
+        rc = eng->drv.cuStreamCreate(&L->stream, CU_STREAM_NON_BLOCKING);
+        if (rc) {
+            make_err(eng, rc, "cuStreamCreate", e);
+            return -1;
+        }
+        if (L->index == 0) {
+            void *page = NULL;
+            rc = eng->drv.cuMemHostAlloc(&page, MARK_PAGE, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+            if (rc) {
+                make_err(eng, rc, "cuMemHostAlloc (marks)", e);
+                return -1;
+            }
+            memset(page, 0, MARK_PAGE);
+            CUdeviceptr dev = 0;
+            rc = eng->drv.cuMemHostGetDevicePointer(&dev, page, 0);
+            if (rc) {
+                eng->drv.cuMemFreeHost(page);
+                make_err(eng, rc, "cuMemHostGetDevicePointer (marks)", e);
+                return -1;
+            }
+            pthread_mutex_lock(&eng->mu);
+            eng->mark_page = page;
+            eng->mark_page_cuda = 1;
+            eng->mark_page_dev = dev;
+            pthread_mutex_unlock(&eng->mu);
+        }
+    }
+    if (alloc_slots(L, e)) return -1;
+    return 0;
+}
+
+static void lane_teardown(lane_t *L) {
+    engine_t *eng = L->eng;
+    if (eng->emulated && L->es) {
+        emu_stream_stop(L->es); /* every queued op ran: nothing touches a slot any more */
+        L->es = NULL;
+        while (L->abandoned) {
+            abandoned_t *a = L->abandoned;
+            L->abandoned = a->next;
+            d_slot_free(L, a->ptr, a->ev);
+            free(a);
+        }
+    }
+    for (int j = 0; j < L->nslots; j++) d_slot_free(L, L->slots[j].ptr, L->slots[j].ev);
+    if (L->nslots) atomic_fetch_sub(&eng->held_bytes, (long long)eng->slot_bytes * L->nslots);
+    L->nslots = 0;
+    if (!eng->emulated && L->stream) {
+        eng->drv.cuStreamDestroy(L->stream);
+        L->stream = NULL;
+    }
+}
+
+static void *lane_main(void *arg) {
+    lane_t *L = arg;
+    engine_t *eng = L->eng;
+    err_t e;
+    memset(&e, 0, sizeof e);
+    int failed = lane_setup(L, &e);
+    if (failed) lane_teardown(L); /* before reporting: the constructor then stops the other lanes */
+    pthread_mutex_lock(&eng->mu);
+    if (failed && !eng->setup_failed) {
+        eng->setup_failed = 1;
+        eng->setup_err = e;
+    }
+    eng->ready++;
+    pthread_cond_broadcast(&eng->cv);
+    pthread_mutex_unlock(&eng->mu);
+    if (failed) return NULL;
+    for (;;) {
+        pthread_mutex_lock(&L->mu);
+        while (!L->head && !L->stopping) {
+            if (any_busy(L)) { /* idle: finish what is in flight before sleeping */
+                pthread_mutex_unlock(&L->mu);
+                reap_all(L);
+                pthread_mutex_lock(&L->mu);
+                continue;
+            }
+            pthread_cond_wait(&L->cv, &L->mu);
+        }
+        share_t *s = L->head;
+        if (!s) {
+            pthread_mutex_unlock(&L->mu);
+            break;
+        }
+        L->head = s->next;
+        if (!L->head) L->tail = NULL;
+        pthread_mutex_unlock(&L->mu);
+        if (eng->upload)
+            run_upload(L, s);
+        else
+            run_download(L, s);
+    }
+    reap_all(L);
+    lane_teardown(L);
+    return NULL;
+}
+
+/* -- engine lifetime (called with the GIL released where it may block) ---------------------------------- */
+
+static void engine_stop_lanes(engine_t *eng) {
+    /* lift a hold first (queued work must finish), while every lane and its stream still exist */
+    pthread_mutex_lock(&eng->mu);
+    eng->closing = 1;
+    atomic_store(&eng->held, 0);
+    pthread_cond_broadcast(&eng->cv);
+    pthread_mutex_unlock(&eng->mu);
+    for (int i = 0; i < eng->nlanes; i++) {
+        emu_stream_t *es = eng->lanes[i].started ? eng->lanes[i].es : NULL;
+        if (!es) continue;
+        pthread_mutex_lock(&es->mu);
+        pthread_cond_broadcast(&es->cv);
+        pthread_mutex_unlock(&es->mu);
+    }
+    for (int i = 0; i < eng->nlanes; i++) {
+        lane_t *L = &eng->lanes[i];
+        if (!L->started) continue;
+        pthread_mutex_lock(&L->mu);
+        L->stopping = 1;
+        pthread_cond_signal(&L->cv);
+        pthread_mutex_unlock(&L->mu);
+    }
+    for (int i = 0; i < eng->nlanes; i++) {
+        lane_t *L = &eng->lanes[i];
+        if (!L->started) continue;
+        pthread_join(L->thread, NULL);
+        L->started = 0;
+    }
+}
+
+static void engine_free(engine_t *eng) {
+    for (int i = 0; i < eng->nlanes; i++) {
+        pthread_mutex_destroy(&eng->lanes[i].mu);
+        pthread_cond_destroy(&eng->lanes[i].cv);
+    }
+    if (eng->mark_page && !eng->mark_page_cuda) free(eng->mark_page);
+    /* a CUDA mark page is never freed: a consumer stream may still wait on it */
+    pthread_mutex_destroy(&eng->mu);
+    pthread_cond_destroy(&eng->cv);
+    free(eng);
+}
+
+/* ================================================================================================
+ * Python types
+ * ================================================================================================ */
+
+static PyObject *DriverError; /* DriverError(code, text) */
+static PyTypeObject *EngineType;
+static PyTypeObject *JobType;
+
+typedef struct {
+    PyObject_HEAD
+    engine_t *eng;
+    pid_t pid;
+    int closed;
+} EngineObject;
+
+typedef struct {
+    PyObject_HEAD
+    job_t *job;
+    PyObject *engine; /* keeps the engine (and its mark page) alive */
+} JobObject;
+
+static int check_process(EngineObject *self) {
+    if (self->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this staging engine was created in another process (a fork); it cannot be used here");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_open(EngineObject *self) {
+    if (check_process(self)) return -1;
+    if (self->closed || !self->eng) {
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static void raise_driver_error(const err_t *e) {
+    PyObject *args = Py_BuildValue("(is)", e->code, e->text);
+    if (args) {
+        PyErr_SetObject(DriverError, args);
+        Py_DECREF(args);
+    }
+}
+
+/* -- Engine.__init__ ------------------------------------------------------------------------------- */
+
+static int get_entry_points(PyObject *mapping, driver_t *drv) {
+    void **table = (void **)drv;
+    for (int i = 0; i < N_DRIVER_NAMES; i++) {
+        PyObject *v = PyMapping_GetItemString(mapping, DRIVER_NAMES[i]);
+        if (!v) {
+            if (i >= DRIVER_REQUIRED && PyErr_ExceptionMatches(PyExc_KeyError)) {
+                PyErr_Clear();
+                table[i] = NULL;
+                continue;
+            }
+            if (PyErr_ExceptionMatches(PyExc_KeyError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "entry_points lacks %s", DRIVER_NAMES[i]);
+            }
+            return -1;
+        }
+        unsigned long long addr = PyLong_AsUnsignedLongLong(v);
+        Py_DECREF(v);
+        if (PyErr_Occurred()) return -1;
+        if (!addr && i < DRIVER_REQUIRED) {
+            PyErr_Format(PyExc_ValueError, "entry point %s is NULL (not supported by this driver?)", DRIVER_NAMES[i]);
+            return -1;
+        }
+        table[i] = (void *)(uintptr_t)addr;
+    }
+    return 0;
+}
+
+/* An address: a Python int in [0, 2**64), checked (the "K" format would wrap negative numbers). */
+static int address_converter(PyObject *obj, void *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "an address must be an int");
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *(unsigned long long *)out = v;
+    return 1;
+}
+
+static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
+                             "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", NULL};
+    const char *direction, *mode = "emulated";
+    int lanes = 4, slots = 2;
+    Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
+    unsigned long long context = 0;
+    PyObject *entry_points = Py_None;
+    double bandwidth = 25e9, latency = 5e-6;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Odd", kwlist, &direction, &mode, &lanes, &slots,
+                                     &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency))
+        return NULL;
+    int upload;
+    if (!strcmp(direction, "upload"))
+        upload = 1;
+    else if (!strcmp(direction, "download"))
+        upload = 0;
+    else {
+        PyErr_Format(PyExc_ValueError, "direction must be 'upload' or 'download', got '%s'", direction);
+        return NULL;
+    }
+    int emulated;
+    if (!strcmp(mode, "emulated"))
+        emulated = 1;
+    else if (!strcmp(mode, "cuda"))
+        emulated = 0;
+    else {
+        PyErr_SetString(PyExc_ValueError, "mode must be 'cuda' or 'emulated'");
+        return NULL;
+    }
+    if (lanes < 1 || lanes > MAX_LANES || slots < 1 || slots > MAX_SLOTS || slot_bytes < 4096 || min_chunk < 4096) {
+        PyErr_Format(PyExc_ValueError,
+                     "the engine needs 1 <= lanes <= %d, 1 <= slots_per_lane <= %d, slot_bytes >= 4096 and "
+                     "min_chunk_bytes >= 4096",
+                     MAX_LANES, MAX_SLOTS);
+        return NULL;
+    }
+    if (emulated && !(bandwidth > 0 && latency >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "emulated bandwidth must be > 0 and latency >= 0");
+        return NULL;
+    }
+    driver_t drv;
+    memset(&drv, 0, sizeof drv);
+    if (!emulated) {
+        if (entry_points == Py_None || !context) {
+            PyErr_SetString(PyExc_ValueError, "mode='cuda' needs context and entry_points");
+            return NULL;
+        }
+        if (get_entry_points(entry_points, &drv)) return NULL;
+    }
+    engine_t *eng = calloc(1, sizeof *eng);
+    if (!eng) return PyErr_NoMemory();
+    eng->emulated = emulated;
+    eng->upload = upload;
+    eng->nlanes = lanes;
+    eng->slots_per_lane = slots;
+    eng->slot_bytes = (size_t)slot_bytes;
+    eng->min_chunk_bytes = (size_t)min_chunk;
+    eng->bandwidth = bandwidth;
+    eng->latency = latency;
+    eng->ctx = (CUcontext)(uintptr_t)context;
+    eng->drv = drv;
+    eng->pid = getpid();
+    atomic_init(&eng->held, 0);
+    atomic_init(&eng->held_bytes, 0);
+    atomic_init(&eng->abandoned_bytes, 0);
+    atomic_init(&eng->poison, 0);
+    if (pthread_mutex_init(&eng->mu, NULL)) {
+        free(eng);
+        return PyErr_NoMemory();
+    }
+    if (pthread_cond_init(&eng->cv, NULL)) {
+        pthread_mutex_destroy(&eng->mu);
+        free(eng);
+        return PyErr_NoMemory();
+    }
+    int inited = 0;
+    for (; inited < lanes; inited++) {
+        lane_t *L = &eng->lanes[inited];
+        L->eng = eng;
+        L->index = inited;
+        if (pthread_mutex_init(&L->mu, NULL)) break;
+        if (pthread_cond_init(&L->cv, NULL)) {
+            pthread_mutex_destroy(&L->mu);
+            break;
+        }
+    }
+    if (inited < lanes) {
+        for (int i = 0; i < inited; i++) {
+            pthread_mutex_destroy(&eng->lanes[i].mu);
+            pthread_cond_destroy(&eng->lanes[i].cv);
+        }
+        pthread_mutex_destroy(&eng->mu);
+        pthread_cond_destroy(&eng->cv);
+        free(eng);
+        return PyErr_NoMemory();
+    }
+    if (emulated) {
+        eng->mark_page = aligned_alloc(MARK_PAGE, MARK_PAGE);
+        if (!eng->mark_page) {
+            eng->nlanes = lanes;
+            engine_free(eng);
+            return PyErr_NoMemory();
+        }
+        memset(eng->mark_page, 0, MARK_PAGE);
+        eng->mark_page_dev = (CUdeviceptr)(uintptr_t)eng->mark_page;
+    }
+    int started = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; started < lanes; started++) {
+        lane_t *L = &eng->lanes[started];
+        if (pthread_create(&L->thread, NULL, lane_main, L)) break;
+        L->started = 1;
+    }
+    pthread_mutex_lock(&eng->mu);
+    while (eng->ready < started) pthread_cond_wait(&eng->cv, &eng->mu);
+    pthread_mutex_unlock(&eng->mu);
+    Py_END_ALLOW_THREADS
+    if (started < lanes || eng->setup_failed) {
+        err_t e = eng->setup_err;
+        int failed = eng->setup_failed;
+        Py_BEGIN_ALLOW_THREADS
+        engine_stop_lanes(eng);
+        Py_END_ALLOW_THREADS
+        engine_free(eng);
+        if (failed)
+            raise_driver_error(&e);
+        else
+            PyErr_SetString(PyExc_RuntimeError, "could not start the staging threads");
+        return NULL;
+    }
+    for (int i = 0; i < lanes; i++) {
+        lane_t *L = &eng->lanes[i];
+        L->mark_host = (_Atomic uint32_t *)(eng->mark_page + (size_t)i * MARK_STRIDE);
+        L->mark_dev = eng->mark_page_dev + (CUdeviceptr)i * MARK_STRIDE;
+    }
+    PyObject *obj = PyType_GenericAlloc(type, 0);
+    if (!obj) {
+        Py_BEGIN_ALLOW_THREADS
+        engine_stop_lanes(eng);
+        Py_END_ALLOW_THREADS
+        engine_free(eng);
+        return NULL;
+    }
+    EngineObject *self = (EngineObject *)obj;
+    self->eng = eng;
+    self->pid = eng->pid;
+    self->closed = 0;
+    return obj;
+}
+
+static void engine_close(EngineObject *self) {
+    if (self->closed || !self->eng) return;
+    self->closed = 1;
+    engine_t *eng = self->eng;
+    Py_BEGIN_ALLOW_THREADS
+    engine_stop_lanes(eng);
+    Py_END_ALLOW_THREADS
+    eng->closed = 1;
+}
+
+static void Engine_dealloc(PyObject *obj) {
+    EngineObject *self = (EngineObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (self->eng) {
+        if (self->pid == getpid()) {
+            engine_close(self);
+            engine_free(self->eng);
+        } /* else: a forked child: the threads do not exist here; leak on purpose */
+        self->eng = NULL;
+    }
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static PyObject *Engine_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    EngineObject *self = (EngineObject *)obj;
+    if (check_process(self)) return NULL;
+    engine_close(self);
+    Py_RETURN_NONE;
+}
+
+static size_t auto_chunk(const engine_t *eng, size_t nbytes) {
+    size_t lanes = (size_t)eng->nlanes;
+    size_t per_lane = (nbytes + lanes * eng->slot_bytes - 1) / (lanes * eng->slot_bytes);
+    if (per_lane < 1) per_lane = 1;
+    size_t chunk = (nbytes + lanes * per_lane - 1) / (lanes * per_lane);
+    chunk = (chunk + 65535) / 65536 * 65536;
+    if (chunk < eng->min_chunk_bytes) chunk = eng->min_chunk_bytes;
+    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
+    return chunk;
+}
+
+static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
+    EngineObject *self = (EngineObject *)obj;
+    if (check_open(self)) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
+        return NULL;
+    }
+    return PyLong_FromSize_t(auto_chunk(self->eng, (size_t)n));
+}
+
+static int seq_to_ssize(PyObject *seq, Py_ssize_t *out, Py_ssize_t *n, const char *what) {
+    Py_ssize_t len = PySequence_Size(seq);
+    if (len < 0) return -1;
+    if (len > MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s has more than %d dimensions", what, MAX_DIMS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        if (!item) return -1;
+        out[i] = PyLong_AsSsize_t(item);
+        Py_DECREF(item);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    *n = len;
+    return 0;
+}
+
+static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
+    EngineObject *self = (EngineObject *)obj;
+    static char *kwlist[] = {"host_ptr", "device_ptr", "nbytes", "shape", "strides", "itemsize", "chunk_bytes",
+                             "record_events", NULL};
+    unsigned long long host_ptr, dev_ptr;
+    Py_ssize_t nbytes, itemsize, chunk_bytes = 0;
+    PyObject *shape_obj, *strides_obj;
+    int record = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&nOOn|n$p", kwlist, address_converter, &host_ptr,
+                                     address_converter, &dev_ptr, &nbytes, &shape_obj, &strides_obj, &itemsize,
+                                     &chunk_bytes, &record))
+        return NULL;
+    if (check_open(self)) return NULL;
+    engine_t *eng = self->eng;
+    job_t *job = calloc(1, sizeof *job);
+    if (!job) return PyErr_NoMemory();
+    Py_ssize_t nd_shape = 0, nd_strides = 0;
+    if (seq_to_ssize(shape_obj, job->shape, &nd_shape, "shape") ||
+        seq_to_ssize(strides_obj, job->strides, &nd_strides, "strides"))
+        goto fail;
+    if (nd_shape != nd_strides) {
+        PyErr_SetString(PyExc_ValueError, "shape and strides differ in length");
+        goto fail;
+    }
+    if (itemsize < 1 || nbytes < 0 || chunk_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "itemsize must be >= 1, nbytes and chunk_bytes >= 0");
+        goto fail;
+    }
+    if ((size_t)itemsize > eng->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "itemsize is larger than a staging slot");
+        goto fail;
+    }
+    if ((!host_ptr || !dev_ptr) && nbytes) {
+        PyErr_SetString(PyExc_ValueError, "host_ptr and device_ptr must not be NULL");
+        goto fail;
+    }
+    job->ndim = (int)nd_shape;
+    job->itemsize = (size_t)itemsize;
+    size_t count = 1;
+    for (int a = 0; a < job->ndim; a++) {
+        if (job->shape[a] < 0) {
+            PyErr_SetString(PyExc_ValueError, "shape entries must be >= 0");
+            goto fail;
+        }
+        if (job->shape[a] && count > SIZE_MAX / (size_t)job->shape[a]) {
+            PyErr_SetString(PyExc_OverflowError, "the array is too large");
+            goto fail;
+        }
+        count *= (size_t)job->shape[a];
+    }
+    if (count > SIZE_MAX / job->itemsize || count * job->itemsize != (size_t)nbytes) {
+        PyErr_SetString(PyExc_ValueError, "nbytes does not equal prod(shape) * itemsize");
+        goto fail;
+    }
+    job->upload = eng->upload;
+    job->host = (char *)(uintptr_t)host_ptr;
+    job->dev = (CUdeviceptr)dev_ptr;
+    job->nbytes = (size_t)nbytes;
+    /* contiguous in C order? (dims of length 1 do not matter) */
+    size_t step = job->itemsize;
+    job->contiguous = 1;
+    for (int a = job->ndim - 1; a >= 0; a--) {
+        job->step[a] = step;
+        if (job->shape[a] != 1 && job->strides[a] != (Py_ssize_t)step) job->contiguous = 0;
+        step *= (size_t)job->shape[a];
+    }
+    size_t chunk = chunk_bytes ? (size_t)chunk_bytes : auto_chunk(eng, job->nbytes);
+    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
+    if (chunk < 1) chunk = 1;
+    job->chunk_bytes = chunk;
+    if (job->nbytes == 0) {
+        job->nchunks = 0;
+    } else if (job->contiguous) {
+        job->nchunks = (job->nbytes + chunk - 1) / chunk;
+    } else {
+        int axis = job->ndim - 1;
+        for (int a = 0; a < job->ndim; a++)
+            if (job->step[a] <= chunk) {
+                axis = a;
+                break;
+            }
+        size_t per = chunk / job->step[axis];
+        if (per < 1) per = 1;
+        job->axis = axis;
+        job->per = per;
+        job->nper = ((size_t)job->shape[axis] + per - 1) / per;
+        size_t prefixes = 1;
+        for (int a = 0; a < axis; a++) prefixes *= (size_t)job->shape[a];
+        job->nchunks = prefixes * job->nper;
+    }
+    int nl = job->nchunks < (size_t)eng->nlanes ? (int)job->nchunks : eng->nlanes;
+    job->nlanes = nl;
+    atomic_init(&job->done, nl == 0);
+    atomic_init(&job->failed, 0);
+    atomic_init(&job->remaining, nl);
+    atomic_init(&job->host_bytes, 0);
+    atomic_init(&job->refs, 1 + nl);
+    if (pthread_mutex_init(&job->mu, NULL)) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (cond_init_monotonic(&job->cv)) {
+        pthread_mutex_destroy(&job->mu);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    share_t *shares[MAX_LANES];
+    for (int i = 0; i < nl; i++) {
+        shares[i] = calloc(1, sizeof(share_t));
+        if (!shares[i]) {
+            for (int j = 0; j < i; j++) free(shares[j]);
+            pthread_mutex_destroy(&job->mu);
+            pthread_cond_destroy(&job->cv);
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    JobObject *jo = (JobObject *)PyType_GenericAlloc(JobType, 0);
+    if (!jo) {
+        for (int j = 0; j < nl; j++) free(shares[j]);
+        pthread_mutex_destroy(&job->mu);
+        pthread_cond_destroy(&job->cv);
+        goto fail;
+    }
+    jo->job = job;
+    Py_INCREF(obj);
+    jo->engine = obj;
+    pthread_mutex_lock(&eng->mu);
+    if (eng->closing) { /* another thread closed it since check_open */
+        pthread_mutex_unlock(&eng->mu);
+        for (int j = 0; j < nl; j++) free(shares[j]);
+        atomic_store(&job->refs, 1);
+        Py_DECREF(jo); /* frees the job */
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return NULL;
+    }
+    int start = eng->next_lane;
+    eng->next_lane = (int)(((size_t)start + job->nchunks) % (size_t)eng->nlanes);
+    for (int i = 0; i < nl; i++) {
+        lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
+        share_t *s = shares[i];
+        s->job = job;
+        s->first = (size_t)i;
+        s->stride = (size_t)nl;
+        if (record) {
+            s->has_mark = 1;
+            s->mark = ++L->mark_next;
+            job->marks[i].address = L->mark_dev;
+            job->marks[i].value = s->mark;
+        }
+    }
+    job->nmarks = record ? nl : 0;
+    for (int i = 0; i < nl; i++) {
+        lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
+        pthread_mutex_lock(&L->mu);
+        if (L->tail)
+            L->tail->next = shares[i];
+        else
+            L->head = shares[i];
+        L->tail = shares[i];
+        pthread_cond_signal(&L->cv);
+        pthread_mutex_unlock(&L->mu);
+    }
+    pthread_mutex_unlock(&eng->mu);
+    return (PyObject *)jo;
+fail:
+    free(job);
+    return NULL;
+}
+
+static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    EngineObject *self = (EngineObject *)obj;
+    if (check_open(self)) return NULL;
+    engine_t *eng = self->eng;
+    PyObject *list = PyList_New(0);
+    if (!list) return NULL;
+    for (int i = 0; i < eng->nlanes; i++) {
+        uintptr_t h = eng->emulated ? (uintptr_t)eng->lanes[i].es : (uintptr_t)eng->lanes[i].stream;
+        PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)h);
+        if (!v || PyList_Append(list, v)) {
+            Py_XDECREF(v);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return list;
+}
+
+static PyObject *Engine_hold(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    EngineObject *self = (EngineObject *)obj;
+    if (check_open(self)) return NULL;
+    atomic_store(&self->eng->held, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_release(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    EngineObject *self = (EngineObject *)obj;
+    if (check_open(self)) return NULL;
+    engine_t *eng = self->eng;
+    atomic_store(&eng->held, 0);
+    pthread_mutex_lock(&eng->mu);
+    pthread_cond_broadcast(&eng->cv);
+    pthread_mutex_unlock(&eng->mu);
+    if (eng->emulated) {
+        for (int i = 0; i < eng->nlanes; i++) {
+            emu_stream_t *es = eng->lanes[i].es;
+            if (!es) continue;
+            pthread_mutex_lock(&es->mu);
+            pthread_cond_broadcast(&es->cv);
+            pthread_mutex_unlock(&es->mu);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_fail_next_copy(PyObject *obj, PyObject *args, PyObject *kwds) {
+    EngineObject *self = (EngineObject *)obj;
+    static char *kwlist[] = {"after", "sticky", NULL};
+    int after = 0, sticky = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|i$p", kwlist, &after, &sticky)) return NULL;
+    if (check_open(self)) return NULL;
+    if (!self->eng->emulated) {
+        PyErr_SetString(PyExc_RuntimeError, "fail_next_copy is for emulated engines only");
+        return NULL;
+    }
+    if (after < 0) {
+        PyErr_SetString(PyExc_ValueError, "after must be >= 0");
+        return NULL;
+    }
+    engine_t *eng = self->eng;
+    pthread_mutex_lock(&eng->mu);
+    eng->fail_armed = 1;
+    eng->fail_after = after;
+    eng->fail_sticky = sticky;
+    pthread_mutex_unlock(&eng->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_get_held_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromLongLong(self->eng ? atomic_load(&self->eng->held_bytes) : 0);
+}
+
+static PyObject *Engine_get_abandoned_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromLongLong(self->eng ? atomic_load(&self->eng->abandoned_bytes) : 0);
+}
+
+static PyObject *Engine_get_closed(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((EngineObject *)obj)->closed);
+}
+
+static PyObject *Engine_get_lanes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromLong(self->eng ? self->eng->nlanes : 0);
+}
+
+static PyObject *Engine_get_slots_per_lane(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromLong(self->eng ? self->eng->slots_per_lane : 0);
+}
+
+static PyObject *Engine_get_slot_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromSize_t(self->eng ? self->eng->slot_bytes : 0);
+}
+
+static PyObject *Engine_get_direction(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyUnicode_FromString(self->eng && self->eng->upload ? "upload" : "download");
+}
+
+static PyObject *Engine_get_mode(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyUnicode_FromString(self->eng && self->eng->emulated ? "emulated" : "cuda");
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(host_ptr, device_ptr, nbytes, shape, strides, itemsize, chunk_bytes=0, *, record_events=False)"
+     " -> Job"},
+    {"chunk_bytes", Engine_chunk_bytes, METH_O, "chunk_bytes(nbytes) -> the chunk size submit picks"},
+    {"streams", Engine_streams, METH_NOARGS, "streams() -> the lanes' stream handles"},
+    {"hold", Engine_hold, METH_NOARGS, "hold(): no new DMA starts until release()"},
+    {"release", Engine_release, METH_NOARGS, "release(): lift a hold"},
+    {"fail_next_copy", (PyCFunction)(void (*)(void))Engine_fail_next_copy, METH_VARARGS | METH_KEYWORDS,
+     "fail_next_copy(after=0, *, sticky=False): emulated only"},
+    {"close", Engine_close, METH_NOARGS, "close(): wait for every queued job, stop the lanes, free the slots"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Engine_getset[] = {
+    {"held_bytes", Engine_get_held_bytes, NULL, "staging memory the lanes hold", NULL},
+    {"abandoned_bytes", Engine_get_abandoned_bytes, NULL, "staging memory given up after failures", NULL},
+    {"closed", Engine_get_closed, NULL, "whether close() ran", NULL},
+    {"lanes", Engine_get_lanes, NULL, "lanes (threads, streams)", NULL},
+    {"slots_per_lane", Engine_get_slots_per_lane, NULL, "slots per lane", NULL},
+    {"slot_bytes", Engine_get_slot_bytes, NULL, "bytes per slot", NULL},
+    {"direction", Engine_get_direction, NULL, "'upload' or 'download'", NULL},
+    {"mode", Engine_get_mode, NULL, "'cuda' or 'emulated'", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Engine_slots[] = {
+    {Py_tp_new, Engine_new},
+    {Py_tp_dealloc, Engine_dealloc},
+    {Py_tp_methods, Engine_methods},
+    {Py_tp_getset, Engine_getset},
+    {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
+                "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6)"},
+    {0, NULL},
+};
+
+static PyType_Spec Engine_spec = {
+    "ferry._native._engine.Engine",
+    sizeof(EngineObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    Engine_slots,
+};
+
+/* -- Job ------------------------------------------------------------------------------------------- */
+
+static void Job_dealloc(PyObject *obj) {
+    JobObject *self = (JobObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    EngineObject *eo = (EngineObject *)self->engine;
+    if (self->job) {
+        if (!eo || eo->pid == getpid()) job_decref(self->job); /* in a forked child: leak */
+        self->job = NULL;
+    }
+    Py_XDECREF(self->engine);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static PyObject *Job_done(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    JobObject *self = (JobObject *)obj;
+    return PyBool_FromLong(atomic_load_explicit(&self->job->done, memory_order_acquire));
+}
+
+static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
+    JobObject *self = (JobObject *)obj;
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj)) return NULL;
+    job_t *job = self->job;
+    if (atomic_load_explicit(&job->done, memory_order_acquire)) Py_RETURN_TRUE;
+    int64_t deadline = INT64_MAX;
+    if (timeout_obj != Py_None) {
+        double t = PyFloat_AsDouble(timeout_obj);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (t != t) {
+            PyErr_SetString(PyExc_ValueError, "timeout must not be NaN");
+            return NULL;
+        }
+        if (t <= 0) Py_RETURN_FALSE;
+        deadline = t > 1e9 ? INT64_MAX : now_ns() + (int64_t)(t * 1e9);
+    }
+    EngineObject *eo = (EngineObject *)self->engine;
+    if (eo->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
+        return NULL;
+    }
+    for (;;) {
+        int done;
+        int64_t slice_end = now_ns() + SLICE_NS;
+        if (slice_end > deadline) slice_end = deadline;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = ts_of(slice_end);
+        pthread_mutex_lock(&job->mu);
+        while (!(done = atomic_load_explicit(&job->done, memory_order_acquire))) {
+            if (pthread_cond_timedwait(&job->cv, &job->mu, &ts) == ETIMEDOUT) {
+                done = atomic_load_explicit(&job->done, memory_order_acquire);
+                break;
+            }
+        }
+        pthread_mutex_unlock(&job->mu);
+        Py_END_ALLOW_THREADS
+        if (done) Py_RETURN_TRUE;
+        if (now_ns() >= deadline) Py_RETURN_FALSE;
+        if (PyErr_CheckSignals() < 0) return NULL;
+    }
+}
+
+static PyObject *Job_marks(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    job_t *job = ((JobObject *)obj)->job;
+    PyObject *list = PyList_New(0);
+    if (!list) return NULL;
+    for (int i = 0; i < job->nmarks; i++) {
+        PyObject *t = Py_BuildValue("(KI)", (unsigned long long)job->marks[i].address, (unsigned int)job->marks[i].value);
+        if (!t || PyList_Append(list, t)) {
+            Py_XDECREF(t);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    return list;
+}
+
+static PyObject *Job_get_error(PyObject *obj, void *Py_UNUSED(closure)) {
+    job_t *job = ((JobObject *)obj)->job;
+    if (!atomic_load_explicit(&job->failed, memory_order_acquire)) Py_RETURN_NONE;
+    err_t e;
+    pthread_mutex_lock(&job->mu);
+    e = job->err;
+    pthread_mutex_unlock(&job->mu);
+    return Py_BuildValue("(isO)", e.code, e.text, e.sticky ? Py_True : Py_False);
+}
+
+static PyObject *Job_get_host_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    job_t *job = ((JobObject *)obj)->job;
+    return PyLong_FromSize_t(atomic_load_explicit(&job->host_bytes, memory_order_acquire));
+}
+
+static PyObject *Job_get_nbytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((JobObject *)obj)->job->nbytes);
+}
+
+static PyObject *Job_get_chunks(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((JobObject *)obj)->job->nchunks);
+}
+
+static PyObject *Job_get_chunk_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((JobObject *)obj)->job->chunk_bytes);
+}
+
+static PyObject *Job_get_lanes(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((JobObject *)obj)->job->nlanes);
+}
+
+static PyMethodDef Job_methods[] = {
+    {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
+    {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None) -> bool: sleep (GIL released) until done; False on timeout"},
+    {"marks", Job_marks, METH_NOARGS, "marks() -> [(device address, value)]: the stream-order hand-off"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Job_getset[] = {
+    {"error", Job_get_error, NULL, "(code, text, sticky) of the first failure, or None", NULL},
+    {"host_bytes", Job_get_host_bytes, NULL, "bytes the host copied so far", NULL},
+    {"nbytes", Job_get_nbytes, NULL, "the payload's size", NULL},
+    {"chunks", Job_get_chunks, NULL, "how many chunks the payload was cut into", NULL},
+    {"chunk_bytes", Job_get_chunk_bytes, NULL, "the chunk size limit used", NULL},
+    {"lanes", Job_get_lanes, NULL, "how many lanes took a share", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *Job_new_refused(PyTypeObject *Py_UNUSED(type), PyObject *Py_UNUSED(a), PyObject *Py_UNUSED(k)) {
+    PyErr_SetString(PyExc_TypeError, "Job objects come from Engine.submit()");
+    return NULL;
+}
+
+static PyType_Slot Job_slots[] = {
+    {Py_tp_new, Job_new_refused},
+    {Py_tp_dealloc, Job_dealloc},
+    {Py_tp_methods, Job_methods},
+    {Py_tp_getset, Job_getset},
+    {Py_tp_doc, "One staged transfer (from Engine.submit)."},
+    {0, NULL},
+};
+
+static PyType_Spec Job_spec = {
+    "ferry._native._engine.Job",
+    sizeof(JobObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    Job_slots,
+};
+
+/* -- module ---------------------------------------------------------------------------------------- */
+
+static PyObject *mod_is_sticky(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(is_sticky_cuda((int)code));
+}
+
+static PyObject *mod_entry_point_names(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    PyObject *t = PyTuple_New(N_DRIVER_NAMES);
+    if (!t) return NULL;
+    for (int i = 0; i < N_DRIVER_NAMES; i++) {
+        PyObject *s = PyUnicode_FromString(DRIVER_NAMES[i]);
+        if (!s || PyTuple_SetItem(t, i, s)) {
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+
+static PyMethodDef module_methods[] = {
+    {"is_sticky", mod_is_sticky, METH_O, "is_sticky(code) -> whether a CUDA error code poisons the context"},
+    {"entry_point_names", mod_entry_point_names, METH_NOARGS,
+     "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "ferry._native._engine",
+    "ferry's staging engine on native threads (see the essay at the top of _engine.c).",
+    -1,
+    module_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__engine(void) {
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m) return NULL;
+    DriverError = PyErr_NewException("ferry._native._engine.DriverError", PyExc_RuntimeError, NULL);
+    if (!DriverError) goto fail;
+    Py_INCREF(DriverError); /* one for the module (stolen on success), one kept here */
+    if (PyModule_AddObject(m, "DriverError", DriverError)) {
+        Py_DECREF(DriverError);
+        goto fail;
+    }
+    EngineType = (PyTypeObject *)PyType_FromSpec(&Engine_spec);
+    if (!EngineType) goto fail;
+    Py_INCREF((PyObject *)EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)EngineType)) {
+        Py_DECREF((PyObject *)EngineType);
+        goto fail;
+    }
+    JobType = (PyTypeObject *)PyType_FromSpec(&Job_spec);
+    if (!JobType) goto fail;
+    Py_INCREF((PyObject *)JobType);
+    if (PyModule_AddObject(m, "Job", (PyObject *)JobType)) {
+        Py_DECREF((PyObject *)JobType);
+        goto fail;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_LANES", MAX_LANES) || PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) ||
+        PyModule_AddIntConstant(m, "INJECTED_FAILURE", ERR_UNKNOWN) ||
+        PyModule_AddIntConstant(m, "INJECTED_STICKY_FAILURE", ERR_LAUNCH_FAILED))
+        goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

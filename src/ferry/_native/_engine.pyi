@@ -1,0 +1,116 @@
+"""Types of the compiled staging engine (``_engine.c``; its opening essay is the full contract)."""
+
+from collections.abc import Mapping, Sequence
+from typing import Literal, final
+
+MAX_LANES: int
+MAX_SLOTS: int
+INJECTED_FAILURE: int
+"""Code of a non-sticky failure from ``fail_next_copy()`` (999, as the emulated backend's)."""
+INJECTED_STICKY_FAILURE: int
+"""Code of a sticky failure from ``fail_next_copy(sticky=True)`` (719, LAUNCH_FAILED)."""
+
+class DriverError(RuntimeError):
+    """An engine could not be built: ``args == (code, text)`` of the failing driver call."""
+
+def is_sticky(code: int, /) -> bool:
+    """Whether a CUDA error code leaves the context unusable (700, 701, 702, 714-719, 999)."""
+
+def entry_point_names() -> tuple[str, ...]:
+    """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
+
+@final
+class Job:
+    """One staged transfer, from :meth:`Engine.submit`."""
+
+    @property
+    def error(self) -> tuple[int, str, bool] | None:
+        """``(code, text, sticky)`` of the job's first failure, or ``None``."""
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host has copied for this job (``== nbytes`` once done without error)."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def lanes(self) -> int:
+        """How many lanes took a share of the job."""
+    def done(self) -> bool:
+        """Whether the job is complete (one atomic load; never blocks, never raises)."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep with the GIL released until done; ``False`` on timeout.
+
+        Python signals are checked at least every 50 ms: an exception raised
+        by a signal handler (KeyboardInterrupt) propagates out of ``wait``.
+        """
+    def marks(self) -> list[tuple[int, int]]:
+        """``(device address, value)`` per lane for ``cuStreamWaitValue32(..., GEQ)``; empty unless
+        the job was submitted with ``record_events=True``. Valid at once after submit."""
+
+@final
+class Engine:
+    """The staging lanes of one direction (see ``_engine.c``)."""
+
+    def __init__(
+        self,
+        direction: Literal["upload", "download"],
+        *,
+        mode: Literal["cuda", "emulated"] = "emulated",
+        lanes: int = 4,
+        slots_per_lane: int = 2,
+        slot_bytes: int = 1 << 20,
+        min_chunk_bytes: int = 256 << 10,
+        context: int = 0,
+        entry_points: Mapping[str, int] | None = None,
+        bandwidth: float = 25e9,
+        latency: float = 5e-6,
+    ) -> None: ...
+    @property
+    def held_bytes(self) -> int:
+        """Staging memory the lanes hold now (``lanes * slots_per_lane * slot_bytes`` while open)."""
+    @property
+    def abandoned_bytes(self) -> int:
+        """Staging memory given up after failures (never reused; never freed on CUDA)."""
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def lanes(self) -> int: ...
+    @property
+    def slots_per_lane(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def direction(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    def submit(
+        self,
+        host_ptr: int,
+        device_ptr: int,
+        nbytes: int,
+        shape: Sequence[int],
+        strides: Sequence[int],
+        itemsize: int,
+        chunk_bytes: int = 0,
+        *,
+        record_events: bool = False,
+    ) -> Job:
+        """Queue a transfer between the host array at ``host_ptr`` (its element ``[0, ..., 0]``,
+        described by ``shape``/``strides`` in bytes) and the C-order bytes at ``device_ptr``.
+        ``chunk_bytes=0`` picks the size (:meth:`chunk_bytes`). Returns at once; the caller keeps
+        the host array and the device memory alive until the job is done."""
+    def chunk_bytes(self, nbytes: int, /) -> int:
+        """The chunk size ``submit`` picks for a payload of ``nbytes``."""
+    def streams(self) -> list[int]:
+        """The lanes' stream handles (CUstream values; opaque in emulated mode)."""
+    def hold(self) -> None:
+        """Start no new DMA until :meth:`release` (CUDA: lanes pause at chunk boundaries)."""
+    def release(self) -> None:
+        """Lift a hold."""
+    def fail_next_copy(self, after: int = 0, *, sticky: bool = False) -> None:
+        """Emulated only: the copy enqueued after the next ``after`` ones fails."""
+    def close(self) -> None:
+        """Wait for every queued job, stop the lanes, free the slots. Idempotent."""

@@ -1,0 +1,636 @@
+"""The native staging engine (``ferry._native._engine``), driven directly.
+
+Emulated mode: a NumPy byte buffer stands in for device memory (the engine
+receives its real address as the device pointer), each lane's stream is a
+native worker that takes modelled time, and faults are injected with
+``fail_next_copy``. The CUDA-mode tests at the end run on a GPU machine only.
+Tests assert behaviour, never timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ferry import _native
+
+_engine = pytest.importorskip(
+    "ferry._native._engine", reason="the native engine is not built (pip install -e . builds it)"
+)
+Engine = _engine.Engine
+
+LANES = 4
+SLOTS = 2
+SLOT = 256 << 10
+
+
+def make(direction: str, **kw: Any) -> Any:
+    opts: dict[str, Any] = {
+        "mode": "emulated",
+        "lanes": LANES,
+        "slots_per_lane": SLOTS,
+        "slot_bytes": SLOT,
+        "min_chunk_bytes": 16 << 10,
+        "bandwidth": 50e9,
+        "latency": 2e-6,
+    }
+    opts.update(kw)
+    return Engine(direction, **opts)
+
+
+@pytest.fixture
+def up() -> Iterator[Any]:
+    engine = make("upload")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def down() -> Iterator[Any]:
+    engine = make("download")
+    yield engine
+    engine.close()
+
+
+def device_like(nbytes: int) -> np.ndarray[Any, Any]:
+    """A stand-in for device memory (the emulated engine takes real addresses on the device side)."""
+    return np.full(max(nbytes, 1), 0xEE, dtype=np.uint8)
+
+
+def submit(engine: Any, array: np.ndarray[Any, Any], dev: np.ndarray[Any, Any], **kw: Any) -> Any:
+    return engine.submit(
+        array.ctypes.data, dev.ctypes.data, array.nbytes, array.shape, array.strides, array.itemsize, **kw
+    )
+
+
+def upload(engine: Any, array: np.ndarray[Any, Any], **kw: Any) -> np.ndarray[Any, Any]:
+    dev = device_like(array.nbytes)
+    job = submit(engine, array, dev, **kw)
+    assert job.wait(30)
+    assert job.error is None
+    assert job.host_bytes == array.nbytes
+    return dev[: array.nbytes]
+
+
+def download(engine: Any, dev: np.ndarray[Any, Any], out: np.ndarray[Any, Any], **kw: Any) -> None:
+    job = submit(engine, out, dev, **kw)
+    assert job.wait(30)
+    assert job.error is None
+    assert job.host_bytes == out.nbytes
+
+
+def c_bytes(array: np.ndarray[Any, Any]) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+def pattern(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+# -- round trips ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [1, 7, 4096, 65537, 1 << 20, (3 << 20) + 5, 64 << 20])
+def test_contiguous_round_trip(up: Any, down: Any, nbytes: int) -> None:
+    data = pattern(nbytes, nbytes)
+    dev = upload(up, data)
+    assert dev.tobytes() == data.tobytes()
+    out = np.zeros_like(data)
+    download(down, dev, out)
+    assert np.array_equal(out, data)
+
+
+def _strided_cases() -> list[tuple[str, np.ndarray[Any, Any]]]:
+    base = np.arange(4 * 300 * 257, dtype=np.float32).reshape(4, 300, 257)
+    big = np.arange(1536 * 1024, dtype=np.float64).reshape(1536, 1024)  # 12 MiB
+    return [
+        ("transposed", base[1].T),
+        ("transposed-3d", base.transpose(2, 0, 1)),
+        ("sliced", base[:, 5:290:3, ::2]),
+        ("reversed", base[::-1, :, ::-1]),
+        ("column", base[:, :, 7]),
+        ("big-transposed", big.T),
+        ("big-rows", big[::2]),
+        ("big-cols", big[:, 1:1000]),
+        ("complex", (np.arange(600, dtype=np.complex128).reshape(20, 30) * 1j)[::-2, 3:]),
+        ("0-d", np.array(3.5)),
+        ("empty", base[:, :0]),
+        ("broadcast", np.broadcast_to(np.arange(1000, dtype=np.int16), (300, 1000))),
+    ]
+
+
+@pytest.mark.parametrize(("name", "array"), _strided_cases(), ids=[n for n, _ in _strided_cases()])
+def test_strided_round_trip(up: Any, down: Any, name: str, array: np.ndarray[Any, Any]) -> None:
+    dev = upload(up, array)
+    assert dev.tobytes() == c_bytes(array)
+    out = np.zeros(array.shape, array.dtype)
+    download(down, dev, out)
+    assert np.array_equal(out, array)
+    # into a strided destination: a transposed view of a fresh array
+    out_t = np.zeros(array.shape[::-1], array.dtype).T
+    download(down, dev, out_t)
+    assert np.array_equal(out_t, array)
+
+
+def test_small_chunks_cut_along_the_axes(up: Any, down: Any) -> None:
+    array = np.arange(64 * 48 * 5, dtype=np.int32).reshape(64, 48, 5)[:, ::2, 1:]
+    job = submit(up, array, dev := device_like(array.nbytes), chunk_bytes=100)
+    assert job.wait(30) and job.error is None
+    assert job.chunks > LANES and job.lanes == LANES
+    assert dev.tobytes() == c_bytes(array)
+    out = np.zeros(array.shape, array.dtype)[::1]
+    download(down, dev, out, chunk_bytes=100)
+    assert np.array_equal(out, array)
+
+
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is part of the test extra")
+st = hypothesis.strategies
+
+
+@st.composite
+def strided_arrays(draw: Any) -> np.ndarray[Any, Any]:
+    dtype = draw(st.sampled_from([np.uint8, np.int16, np.float32, np.float64, np.complex128]))
+    shape = draw(st.lists(st.integers(1, 12), min_size=1, max_size=4))
+    base = np.arange(int(np.prod(shape)), dtype=np.int64).astype(dtype).reshape(shape)
+    index = tuple(slice(draw(st.integers(0, n - 1)), None, draw(st.sampled_from([1, 2, 3, -1, -2]))) for n in shape)
+    view = base[index]
+    if draw(st.booleans()):
+        view = view.transpose(draw(st.permutations(range(view.ndim))))
+    return view
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(array=strided_arrays(), chunk=st.sampled_from([0, 16, 100, 4096, SLOT]))
+def test_property_round_trip(array: np.ndarray[Any, Any], chunk: int) -> None:
+    with contextlib.closing(make("upload")) as up, contextlib.closing(make("download")) as down:
+        dev = device_like(array.nbytes)
+        job = submit(up, array, dev, chunk_bytes=chunk)
+        assert job.wait(30) and job.error is None and job.host_bytes == array.nbytes
+        assert dev[: array.nbytes].tobytes() == c_bytes(array)
+        out = np.zeros(array.shape[::-1], array.dtype).T
+        job = submit(down, out, dev, chunk_bytes=chunk)
+        assert job.wait(30) and job.error is None
+        assert np.array_equal(out, array)
+
+
+def test_many_concurrent_jobs(up: Any, down: Any) -> None:
+    rng = np.random.default_rng(7)
+    arrays = [pattern(int(n), i) for i, n in enumerate(rng.integers(1, 3 << 20, size=40))]
+    devs = [device_like(a.nbytes) for a in arrays]
+    jobs = [submit(up, a, d) for a, d in zip(arrays, devs, strict=True)]
+    for job in jobs:
+        assert job.wait(30) and job.error is None
+    outs = [np.zeros_like(a) for a in arrays]
+    jobs = [submit(down, o, d) for o, d in zip(outs, devs, strict=True)]
+    for job, out, array in zip(jobs, outs, arrays, strict=True):
+        assert job.wait(30) and job.error is None
+        assert np.array_equal(out, array)
+
+
+def test_jobs_from_many_threads(up: Any) -> None:
+    arrays = [pattern(300_000 + i, i) for i in range(16)]
+    devs = [device_like(a.nbytes) for a in arrays]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):
+                job = submit(up, arrays[i], devs[i])
+                assert job.wait(30) and job.error is None
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(arrays))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for a, d in zip(arrays, devs, strict=True):
+        assert d[: a.nbytes].tobytes() == a.tobytes()
+
+
+# -- completion -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_not_done_while_held(direction: str) -> None:
+    with contextlib.closing(make(direction)) as engine:
+        data = pattern(2 << 20)
+        dev = device_like(data.nbytes)
+        host = data if direction == "upload" else np.zeros_like(data)
+        if direction == "download":
+            dev[:] = data
+        engine.hold()
+        job = submit(engine, host, dev)
+        assert not job.done()
+        assert job.wait(0.05) is False
+        assert job.wait(0) is False
+        assert not job.done()
+        engine.release()
+        assert job.wait(30) is True
+        assert job.done() and job.error is None
+        assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
+
+
+def test_wait_releases_the_gil(up: Any) -> None:
+    up.hold()
+    job = submit(up, pattern(1 << 20), device_like(1 << 20))
+    counter = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            counter[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert job.wait(0.2) is False
+    finally:
+        stop.set()
+        thread.join()
+        up.release()
+    assert counter[0] > 0
+    assert job.wait(30)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_wait_is_interruptible(up: Any) -> None:
+    class InterruptedError_(Exception):
+        pass
+
+    def handler(signum: int, frame: Any) -> None:
+        raise InterruptedError_
+
+    up.hold()
+    job = submit(up, pattern(1 << 20), device_like(1 << 20))
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(InterruptedError_):
+            job.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        up.release()
+    assert job.wait(30) and job.error is None
+
+
+def test_empty_job_is_done_at_once(up: Any) -> None:
+    array = np.zeros((0, 5), np.float32)
+    job = submit(up, array, device_like(1))
+    assert job.done() and job.wait() and job.chunks == 0 and job.host_bytes == 0
+
+
+def test_marks_are_written_after_the_job(up: Any) -> None:
+    data = pattern(3 << 20)
+    dev = device_like(data.nbytes)
+    up.hold()
+    first = submit(up, data, dev, record_events=True)
+    marks = first.marks()
+    assert len(marks) == first.lanes == LANES
+    values = {addr: ctypes.c_uint32.from_address(addr).value for addr, _ in marks}
+    assert all(values[addr] < value for addr, value in marks)  # not written while held
+    up.release()
+    second = submit(up, data, dev, record_events=True)
+    assert second.wait(30) and first.wait(30)
+    for job in (first, second):
+        for addr, value in job.marks():
+            assert ctypes.c_uint32.from_address(addr).value >= value
+    by_lane = {addr: value for addr, value in first.marks()}
+    assert all(value > by_lane[addr] for addr, value in second.marks() if addr in by_lane)
+    assert submit(up, data, dev).marks() == []
+
+
+# -- failures -------------------------------------------------------------------------------------------
+
+
+def test_failure_in_the_middle_of_a_job() -> None:
+    # one lane, so that "the remaining chunks are skipped" is deterministic
+    with contextlib.closing(make("upload", lanes=1)) as up:
+        data = pattern(64 * 4096)
+        dev = device_like(data.nbytes)
+        held = up.held_bytes
+        assert held == SLOTS * SLOT
+        up.fail_next_copy(after=3)
+        job = submit(up, data, dev, chunk_bytes=4096, record_events=True)
+        assert job.wait(30)
+        code, text, sticky = job.error
+        assert code == _engine.INJECTED_FAILURE and not sticky and "injected" in text
+        assert job.host_bytes < data.nbytes  # the rest was skipped
+        assert up.abandoned_bytes == SLOTS * SLOT  # the lane's slots, given up
+        assert up.held_bytes == held  # and replaced by fresh ones
+        for addr, value in job.marks():  # a failed job still releases its consumers
+            assert ctypes.c_uint32.from_address(addr).value >= value
+        again = upload(up, data)  # later jobs succeed
+        assert again.tobytes() == data.tobytes()
+
+
+def test_failure_on_one_of_many_lanes(up: Any) -> None:
+    data = pattern(4 << 20)
+    dev = device_like(data.nbytes)
+    up.fail_next_copy(after=5)
+    job = submit(up, data, dev, chunk_bytes=64 << 10)
+    assert job.wait(30)
+    assert job.error is not None and job.error[0] == _engine.INJECTED_FAILURE
+    assert up.abandoned_bytes == SLOTS * SLOT
+    assert up.held_bytes == LANES * SLOTS * SLOT
+    assert upload(up, data).tobytes() == data.tobytes()
+
+
+def test_download_failure(down: Any) -> None:
+    data = pattern(2 << 20)
+    dev = data.copy()
+    down.fail_next_copy(after=2)
+    out = np.zeros_like(data)
+    job = submit(down, out, dev, chunk_bytes=64 << 10)
+    assert job.wait(30)
+    assert job.error is not None and job.error[0] == _engine.INJECTED_FAILURE
+    assert down.abandoned_bytes == SLOTS * SLOT
+    download(down, dev, out)
+    assert np.array_equal(out, data)
+
+
+def test_sticky_failure_poisons_the_engine(up: Any) -> None:
+    data = pattern(1 << 20)
+    up.fail_next_copy(sticky=True)
+    job = submit(up, data, device_like(data.nbytes))
+    assert job.wait(30)
+    code, _, sticky = job.error
+    assert code == _engine.INJECTED_STICKY_FAILURE == 719 and sticky
+    later = submit(up, data, device_like(data.nbytes))
+    assert later.wait(30)
+    assert later.error is not None and later.error[0] == 719 and later.error[2]
+    assert up.held_bytes + up.abandoned_bytes <= LANES * SLOTS * SLOT * 2  # bounded, even while failing
+
+
+def test_failures_under_load(up: Any) -> None:
+    """Faults while many jobs are queued: every job ends, each either correct or failed."""
+    arrays = [pattern(500_000 + i, i) for i in range(24)]
+    devs = [device_like(a.nbytes) for a in arrays]
+    up.fail_next_copy(after=17)
+    jobs = [submit(up, a, d, chunk_bytes=64 << 10) for a, d in zip(arrays, devs, strict=True)]
+    failed = 0
+    for job, a, d in zip(jobs, arrays, devs, strict=True):
+        assert job.wait(30)
+        if job.error is None:
+            assert d[: a.nbytes].tobytes() == a.tobytes()
+        else:
+            failed += 1
+    assert failed >= 1
+    assert up.abandoned_bytes % (SLOTS * SLOT) == 0 and up.abandoned_bytes > 0
+    assert up.held_bytes == LANES * SLOTS * SLOT
+
+
+# -- memory and lifetime --------------------------------------------------------------------------------
+
+
+def test_staging_memory_is_bounded(up: Any) -> None:
+    bound = LANES * SLOTS * SLOT
+    assert up.held_bytes == bound
+    up.hold()
+    jobs = [submit(up, pattern(5 << 20, i), device_like(5 << 20)) for i in range(4)]
+    assert up.held_bytes == bound
+    up.release()
+    for job in jobs:
+        assert job.wait(30)
+    assert up.held_bytes == bound
+    up.close()
+    assert up.held_bytes == 0
+
+
+def test_close_waits_for_queued_jobs() -> None:
+    engine = make("upload")
+    data = [pattern(1 << 20, i) for i in range(8)]
+    devs = [device_like(d.nbytes) for d in data]
+    engine.hold()
+    jobs = [submit(engine, d, dev) for d, dev in zip(data, devs, strict=True)]
+    assert not any(job.done() for job in jobs)
+    engine.close()  # lifts the hold, runs everything queued
+    assert all(job.done() and job.error is None for job in jobs)
+    assert all(dev.tobytes() == d.tobytes() for d, dev in zip(data, devs, strict=True))
+    engine.close()  # twice is fine
+    assert engine.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        submit(engine, data[0], devs[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.hold()
+    assert jobs[0].wait() is True  # a job outlives its engine's close
+
+
+def test_jobs_outlive_a_dropped_engine() -> None:
+    engine = make("upload")
+    data = pattern(1 << 20)
+    dev = device_like(data.nbytes)
+    job = submit(engine, data, dev)
+    del engine
+    gc.collect()
+    assert job.wait(30) and job.error is None
+    assert dev.tobytes() == data.tobytes()
+    del job
+    gc.collect()
+
+
+def test_dropping_an_engine_closes_it() -> None:
+    engine = make("download")
+    dev = pattern(1 << 20)
+    out = np.zeros_like(dev)
+    submit(engine, out, dev)
+    del engine  # waits for the job, joins the lanes
+    gc.collect()
+    assert np.array_equal(out, dev)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_refuses_the_engine(up: Any) -> None:
+    data = pattern(1 << 20)
+    dev = device_like(data.nbytes)
+    job = submit(up, data, dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 1
+        try:
+            try:
+                submit(up, data, dev)
+            except RuntimeError as exc:
+                if "another process" in str(exc):
+                    status = 0
+            job.done()  # an atomic load: harmless
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert job.wait(30) and job.error is None
+
+
+def test_a_forked_child_drops_the_engine_without_touching_it() -> None:
+    code = (
+        "import os, gc, numpy as np\n"
+        "from ferry._native._engine import Engine\n"
+        "e = Engine('upload', lanes=2, slots_per_lane=1, slot_bytes=65536)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    del e; gc.collect(); os._exit(0)\n"
+        "_, st = os.waitpid(pid, 0); e.close(); print(os.waitstatus_to_exitcode(st))\n"
+    )
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0"
+
+
+# -- arguments ------------------------------------------------------------------------------------------
+
+
+def test_engine_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="direction"):
+        Engine("sideways")
+    with pytest.raises(ValueError, match="lanes"):
+        Engine("upload", lanes=0)
+    with pytest.raises(ValueError, match="mode"):
+        Engine("upload", mode="tpu")
+    with pytest.raises(ValueError, match="entry_points"):
+        Engine("upload", mode="cuda")
+    with pytest.raises(ValueError, match="lacks"):
+        Engine("upload", mode="cuda", context=1, entry_points={})
+    with pytest.raises(TypeError):
+        _engine.Job()
+
+
+def test_submit_arguments_are_checked(up: Any) -> None:
+    dev = device_like(64)
+    with pytest.raises(ValueError, match="nbytes"):
+        up.submit(dev.ctypes.data, dev.ctypes.data, 63, (64,), (1,), 1)
+    with pytest.raises(ValueError, match="differ"):
+        up.submit(dev.ctypes.data, dev.ctypes.data, 64, (64,), (), 1)
+    with pytest.raises(ValueError, match="NULL"):
+        up.submit(0, dev.ctypes.data, 64, (64,), (1,), 1)
+    with pytest.raises(ValueError, match="itemsize"):
+        up.submit(dev.ctypes.data, dev.ctypes.data, 64, (64,), (1,), 0)
+    with pytest.raises(OverflowError):
+        up.submit(-1, dev.ctypes.data, 64, (64,), (1,), 1)
+    with pytest.raises(ValueError, match="after"):
+        up.fail_next_copy(after=-1)
+
+
+def test_chunk_sizing_spreads_mid_size_payloads() -> None:
+    with contextlib.closing(
+        make("upload", lanes=12, slots_per_lane=2, slot_bytes=4 << 20, min_chunk_bytes=256 << 10)
+    ) as e:
+        assert e.chunk_bytes(8 << 20) < (1 << 20)  # sub-MiB, so every lane starts at once
+        assert -(-(8 << 20) // e.chunk_bytes(8 << 20)) == 12
+        for size in (64 << 20, 256 << 20):
+            chunks = -(-size // e.chunk_bytes(size))
+            assert chunks % 12 == 0  # whole rounds: no lane gets a lone extra chunk
+            assert e.chunk_bytes(size) <= 4 << 20
+        assert e.chunk_bytes(4096) == 256 << 10
+
+
+# -- the loader -----------------------------------------------------------------------------------------
+
+
+def test_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_native.ENV_VAR, raising=False)
+    assert _native.load() is _engine
+    assert _native.status() == "native"
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    assert _native.load() is None
+    assert _native.status() == "python: FERRY_NATIVE=0"
+
+
+def test_sticky_codes() -> None:
+    assert all(_engine.is_sticky(c) for c in (700, 701, 702, 714, 719, 999))
+    assert not any(_engine.is_sticky(c) for c in (0, 1, 2, 600, 801))
+
+
+# -- CUDA mode (a GPU machine) --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_env() -> Iterator[tuple[Any, Any, dict[str, int]]]:
+    from cuda.bindings import driver
+
+    from ferry._backends._cuda import CudaBackend
+
+    backend = CudaBackend(0)
+    try:
+        yield backend, driver, _native.cuda_entry_points(driver)
+    finally:
+        backend.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nbytes", [1, 1 << 20, (8 << 20) + 3])
+def test_cuda_round_trip(cuda_env: tuple[Any, Any, dict[str, int]], nbytes: int) -> None:
+    backend, _, entry_points = cuda_env
+    kw = {"mode": "cuda", "context": backend._ctx_id, "entry_points": entry_points, "lanes": 4}
+    with contextlib.closing(Engine("upload", **kw)) as up, contextlib.closing(Engine("download", **kw)) as down:
+        assert len(up.streams()) == 4 and all(up.streams())
+        data = pattern(nbytes)
+        ptr = backend.mem_alloc(nbytes)
+        try:
+            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, record_events=True)
+            assert job.wait(30) and job.error is None, job.error
+            out = np.zeros_like(data)
+            job = down.submit(out.ctypes.data, ptr, nbytes, out.shape, out.strides, 1)
+            assert job.wait(30) and job.error is None, job.error
+            assert np.array_equal(out, data)
+            strided = np.arange(512 * 384, dtype=np.float32).reshape(512, 384)[::2, 1:].T
+            job = up.submit(strided.ctypes.data, ptr, strided.nbytes, strided.shape, strided.strides, 4)
+            assert job.wait(30) and job.error is None
+            back = np.zeros(strided.shape, strided.dtype)
+            job = down.submit(back.ctypes.data, ptr, back.nbytes, back.shape, back.strides, 4)
+            assert job.wait(30) and job.error is None
+            assert np.array_equal(back, strided)
+        finally:
+            backend.mem_free(ptr)
+
+
+@pytest.mark.cuda
+def test_cuda_hand_off_by_marks(cuda_env: tuple[Any, Any, dict[str, int]]) -> None:
+    backend, driver, entry_points = cuda_env
+    kw = {"mode": "cuda", "context": backend._ctx_id, "entry_points": entry_points, "lanes": 4}
+    with contextlib.closing(Engine("upload", **kw)) as up:
+        nbytes = 16 << 20
+        data = pattern(nbytes)
+        ptr = backend.mem_alloc(nbytes)
+        copy = backend.mem_alloc(nbytes)
+        consumer = backend.stream_create()
+        try:
+            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, record_events=True)
+            with backend._current:
+                for address, value in job.marks():
+                    (err,) = driver.cuStreamWaitValue32(
+                        consumer,
+                        driver.CUdeviceptr(address),
+                        value,
+                        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+                    )
+                    assert not int(err)
+            backend.memcpy_dtod(copy, ptr, nbytes, consumer)  # ordered after the upload on the device
+            backend.stream_synchronize(consumer)
+            out = np.zeros_like(data)
+            backend.memcpy_dtoh(out.ctypes.data, copy, nbytes, consumer)
+            backend.stream_synchronize(consumer)
+            assert np.array_equal(out, data)
+            assert job.wait(30) and job.error is None
+        finally:
+            backend.stream_destroy(consumer)
+            backend.mem_free(copy)
+            backend.mem_free(ptr)
