@@ -69,7 +69,18 @@ def device_like(nbytes: int) -> np.ndarray[Any, Any]:
     return np.full(max(nbytes, 1), 0xEE, dtype=np.uint8)
 
 
+_keepalive: list[object] = []
+
+
+@pytest.fixture(autouse=True)
+def _keep_arrays_alive() -> Iterator[None]:
+    """The caller keeps a job's memory alive until it is done: here, until the test's engines are closed."""
+    yield
+    _keepalive.clear()
+
+
 def submit(engine: Any, array: np.ndarray[Any, Any], dev: np.ndarray[Any, Any], **kw: Any) -> Any:
+    _keepalive.append((array, dev))
     return engine.submit(
         array.ctypes.data, dev.ctypes.data, array.nbytes, array.shape, array.strides, array.itemsize, **kw
     )
