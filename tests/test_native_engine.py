@@ -280,18 +280,18 @@ def test_wait_releases_the_gil(up: Any) -> None:
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
 def test_wait_is_interruptible(up: Any) -> None:
-    class InterruptedError_(Exception):
+    class SignalledError(Exception):
         pass
 
     def handler(signum: int, frame: Any) -> None:
-        raise InterruptedError_
+        raise SignalledError
 
     up.hold()
     job = submit(up, pattern(1 << 20), device_like(1 << 20))
     previous = signal.signal(signal.SIGALRM, handler)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
-        with pytest.raises(InterruptedError_):
+        with pytest.raises(SignalledError):
             job.wait()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

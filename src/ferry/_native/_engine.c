@@ -56,7 +56,9 @@
  * wait() sleeps on the condition variable with the GIL released, in slices
  * of at most 50 ms, and checks Python signals between slices
  * (PyErr_CheckSignals: a KeyboardInterrupt raised by the handler propagates
- * out of wait()).
+ * out of wait()). With spin_us > 0, wait() first polls done (GIL released)
+ * and CUDA lanes poll a slot's event (cuEventQuery) that long before they
+ * sleep: a thread's wake-up costs tens of microseconds on a VM.
  *
  * Stream-order hand-off: marks
  * ----------------------------
@@ -137,6 +139,7 @@ typedef unsigned long long CUdeviceptr;
 #define CU_STREAM_WRITE_VALUE_DEFAULT 0x0u
 
 #define ERR_OUT_OF_MEMORY 2
+#define ERR_NOT_READY 600
 #define ERR_LAUNCH_FAILED 719
 #define ERR_UNKNOWN 999
 
@@ -150,6 +153,7 @@ typedef CUresult (*fn_event_create)(CUevent *, unsigned int);
 typedef CUresult (*fn_event_destroy)(CUevent);
 typedef CUresult (*fn_event_record)(CUevent, CUstream);
 typedef CUresult (*fn_event_synchronize)(CUevent);
+typedef CUresult (*fn_event_query)(CUevent);
 typedef CUresult (*fn_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
 typedef CUresult (*fn_memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
 typedef CUresult (*fn_stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
@@ -169,6 +173,7 @@ typedef struct {
     fn_memcpy_htod_async cuMemcpyHtoDAsync;
     fn_memcpy_dtoh_async cuMemcpyDtoHAsync;
     fn_stream_write_value32 cuStreamWriteValue32;
+    fn_event_query cuEventQuery;
     fn_get_error_text cuGetErrorName;   /* optional */
     fn_get_error_text cuGetErrorString; /* optional */
 } driver_t;
@@ -178,9 +183,9 @@ static const char *const DRIVER_NAMES[] = {
     "cuCtxSetCurrent",    "cuMemHostAlloc",     "cuMemFreeHost",     "cuMemHostGetDevicePointer",
     "cuStreamCreate",     "cuStreamDestroy",    "cuEventCreate",     "cuEventDestroy",
     "cuEventRecord",      "cuEventSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
-    "cuStreamWriteValue32", "cuGetErrorName",   "cuGetErrorString",
+    "cuStreamWriteValue32", "cuEventQuery",     "cuGetErrorName",    "cuGetErrorString",
 };
-#define DRIVER_REQUIRED 13 /* the first 13 are required, the two error-text calls optional */
+#define DRIVER_REQUIRED 14 /* the first 14 are required, the two error-text calls optional */
 #define N_DRIVER_NAMES ((int)(sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0])))
 
 #define MAX_DIMS 64
@@ -518,6 +523,7 @@ typedef struct engine {
     size_t min_chunk_bytes;
     double bandwidth;
     double latency;
+    int64_t spin_ns; /* poll an event (and a job in wait()) this long before sleeping on it */
     CUcontext ctx;
     driver_t drv;
     pid_t pid;
@@ -754,8 +760,16 @@ static int d_record(lane_t *L, slot_t *slot) {
 }
 
 static int d_sync(lane_t *L, slot_t *slot) {
-    if (L->eng->emulated) return emu_sync(L, slot->ev);
-    return L->eng->drv.cuEventSynchronize(slot->ev);
+    engine_t *eng = L->eng;
+    if (eng->emulated) return emu_sync(L, slot->ev);
+    if (eng->spin_ns > 0) { /* a DMA about to end: polling beats a sleeping thread's wake-up */
+        int64_t until = now_ns() + eng->spin_ns;
+        do {
+            int rc = eng->drv.cuEventQuery(slot->ev);
+            if (rc != ERR_NOT_READY) return rc;
+        } while (now_ns() < until);
+    }
+    return eng->drv.cuEventSynchronize(slot->ev);
 }
 
 static int d_mark(lane_t *L, uint32_t value) {
@@ -1300,15 +1314,16 @@ static int address_converter(PyObject *obj, void *out) {
 
 static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
-                             "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", NULL};
+                             "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
     unsigned long long context = 0;
     PyObject *entry_points = Py_None;
-    double bandwidth = 25e9, latency = 5e-6;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Odd", kwlist, &direction, &mode, &lanes, &slots,
-                                     &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency))
+    double bandwidth = 25e9, latency = 5e-6, spin_us = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddd", kwlist, &direction, &mode, &lanes, &slots,
+                                     &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
+                                     &spin_us))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -1335,6 +1350,10 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
                      MAX_LANES, MAX_SLOTS);
         return NULL;
     }
+    if (!(spin_us >= 0 && spin_us <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError, "spin_us must be in [0, 1e6]");
+        return NULL;
+    }
     if (emulated && !(bandwidth > 0 && latency >= 0)) {
         PyErr_SetString(PyExc_ValueError, "emulated bandwidth must be > 0 and latency >= 0");
         return NULL;
@@ -1358,6 +1377,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     eng->min_chunk_bytes = (size_t)min_chunk;
     eng->bandwidth = bandwidth;
     eng->latency = latency;
+    eng->spin_ns = (int64_t)(spin_us * 1e3);
     eng->ctx = (CUcontext)(uintptr_t)context;
     eng->drv = drv;
     eng->pid = getpid();
@@ -1795,6 +1815,11 @@ static PyObject *Engine_get_direction(PyObject *obj, void *Py_UNUSED(closure)) {
     return PyUnicode_FromString(self->eng && self->eng->upload ? "upload" : "download");
 }
 
+static PyObject *Engine_get_spin_us(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyFloat_FromDouble(self->eng ? (double)self->eng->spin_ns / 1e3 : 0.0);
+}
+
 static PyObject *Engine_get_mode(PyObject *obj, void *Py_UNUSED(closure)) {
     EngineObject *self = (EngineObject *)obj;
     return PyUnicode_FromString(self->eng && self->eng->emulated ? "emulated" : "cuda");
@@ -1823,6 +1848,7 @@ static PyGetSetDef Engine_getset[] = {
     {"slot_bytes", Engine_get_slot_bytes, NULL, "bytes per slot", NULL},
     {"direction", Engine_get_direction, NULL, "'upload' or 'download'", NULL},
     {"mode", Engine_get_mode, NULL, "'cuda' or 'emulated'", NULL},
+    {"spin_us", Engine_get_spin_us, NULL, "how long an event or a job is polled before sleeping on it", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1832,7 +1858,7 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_methods, Engine_methods},
     {Py_tp_getset, Engine_getset},
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
-                "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6)"},
+                "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0)"},
     {0, NULL},
 };
 
@@ -1887,6 +1913,17 @@ static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     if (eo->pid != getpid()) {
         PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
         return NULL;
+    }
+    int64_t spin_ns = eo->eng ? eo->eng->spin_ns : 0;
+    if (spin_ns > 0) {
+        int done = 0;
+        Py_BEGIN_ALLOW_THREADS
+        int64_t until = now_ns() + spin_ns;
+        if (until > deadline) until = deadline;
+        while (!(done = atomic_load_explicit(&job->done, memory_order_acquire)) && now_ns() < until) {
+        }
+        Py_END_ALLOW_THREADS
+        if (done) Py_RETURN_TRUE;
     }
     for (;;) {
         int done;

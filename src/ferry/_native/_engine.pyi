@@ -67,6 +67,7 @@ class Engine:
         entry_points: Mapping[str, int] | None = None,
         bandwidth: float = 25e9,
         latency: float = 5e-6,
+        spin_us: float = 0.0,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
@@ -86,6 +87,10 @@ class Engine:
     def direction(self) -> str: ...
     @property
     def mode(self) -> str: ...
+    @property
+    def spin_us(self) -> float:
+        """CUDA lanes poll a slot's event (``cuEventQuery``), and ``Job.wait`` polls the job, this long
+        before sleeping on it (0: always sleep at once)."""
     def submit(
         self,
         host_ptr: int,

@@ -1,0 +1,356 @@
+"""Pageable staging through the native engine, on a GPU, against the machine's memcpy ceilings.
+
+    PYTHONPATH=src python3 benchmarks/probe_native.py                 # the default shape
+    PYTHONPATH=src python3 benchmarks/probe_native.py --sweep         # several engine shapes
+    PYTHONPATH=src python3 benchmarks/probe_native.py --lanes 16 --slot-mib 4 --spin-us 50 --json out.json
+
+Builds nothing: the extension must already be built in place (``pip install -e .``
+or ``python setup.py build_ext --inplace``). Drives ``ferry._native._engine`` in
+CUDA mode directly (no Runtime): ``cuMemAlloc``'d device memory, pageable NumPy
+arrays, warm (pre-touched) host buffers unless stated, median of ``--repeat``
+timed runs after ``--warmup`` runs. A run is submit + ``job.wait()``, host wall
+clock. Rows:
+
+- ``h2d`` / ``d2h``: engine upload / download into a warm output;
+- ``d2h fresh``: download into a freshly allocated output each run (first-touch
+  page faults; above glibc's 32 MiB mmap threshold every run gets new pages);
+- ``driver h2d`` / ``driver d2h``: the driver's own pageable copy
+  (``cuMemcpyHtoD`` / ``cuMemcpyDtoH``, synchronous), the figure to beat at 1 MiB;
+- ``memcpy 1T`` / ``memcpy NT``: host memcpy on one thread and on ``--threads``
+  threads (``ctypes.memmove`` releases the GIL), the ceiling of any staged route.
+
+Every size is verified: a download must equal the uploaded bytes, a strided
+(transposed) upload must land in C order; a mismatch exits with status 1.
+Exit status 2: no usable GPU or the extension is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def fail(message: str, status: int) -> None:
+    print(f"probe_native: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+def check(err: Any, what: str) -> None:
+    if int(err):
+        fail(f"{what} failed: CUresult {int(err)}", 2)
+
+
+def median_seconds(run: Callable[[], None], warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def touched(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    array = np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+    return array
+
+
+def memcpy_threads(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int) -> Callable[[], None]:
+    """A callable that copies src to dst split over ``threads`` long-lived threads (barrier-started)."""
+    n = src.nbytes
+    parts = [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+    d0, s0 = dst.ctypes.data, src.ctypes.data
+    start = threading.Barrier(threads + 1)
+    done = threading.Barrier(threads + 1)
+    stop = [False]
+
+    def worker(lo: int, hi: int) -> None:
+        while True:
+            start.wait()
+            if stop[0]:
+                return
+            ctypes.memmove(d0 + lo, s0 + lo, hi - lo)
+            done.wait()
+
+    pool = [threading.Thread(target=worker, args=p, daemon=True) for p in parts]
+    for t in pool:
+        t.start()
+
+    def run() -> None:
+        start.wait()
+        done.wait()
+
+    def close() -> None:
+        stop[0] = True
+        start.wait()
+        for t in pool:
+            t.join()
+
+    run.close = close  # type: ignore[attr-defined]
+    return run
+
+
+class Gpu:
+    """Device 0's primary context, current on this thread, and the engine's entry points."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            fail("cuda.bindings is not installed", 2)
+        self.d = driver
+        try:
+            (err,) = driver.cuInit(0)
+        except Exception as exc:  # no libcuda at all
+            fail(f"no CUDA driver: {exc}", 2)
+        check(err, "cuInit")
+        err, self.dev = driver.cuDeviceGet(0)
+        check(err, "cuDeviceGet")
+        err, self.ctx = driver.cuDevicePrimaryCtxRetain(self.dev)
+        check(err, "cuDevicePrimaryCtxRetain")
+        (err,) = driver.cuCtxSetCurrent(self.ctx)
+        check(err, "cuCtxSetCurrent")
+        err, raw = driver.cuDeviceGetName(256, self.dev)
+        self.name = raw.split(b"\0", 1)[0].decode(errors="replace") if not int(err) else "?"
+        from ferry import _native
+
+        if _native.load() is None:
+            fail(f"the native engine is not available: {_native.status()}", 2)
+        self.entry_points = _native.cuda_entry_points(driver)
+
+    def alloc(self, nbytes: int) -> int:
+        err, ptr = self.d.cuMemAlloc(nbytes)
+        check(err, "cuMemAlloc")
+        return int(ptr)
+
+    def free(self, ptr: int) -> None:
+        self.d.cuMemFree(self.d.CUdeviceptr(ptr))
+
+    def htod(self, ptr: int, host: np.ndarray[Any, Any]) -> None:
+        (err,) = self.d.cuMemcpyHtoD(self.d.CUdeviceptr(ptr), host.ctypes.data, host.nbytes)
+        check(err, "cuMemcpyHtoD")
+
+    def dtoh(self, host: np.ndarray[Any, Any], ptr: int) -> None:
+        (err,) = self.d.cuMemcpyDtoH(host.ctypes.data, self.d.CUdeviceptr(ptr), host.nbytes)
+        check(err, "cuMemcpyDtoH")
+
+
+class EmulatedGpu:
+    """``--emulated``: the same probe against the engine's emulated mode (a dry run of this script on any
+    machine; host buffers stand in for device memory, figures are meaningless)."""
+
+    name = "emulated device (dry run: figures mean nothing)"
+    ctx = 0
+    entry_points: dict[str, int] = {}  # noqa: RUF012
+
+    def __init__(self) -> None:
+        from ferry import _native
+
+        if _native.load() is None:
+            fail(f"the native engine is not available: {_native.status()}", 2)
+        self._memory: dict[int, np.ndarray[Any, Any]] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        block = np.zeros(nbytes, np.uint8)
+        self._memory[block.ctypes.data] = block
+        return int(block.ctypes.data)
+
+    def free(self, ptr: int) -> None:
+        del self._memory[ptr]
+
+    def htod(self, ptr: int, host: np.ndarray[Any, Any]) -> None:
+        ctypes.memmove(ptr, np.ascontiguousarray(host).ctypes.data, host.nbytes)
+
+    def dtoh(self, host: np.ndarray[Any, Any], ptr: int) -> None:
+        ctypes.memmove(host.ctypes.data, ptr, host.nbytes)
+
+
+def run_job(engine: Any, host: np.ndarray[Any, Any], ptr: int) -> None:
+    job = engine.submit(host.ctypes.data, ptr, host.nbytes, host.shape, host.strides, host.itemsize)
+    if not job.wait(60):
+        fail("a job did not finish within 60 s", 1)
+    if job.error is not None:
+        fail(f"a job failed: {job.error}", 1)
+
+
+def run_fresh(engine: Any, nbytes: int, ptr: int) -> None:
+    """A download into a new output (first-touch page faults, for sizes above glibc's mmap threshold)."""
+    run_job(engine, np.empty(nbytes, np.uint8), ptr)
+
+
+def memmove(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
+
+
+def probe_shape(
+    gpu: Gpu | EmulatedGpu, args: argparse.Namespace, lanes: int, slot_mib: float, slots: int
+) -> list[dict[str, Any]]:
+    from ferry._native._engine import Engine
+
+    kw: dict[str, Any] = {"mode": "emulated", "bandwidth": 1e12, "latency": 0.0}
+    if isinstance(gpu, Gpu):
+        kw = {"mode": "cuda", "context": int(gpu.ctx), "entry_points": gpu.entry_points}
+    kw |= {
+        "lanes": lanes,
+        "slots_per_lane": slots,
+        "slot_bytes": int(slot_mib * MiB),
+        "min_chunk_bytes": args.min_chunk_kib << 10,
+        "spin_us": args.spin_us,
+    }
+    up = Engine("upload", **kw)
+    down = Engine("download", **kw)
+    rows: list[dict[str, Any]] = []
+    try:
+        shape = (
+            f"{lanes} lanes x {slots} slots x {slot_mib:g} MiB, min chunk {args.min_chunk_kib} KiB, "
+            f"spin {args.spin_us:g} us"
+        )
+        print(f"\n## {shape} (staging memory {up.held_bytes / MiB:.0f} MiB per direction)")
+        print(f"{'MiB':>6} {'chunk KiB':>9} {'h2d':>7} {'d2h':>7} {'d2h fresh':>9}   (GB/s, median of {args.repeat})")
+        for size in args.sizes:
+            n = int(size * MiB)
+            src = touched(n, n)
+            out = np.zeros(n, np.uint8)
+            ptr = gpu.alloc(n)
+            try:
+                t_up = median_seconds(partial(run_job, up, src, ptr), args.warmup, args.repeat)
+                t_down = median_seconds(partial(run_job, down, out, ptr), args.warmup, args.repeat)
+                if not np.array_equal(out, src):
+                    fail(f"{size} MiB: the download differs from the upload", 1)
+
+                t_fresh = median_seconds(partial(run_fresh, down, n, ptr), 1, args.repeat)
+                # strided: a transposed view lands in C order
+                side = int(np.sqrt(n // 4))
+                if side >= 2:
+                    a = src[: side * side * 4].view(np.uint32).reshape(side, side).T
+                    run_job(up, a, ptr)
+                    back = np.empty((side, side), np.uint32)
+                    gpu.dtoh(back, ptr)
+                    if not np.array_equal(back, a):
+                        fail(f"{size} MiB: a transposed upload did not land in C order", 1)
+            finally:
+                gpu.free(ptr)
+            row = {
+                "shape": shape,
+                "lanes": lanes,
+                "slots": slots,
+                "slot_mib": slot_mib,
+                "min_chunk_kib": args.min_chunk_kib,
+                "spin_us": args.spin_us,
+                "mib": size,
+                "chunk_kib": up.chunk_bytes(n) >> 10,
+                "h2d_gbps": n / t_up / 1e9,
+                "d2h_gbps": n / t_down / 1e9,
+                "d2h_fresh_gbps": n / t_fresh / 1e9,
+            }
+            rows.append(row)
+            print(
+                f"{size:>6g} {row['chunk_kib']:>9} {row['h2d_gbps']:>7.1f} {row['d2h_gbps']:>7.1f} "
+                f"{row['d2h_fresh_gbps']:>9.1f}"
+            )
+    finally:
+        up.close()
+        down.close()
+    return rows
+
+
+def baselines(gpu: Gpu | EmulatedGpu, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    print(f"\n## baselines (GB/s, median of {args.repeat}); memcpy NT = {args.threads} threads")
+    print(f"{'MiB':>6} {'driver h2d':>10} {'driver d2h':>10} {'memcpy 1T':>9} {'memcpy NT':>9}")
+    for size in args.sizes:
+        n = int(size * MiB)
+        src = touched(n, 1)
+        dst = np.zeros(n, np.uint8)
+        ptr = gpu.alloc(n)
+        try:
+            t_h2d = median_seconds(partial(gpu.htod, ptr, src), args.warmup, args.repeat)
+            t_d2h = median_seconds(partial(gpu.dtoh, dst, ptr), args.warmup, args.repeat)
+        finally:
+            gpu.free(ptr)
+        t_1 = median_seconds(partial(memmove, dst.ctypes.data, src.ctypes.data, n), args.warmup, args.repeat)
+        many = memcpy_threads(dst, src, args.threads)
+        try:
+            t_n = median_seconds(many, args.warmup, args.repeat)
+        finally:
+            many.close()  # type: ignore[attr-defined]
+        row = {
+            "mib": size,
+            "driver_h2d_gbps": n / t_h2d / 1e9,
+            "driver_d2h_gbps": n / t_d2h / 1e9,
+            "memcpy_1t_gbps": n / t_1 / 1e9,
+            "memcpy_nt_gbps": n / t_n / 1e9,
+            "threads": args.threads,
+        }
+        rows.append(row)
+        print(
+            f"{size:>6g} {row['driver_h2d_gbps']:>10.1f} {row['driver_d2h_gbps']:>10.1f} "
+            f"{row['memcpy_1t_gbps']:>9.1f} {row['memcpy_nt_gbps']:>9.1f}"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[1, 8, 64, 256],
+        help="payload sizes in MiB, comma-separated (default 1,8,64,256)",
+    )
+    parser.add_argument("--lanes", type=int, default=12)
+    parser.add_argument("--slots", type=int, default=2, help="slots per lane")
+    parser.add_argument("--slot-mib", type=float, default=4.0)
+    parser.add_argument("--min-chunk-kib", type=int, default=256)
+    parser.add_argument("--spin-us", type=float, default=0.0, help="poll events / jobs this long before sleeping")
+    parser.add_argument("--threads", type=int, default=0, help="memcpy ceiling threads (default: --lanes)")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--sweep", action="store_true", help="also try lanes 8/12/16 x slot 2/4 MiB x slots 2/3 (takes a minute)"
+    )
+    parser.add_argument("--json", help="write every row to this file")
+    parser.add_argument("--emulated", action="store_true", help="dry-run this script on the emulated engine (no GPU)")
+    args = parser.parse_args(argv)
+    args.threads = args.threads or args.lanes
+    if min(args.sizes) <= 0:
+        parser.error("sizes must be > 0")
+
+    gpu: Gpu | EmulatedGpu = EmulatedGpu() if args.emulated else Gpu()
+    print(f"# probe_native on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
+    rows: dict[str, Any] = {"device": gpu.name, "baselines": baselines(gpu, args), "engine": []}
+    shapes = [(args.lanes, args.slot_mib, args.slots)]
+    if args.sweep:
+        shapes += [
+            (lanes, mib, slots)
+            for lanes in (8, 12, 16)
+            for mib in (2.0, 4.0)
+            for slots in (2, 3)
+            if (lanes, mib, slots) != shapes[0]
+        ]
+    for lanes, mib, slots in shapes:
+        rows["engine"] += probe_shape(gpu, args, lanes, mib, slots)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+        print(f"\nwrote {args.json}")
+    print("\nall transfers verified")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
