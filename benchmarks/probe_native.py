@@ -64,9 +64,15 @@ def median_seconds(run: Callable[[], None], warmup: int, repeat: int) -> float:
     return statistics.median(samples)
 
 
+_sources: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
+
+
 def touched(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
-    array = np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
-    return array
+    """Random bytes (so a misplaced chunk shows), made once per size: every page is touched."""
+    key = (nbytes, seed)
+    if key not in _sources:
+        _sources[key] = np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+    return _sources[key]
 
 
 def memcpy_threads(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], threads: int) -> Callable[[], None]:
@@ -197,7 +203,7 @@ def memmove(dst: int, src: int, nbytes: int) -> None:
 
 
 def probe_shape(
-    gpu: Gpu | EmulatedGpu, args: argparse.Namespace, lanes: int, slot_mib: float, slots: int
+    gpu: Gpu | EmulatedGpu, args: argparse.Namespace, lanes: int, slot_mib: float, slots: int, spin_us: float
 ) -> list[dict[str, Any]]:
     from ferry._native._engine import Engine
 
@@ -209,15 +215,14 @@ def probe_shape(
         "slots_per_lane": slots,
         "slot_bytes": int(slot_mib * MiB),
         "min_chunk_bytes": args.min_chunk_kib << 10,
-        "spin_us": args.spin_us,
+        "spin_us": spin_us,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
     rows: list[dict[str, Any]] = []
     try:
         shape = (
-            f"{lanes} lanes x {slots} slots x {slot_mib:g} MiB, min chunk {args.min_chunk_kib} KiB, "
-            f"spin {args.spin_us:g} us"
+            f"{lanes} lanes x {slots} slots x {slot_mib:g} MiB, min chunk {args.min_chunk_kib} KiB, spin {spin_us:g} us"
         )
         print(f"\n## {shape} (staging memory {up.held_bytes / MiB:.0f} MiB per direction)")
         print(f"{'MiB':>6} {'chunk KiB':>9} {'h2d':>7} {'d2h':>7} {'d2h fresh':>9}   (GB/s, median of {args.repeat})")
@@ -250,7 +255,7 @@ def probe_shape(
                 "slots": slots,
                 "slot_mib": slot_mib,
                 "min_chunk_kib": args.min_chunk_kib,
-                "spin_us": args.spin_us,
+                "spin_us": spin_us,
                 "mib": size,
                 "chunk_kib": up.chunk_bytes(n) >> 10,
                 "h2d_gbps": n / t_up / 1e9,
@@ -321,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
-        "--sweep", action="store_true", help="also try lanes 8/12/16 x slot 2/4 MiB x slots 2/3 (takes a minute)"
+        "--sweep",
+        action="store_true",
+        help="also try lanes 8/12/16 x slot 1/2/4 MiB x slots 2/3, and spin 20/100 us (a minute or two)",
     )
     parser.add_argument("--json", help="write every row to this file")
     parser.add_argument("--emulated", action="store_true", help="dry-run this script on the emulated engine (no GPU)")
@@ -333,17 +340,25 @@ def main(argv: list[str] | None = None) -> int:
     gpu: Gpu | EmulatedGpu = EmulatedGpu() if args.emulated else Gpu()
     print(f"# probe_native on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
     rows: dict[str, Any] = {"device": gpu.name, "baselines": baselines(gpu, args), "engine": []}
-    shapes = [(args.lanes, args.slot_mib, args.slots)]
+    shapes = [(args.lanes, args.slot_mib, args.slots, args.spin_us)]
     if args.sweep:
         shapes += [
-            (lanes, mib, slots)
+            (lanes, mib, slots, args.spin_us)
             for lanes in (8, 12, 16)
-            for mib in (2.0, 4.0)
+            for mib in (1.0, 2.0, 4.0)
             for slots in (2, 3)
-            if (lanes, mib, slots) != shapes[0]
+            if (lanes, mib, slots) != (args.lanes, args.slot_mib, args.slots)
         ]
-    for lanes, mib, slots in shapes:
-        rows["engine"] += probe_shape(gpu, args, lanes, mib, slots)
+        shapes += [(args.lanes, args.slot_mib, args.slots, spin) for spin in (20.0, 100.0) if spin != args.spin_us]
+    for lanes, mib, slots, spin in shapes:
+        rows["engine"] += probe_shape(gpu, args, lanes, mib, slots, spin)
+    if len(shapes) > 1:
+        print("\n## best shape per size")
+        for size in args.sizes:
+            mine = [r for r in rows["engine"] if r["mib"] == size]
+            for key in ("h2d_gbps", "d2h_gbps", "d2h_fresh_gbps"):
+                best = max(mine, key=lambda r, k=key: r[k])  # type: ignore[misc]
+                print(f"{size:>6g} MiB {key[:-5]:>9}: {best[key]:6.1f} GB/s  ({best['shape']})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)
