@@ -565,6 +565,46 @@ def test_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _native.status() == "python: FERRY_NATIVE=0"
 
 
+def test_status_says_why_the_extension_is_missing() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['ferry._native._engine'] = None  # as if it were not built\n"
+        "from ferry import _native\n"
+        "print(_native.load(), _native.status())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("None python: the extension is not built (ImportError: ")
+
+
+class _FakeDriver:
+    """Just enough of cuda.bindings.driver for cuda_entry_points."""
+
+    class CUdriverProcAddress_flags:  # noqa: N801 - mirrors the bindings' name
+        CU_GET_PROC_ADDRESS_DEFAULT = 0
+
+    def __init__(self, missing: str = "", status: bool = True) -> None:
+        self.missing = missing
+        self.status = status
+        self.asked: list[tuple[bytes, int]] = []
+
+    def cuGetProcAddress(self, name: bytes, version: int, flags: int) -> tuple[int, ...]:  # noqa: N802
+        self.asked.append((name, version))
+        address = 0 if name.decode() == self.missing else 0x1000 + len(self.asked)
+        return (0, address, 0) if self.status else (0, address)
+
+
+def test_cuda_entry_points_with_a_fake_driver() -> None:
+    driver = _FakeDriver()
+    points = _native.cuda_entry_points(driver)
+    assert set(points) == set(_engine.entry_point_names())
+    assert all(version >= 12000 for _, version in driver.asked)  # the _v2 ABIs
+    assert set(_native.cuda_entry_points(_FakeDriver(status=False))) == set(points)
+    assert "cuGetErrorString" not in _native.cuda_entry_points(_FakeDriver(missing="cuGetErrorString"))
+    with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync"):
+        _native.cuda_entry_points(_FakeDriver(missing="cuMemcpyHtoDAsync"))
+
+
 def test_sticky_codes() -> None:
     assert all(_engine.is_sticky(c) for c in (700, 701, 702, 714, 719, 999))
     assert not any(_engine.is_sticky(c) for c in (0, 1, 2, 600, 801))

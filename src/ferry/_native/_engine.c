@@ -93,6 +93,27 @@
  * fail_next_copy(sticky=True) (code 719), after which the emulated device is
  * poisoned: every later emulated driver call fails with 719.
  *
+ * Hold (tests)
+ * ------------
+ * hold() makes "not ready" observable: in emulated mode the stream workers
+ * run no op until release() (lanes may still fill their slots, then block
+ * on a slot's event); in CUDA mode lanes pause at the next chunk boundary,
+ * before its host copy and DMA (DMAs already enqueued still run).
+ * fail_next_copy(after, sticky) (emulated only) arms a fault like the
+ * emulated backend's: the copy enqueued after the next `after` ones fails
+ * when it runs (half of it is copied), and the failure surfaces at the next
+ * event recorded on that lane's stream, as an asynchronous CUDA error does:
+ * code 999 (not sticky) or, with sticky=True, code 719 and the emulated
+ * device is poisoned.
+ *
+ * What the caller owns
+ * --------------------
+ * The host array and the device memory of a job must stay alive (and, for a
+ * download, the output must not be read) until the job is done: the engine
+ * holds addresses, never references. In emulated mode the "device" side is
+ * a real host address: the caller translates the emulated backend's fake
+ * device pointer to the memory behind it.
+ *
  * Invariants
  * ----------
  * - A slot with busy=1 may still be touched by a DMA; it is reused only
