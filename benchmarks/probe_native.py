@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -185,46 +186,81 @@ class EmulatedGpu:
         ctypes.memmove(host.ctypes.data, ptr, host.nbytes)
 
 
-def run_job(engine: Any, host: np.ndarray[Any, Any], ptr: int) -> None:
+@dataclass(frozen=True)
+class Shape:
+    """One engine configuration."""
+
+    lanes: int
+    slot_mib: float
+    slots: int
+    spin_us: float = 0.0
+    idle_spin_us: float = 0.0
+    min_chunks: int = 1
+
+    def __str__(self) -> str:
+        return (
+            f"{self.lanes} lanes x {self.slots} slots x {self.slot_mib:g} MiB, >= {self.min_chunks} chunk(s)/lane, "
+            f"spin {self.spin_us:g} us, idle spin {self.idle_spin_us:g} us"
+        )
+
+
+def run_job(engine: Any, host: np.ndarray[Any, Any], ptr: int) -> Any:
     job = engine.submit(host.ctypes.data, ptr, host.nbytes, host.shape, host.strides, host.itemsize)
     if not job.wait(60):
         fail("a job did not finish within 60 s", 1)
     if job.error is not None:
         fail(f"a job failed: {job.error}", 1)
+    return job
 
 
-def run_fresh(engine: Any, nbytes: int, ptr: int) -> None:
-    """A download into a new output (first-touch page faults, for sizes above glibc's mmap threshold)."""
-    run_job(engine, np.empty(nbytes, np.uint8), ptr)
+def time_jobs(
+    engine: Any, make_host: Callable[[], np.ndarray[Any, Any]], ptr: int, warmup: int, repeat: int
+) -> tuple[float, dict[str, Any]]:
+    """Median seconds of submit + wait, and the median run's timeline (us after submit; ``wait`` = returned)."""
+    for _ in range(warmup):
+        run_job(engine, make_host(), ptr)
+    runs = []
+    for _ in range(repeat):
+        host = make_host()
+        start = time.perf_counter()
+        job = run_job(engine, host, ptr)
+        elapsed = time.perf_counter() - start
+        timeline = job.timeline()
+        timeline["wait"] = elapsed * 1e6
+        runs.append((elapsed, timeline))
+    runs.sort(key=lambda r: r[0])
+    return runs[len(runs) // 2]
 
 
 def memmove(dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
 
 
-def probe_shape(
-    gpu: Gpu | EmulatedGpu, args: argparse.Namespace, lanes: int, slot_mib: float, slots: int, spin_us: float
-) -> list[dict[str, Any]]:
+def fmt_timeline(t: dict[str, Any]) -> str:
+    keys = ("start_first", "start_last", "copy_last", "enqueue_last", "done", "wait")
+    return " ".join(f"{k}={t[k]:.0f}" if t.get(k) is not None else f"{k}=-" for k in keys)
+
+
+def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) -> list[dict[str, Any]]:
     from ferry._native._engine import Engine
 
     kw: dict[str, Any] = {"mode": "emulated", "bandwidth": 1e12, "latency": 0.0}
     if isinstance(gpu, Gpu):
         kw = {"mode": "cuda", "context": int(gpu.ctx), "entry_points": gpu.entry_points}
     kw |= {
-        "lanes": lanes,
-        "slots_per_lane": slots,
-        "slot_bytes": int(slot_mib * MiB),
+        "lanes": shape.lanes,
+        "slots_per_lane": shape.slots,
+        "slot_bytes": int(shape.slot_mib * MiB),
         "min_chunk_bytes": args.min_chunk_kib << 10,
-        "spin_us": spin_us,
+        "spin_us": shape.spin_us,
+        "idle_spin_us": shape.idle_spin_us,
+        "min_chunks_per_lane": shape.min_chunks,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
     rows: list[dict[str, Any]] = []
     try:
-        shape = (
-            f"{lanes} lanes x {slots} slots x {slot_mib:g} MiB, min chunk {args.min_chunk_kib} KiB, spin {spin_us:g} us"
-        )
-        print(f"\n## {shape} (staging memory {up.held_bytes / MiB:.0f} MiB per direction)")
+        print(f"\n## {shape}, min chunk {args.min_chunk_kib} KiB (staging {up.held_bytes / MiB:.0f} MiB per direction)")
         print(f"{'MiB':>6} {'chunk KiB':>9} {'h2d':>7} {'d2h':>7} {'d2h fresh':>9}   (GB/s, median of {args.repeat})")
         for size in args.sizes:
             n = int(size * MiB)
@@ -232,12 +268,11 @@ def probe_shape(
             out = np.zeros(n, np.uint8)
             ptr = gpu.alloc(n)
             try:
-                t_up = median_seconds(partial(run_job, up, src, ptr), args.warmup, args.repeat)
-                t_down = median_seconds(partial(run_job, down, out, ptr), args.warmup, args.repeat)
+                t_up, tl_up = time_jobs(up, lambda s=src: s, ptr, args.warmup, args.repeat)  # type: ignore[misc]
+                t_down, tl_down = time_jobs(down, lambda o=out: o, ptr, args.warmup, args.repeat)  # type: ignore[misc]
                 if not np.array_equal(out, src):
                     fail(f"{size} MiB: the download differs from the upload", 1)
-
-                t_fresh = median_seconds(partial(run_fresh, down, n, ptr), 1, args.repeat)
+                t_fresh, _ = time_jobs(down, partial(np.empty, n, np.uint8), ptr, 1, args.repeat)
                 # strided: a transposed view lands in C order
                 side = int(np.sqrt(n // 4))
                 if side >= 2:
@@ -250,23 +285,25 @@ def probe_shape(
             finally:
                 gpu.free(ptr)
             row = {
-                "shape": shape,
-                "lanes": lanes,
-                "slots": slots,
-                "slot_mib": slot_mib,
+                "shape": str(shape),
+                **asdict(shape),
                 "min_chunk_kib": args.min_chunk_kib,
-                "spin_us": spin_us,
                 "mib": size,
                 "chunk_kib": up.chunk_bytes(n) >> 10,
                 "h2d_gbps": n / t_up / 1e9,
                 "d2h_gbps": n / t_down / 1e9,
                 "d2h_fresh_gbps": n / t_fresh / 1e9,
+                "h2d_timeline_us": tl_up,
+                "d2h_timeline_us": tl_down,
             }
             rows.append(row)
             print(
                 f"{size:>6g} {row['chunk_kib']:>9} {row['h2d_gbps']:>7.1f} {row['d2h_gbps']:>7.1f} "
                 f"{row['d2h_fresh_gbps']:>9.1f}"
             )
+            if args.timeline:
+                print(f"{'':>6} h2d us: {fmt_timeline(tl_up)}")
+                print(f"{'':>6} d2h us: {fmt_timeline(tl_down)}")
     finally:
         up.close()
         down.close()
@@ -322,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot-mib", type=float, default=4.0)
     parser.add_argument("--min-chunk-kib", type=int, default=256)
     parser.add_argument("--spin-us", type=float, default=0.0, help="poll events / jobs this long before sleeping")
+    parser.add_argument("--idle-spin-us", type=float, default=0.0, help="idle lanes poll for work this long")
+    parser.add_argument("--min-chunks", type=int, default=1, help="at least this many chunks per lane")
+    parser.add_argument("--timeline", action="store_true", help="print the median run's timeline per size")
+    parser.add_argument(
+        "--focus", action="store_true", help="sweep chunks per lane, spin and idle spin at 8 and 12 lanes (mid sizes)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="memcpy ceiling threads (default: --lanes)")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
@@ -340,25 +383,36 @@ def main(argv: list[str] | None = None) -> int:
     gpu: Gpu | EmulatedGpu = EmulatedGpu() if args.emulated else Gpu()
     print(f"# probe_native on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
     rows: dict[str, Any] = {"device": gpu.name, "baselines": baselines(gpu, args), "engine": []}
-    shapes = [(args.lanes, args.slot_mib, args.slots, args.spin_us)]
+    first = Shape(args.lanes, args.slot_mib, args.slots, args.spin_us, args.idle_spin_us, args.min_chunks)
+    shapes = [first]
     if args.sweep:
         shapes += [
-            (lanes, mib, slots, args.spin_us)
+            Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)
             for lanes in (8, 12, 16)
             for mib in (1.0, 2.0, 4.0)
             for slots in (2, 3)
-            if (lanes, mib, slots) != (args.lanes, args.slot_mib, args.slots)
         ]
-        shapes += [(args.lanes, args.slot_mib, args.slots, spin) for spin in (20.0, 100.0) if spin != args.spin_us]
-    for lanes, mib, slots, spin in shapes:
-        rows["engine"] += probe_shape(gpu, args, lanes, mib, slots, spin)
+    if args.focus:
+        shapes += [
+            Shape(lanes, 4.0, 3, spin, idle, chunks)
+            for lanes in (8, 12)
+            for chunks in (1, 2, 4)
+            for spin in (0.0, 50.0)
+            for idle in (0.0, 50.0)
+        ]
+    seen: set[Shape] = set()
+    for shape in shapes:
+        if shape not in seen:
+            seen.add(shape)
+            rows["engine"] += probe_shape(gpu, args, shape)
     if len(shapes) > 1:
         print("\n## best shape per size")
         for size in args.sizes:
             mine = [r for r in rows["engine"] if r["mib"] == size]
             for key in ("h2d_gbps", "d2h_gbps", "d2h_fresh_gbps"):
-                best = max(mine, key=lambda r, k=key: r[k])  # type: ignore[misc]
-                print(f"{size:>6g} MiB {key[:-5]:>9}: {best[key]:6.1f} GB/s  ({best['shape']})")
+                ranked = sorted(mine, key=lambda r, k=key: -r[k])  # type: ignore[misc]
+                for best in ranked[:3]:
+                    print(f"{size:>6g} MiB {key[:-5]:>9}: {best[key]:6.1f} GB/s  ({best['shape']})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=2)

@@ -310,6 +310,22 @@ def test_wait_is_interruptible(up: Any) -> None:
     assert job.wait(30) and job.error is None
 
 
+def test_timeline_and_the_spinning_knobs() -> None:
+    with contextlib.closing(make("upload", spin_us=50, idle_spin_us=50, min_chunks_per_lane=3)) as up:
+        assert up.spin_us == 50
+        data = pattern(2 << 20)
+        dev = device_like(data.nbytes)
+        job = submit(up, data, dev)
+        assert job.chunks > 2 * LANES  # several chunks per lane
+        assert job.wait(30) and job.error is None
+        t = job.timeline()
+        assert set(t) == {"start_first", "start_last", "copy_last", "enqueue_last", "done"}
+        assert all(v is not None for v in t.values())
+        assert 0 <= t["start_first"] <= t["start_last"] <= t["done"]
+        assert t["copy_last"] <= t["enqueue_last"] <= t["done"]
+        assert dev.tobytes() == data.tobytes()
+
+
 def test_empty_job_is_done_at_once(up: Any) -> None:
     array = np.zeros((0, 5), np.float32)
     job = submit(up, array, device_like(1))
@@ -530,6 +546,10 @@ def test_engine_arguments_are_checked() -> None:
         Engine("upload", mode="cuda")
     with pytest.raises(ValueError, match="lacks"):
         Engine("upload", mode="cuda", context=1, entry_points={})
+    with pytest.raises(ValueError, match="spin"):
+        Engine("upload", spin_us=-1)
+    with pytest.raises(ValueError, match="min_chunks_per_lane"):
+        Engine("upload", min_chunks_per_lane=0)
     with pytest.raises(TypeError):
         _engine.Job()
 
@@ -644,7 +664,7 @@ def test_cuda_round_trip(cuda_env: tuple[Any, Any, dict[str, int]], nbytes: int)
     with contextlib.closing(Engine("upload", **kw)) as up, contextlib.closing(Engine("download", **kw)) as down:
         assert len(up.streams()) == 4 and all(up.streams())
         data = pattern(nbytes)
-        ptr = backend.mem_alloc(nbytes)
+        ptr = backend.mem_alloc(max(nbytes, 512 * 384 * 4))  # room for the strided case below
         try:
             job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, record_events=True)
             assert job.wait(30) and job.error is None, job.error

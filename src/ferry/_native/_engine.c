@@ -289,7 +289,32 @@ typedef struct job {
     int nmarks;
     mark_t marks[MAX_LANES];
     int nlanes;
+    /* timeline (CLOCK_MONOTONIC ns; 0 = not yet): for Job.timeline(), cheap enough to keep always */
+    int64_t t_submit;
+    atomic_llong t_start_first, t_start_last, t_copy_last, t_enqueue_last, t_done;
 } job_t;
+
+static void at_min(atomic_llong *a, long long v) {
+    long long cur = atomic_load_explicit(a, memory_order_relaxed);
+    while ((cur == 0 || v < cur) &&
+           !atomic_compare_exchange_weak_explicit(a, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+static void at_max(atomic_llong *a, long long v) {
+    long long cur = atomic_load_explicit(a, memory_order_relaxed);
+    while (v > cur &&
+           !atomic_compare_exchange_weak_explicit(a, &cur, v, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 static void job_decref(job_t *job) {
     if (atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1) {
@@ -309,6 +334,7 @@ static void job_fail(job_t *job, const err_t *e) {
 }
 
 static void job_complete(job_t *job) {
+    atomic_store_explicit(&job->t_done, now_ns(), memory_order_relaxed);
     pthread_mutex_lock(&job->mu);
     atomic_store_explicit(&job->done, 1, memory_order_release);
     pthread_cond_broadcast(&job->cv);
@@ -519,6 +545,7 @@ typedef struct lane {
     pthread_cond_t cv;
     share_t *head, *tail;
     int stopping;
+    atomic_int queued; /* shares in the queue, for the idle spin (read without the mutex) */
     /* lane-private from here */
     CUstream stream;
     emu_stream_t *es;
@@ -544,7 +571,9 @@ typedef struct engine {
     size_t min_chunk_bytes;
     double bandwidth;
     double latency;
-    int64_t spin_ns; /* poll an event (and a job in wait()) this long before sleeping on it */
+    int64_t spin_ns;      /* poll an event (and a job in wait()) this long before sleeping on it */
+    int64_t idle_spin_ns; /* an idle lane polls its queue this long before sleeping */
+    int min_chunks_per_lane;
     CUcontext ctx;
     driver_t drv;
     pid_t pid;
@@ -996,6 +1025,7 @@ static void run_upload(lane_t *L, share_t *s) {
         job_chunk(job, k, &c);
         chunk_copy(job, &c, slot->ptr, 1);
         s->copied += c.nbytes;
+        at_max(&job->t_copy_last, now_ns());
         slot->job = job;
         slot->ends = NULL;
         slot->busy = 1; /* from here on a DMA may touch it */
@@ -1020,6 +1050,7 @@ static void run_upload(lane_t *L, share_t *s) {
             lane_recover(L);
             break;
         }
+        at_max(&job->t_enqueue_last, now_ns());
         L->cursor++;
         L->cur_last = slot;
         k += s->stride;
@@ -1067,6 +1098,7 @@ static void run_download(lane_t *L, share_t *s) {
                 break;
             }
             issued++;
+            at_max(&job->t_enqueue_last, now_ns());
         }
         if (broke || i >= issued) break; /* failed elsewhere: nothing more was issued */
         slot_t *slot = &L->slots[i % depth];
@@ -1082,6 +1114,7 @@ static void run_download(lane_t *L, share_t *s) {
             job_chunk(job, s->first + i * s->stride, &c);
             chunk_copy(job, &c, slot->ptr, 0);
             s->copied += c.nbytes;
+            at_max(&job->t_copy_last, now_ns());
         }
     }
     if (!broke) reap_all(L); /* a failure elsewhere may leave issued-but-unreaped slots */
@@ -1172,11 +1205,20 @@ static void *lane_main(void *arg) {
     pthread_mutex_unlock(&eng->mu);
     if (failed) return NULL;
     for (;;) {
+        int spun = 0;
         pthread_mutex_lock(&L->mu);
         while (!L->head && !L->stopping) {
             if (any_busy(L)) { /* idle: finish what is in flight before sleeping */
                 pthread_mutex_unlock(&L->mu);
                 reap_all(L);
+                pthread_mutex_lock(&L->mu);
+                continue;
+            }
+            if (eng->idle_spin_ns > 0 && !spun) { /* back-to-back jobs: poll before paying a wake-up */
+                pthread_mutex_unlock(&L->mu);
+                int64_t until = now_ns() + eng->idle_spin_ns;
+                while (!atomic_load_explicit(&L->queued, memory_order_acquire) && now_ns() < until) cpu_relax();
+                spun = 1;
                 pthread_mutex_lock(&L->mu);
                 continue;
             }
@@ -1189,7 +1231,11 @@ static void *lane_main(void *arg) {
         }
         L->head = s->next;
         if (!L->head) L->tail = NULL;
+        atomic_fetch_sub_explicit(&L->queued, 1, memory_order_relaxed);
         pthread_mutex_unlock(&L->mu);
+        long long t = now_ns();
+        at_min(&s->job->t_start_first, t);
+        at_max(&s->job->t_start_last, t);
         if (eng->upload)
             run_upload(L, s);
         else
@@ -1335,16 +1381,18 @@ static int address_converter(PyObject *obj, void *out) {
 
 static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
-                             "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us", NULL};
+                             "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us",
+                             "idle_spin_us", "min_chunks_per_lane", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
     unsigned long long context = 0;
     PyObject *entry_points = Py_None;
-    double bandwidth = 25e9, latency = 5e-6, spin_us = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddd", kwlist, &direction, &mode, &lanes, &slots,
+    double bandwidth = 25e9, latency = 5e-6, spin_us = 0, idle_spin_us = 0;
+    int min_chunks_per_lane = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddi", kwlist, &direction, &mode, &lanes, &slots,
                                      &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
-                                     &spin_us))
+                                     &spin_us, &idle_spin_us, &min_chunks_per_lane))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -1371,8 +1419,12 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
                      MAX_LANES, MAX_SLOTS);
         return NULL;
     }
-    if (!(spin_us >= 0 && spin_us <= 1e6)) {
-        PyErr_SetString(PyExc_ValueError, "spin_us must be in [0, 1e6]");
+    if (!(spin_us >= 0 && spin_us <= 1e6 && idle_spin_us >= 0 && idle_spin_us <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError, "spin_us and idle_spin_us must be in [0, 1e6]");
+        return NULL;
+    }
+    if (min_chunks_per_lane < 1 || min_chunks_per_lane > 64) {
+        PyErr_SetString(PyExc_ValueError, "min_chunks_per_lane must be in [1, 64]");
         return NULL;
     }
     if (emulated && !(bandwidth > 0 && latency >= 0)) {
@@ -1399,6 +1451,8 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     eng->bandwidth = bandwidth;
     eng->latency = latency;
     eng->spin_ns = (int64_t)(spin_us * 1e3);
+    eng->idle_spin_ns = (int64_t)(idle_spin_us * 1e3);
+    eng->min_chunks_per_lane = min_chunks_per_lane;
     eng->ctx = (CUcontext)(uintptr_t)context;
     eng->drv = drv;
     eng->pid = getpid();
@@ -1420,6 +1474,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         lane_t *L = &eng->lanes[inited];
         L->eng = eng;
         L->index = inited;
+        atomic_init(&L->queued, 0);
         if (pthread_mutex_init(&L->mu, NULL)) break;
         if (pthread_cond_init(&L->cv, NULL)) {
             pthread_mutex_destroy(&L->mu);
@@ -1525,7 +1580,7 @@ static PyObject *Engine_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
 static size_t auto_chunk(const engine_t *eng, size_t nbytes) {
     size_t lanes = (size_t)eng->nlanes;
     size_t per_lane = (nbytes + lanes * eng->slot_bytes - 1) / (lanes * eng->slot_bytes);
-    if (per_lane < 1) per_lane = 1;
+    if (per_lane < (size_t)eng->min_chunks_per_lane) per_lane = (size_t)eng->min_chunks_per_lane;
     size_t chunk = (nbytes + lanes * per_lane - 1) / (lanes * per_lane);
     chunk = (chunk + 65535) / 65536 * 65536;
     if (chunk < eng->min_chunk_bytes) chunk = eng->min_chunk_bytes;
@@ -1660,6 +1715,12 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     atomic_init(&job->remaining, nl);
     atomic_init(&job->host_bytes, 0);
     atomic_init(&job->refs, 1 + nl);
+    job->t_submit = now_ns();
+    atomic_init(&job->t_start_first, 0);
+    atomic_init(&job->t_start_last, 0);
+    atomic_init(&job->t_copy_last, 0);
+    atomic_init(&job->t_enqueue_last, 0);
+    atomic_init(&job->t_done, nl == 0 ? job->t_submit : 0);
     if (pthread_mutex_init(&job->mu, NULL)) {
         PyErr_NoMemory();
         goto fail;
@@ -1723,6 +1784,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         else
             L->head = shares[i];
         L->tail = shares[i];
+        atomic_fetch_add_explicit(&L->queued, 1, memory_order_release);
         pthread_cond_signal(&L->cv);
         pthread_mutex_unlock(&L->mu);
     }
@@ -1879,7 +1941,8 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_methods, Engine_methods},
     {Py_tp_getset, Engine_getset},
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
-                "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0)"},
+                "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
+                "idle_spin_us=0, min_chunks_per_lane=1)"},
     {0, NULL},
 };
 
@@ -2014,11 +2077,34 @@ static PyObject *Job_get_lanes(PyObject *obj, void *Py_UNUSED(closure)) {
     return PyLong_FromLong(((JobObject *)obj)->job->nlanes);
 }
 
+static PyObject *Job_timeline(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    job_t *job = ((JobObject *)obj)->job;
+    const char *names[] = {"start_first", "start_last", "copy_last", "enqueue_last", "done"};
+    atomic_llong *values[] = {&job->t_start_first, &job->t_start_last, &job->t_copy_last, &job->t_enqueue_last,
+                              &job->t_done};
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int i = 0; i < 5; i++) {
+        long long t = atomic_load_explicit(values[i], memory_order_relaxed);
+        PyObject *v = t ? PyFloat_FromDouble((double)(t - job->t_submit) / 1e3) : Py_NewRef(Py_None);
+        if (!v || PyDict_SetItemString(d, names[i], v)) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
 static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None) -> bool: sleep (GIL released) until done; False on timeout"},
     {"marks", Job_marks, METH_NOARGS, "marks() -> [(device address, value)]: the stream-order hand-off"},
+    {"timeline", Job_timeline, METH_NOARGS,
+     "timeline() -> {event: microseconds after submit or None}: start_first, start_last, copy_last, "
+     "enqueue_last, done"},
     {NULL, NULL, 0, NULL},
 };
 

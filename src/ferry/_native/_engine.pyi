@@ -46,6 +46,9 @@ class Job:
         Python signals are checked at least every 50 ms: an exception raised
         by a signal handler (KeyboardInterrupt) propagates out of ``wait``.
         """
+    def timeline(self) -> dict[str, float | None]:
+        """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
+        lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued), ``done``."""
     def marks(self) -> list[tuple[int, int]]:
         """``(device address, value)`` per lane for ``cuStreamWaitValue32(..., GEQ)``; empty unless
         the job was submitted with ``record_events=True``. Valid at once after submit."""
@@ -68,6 +71,8 @@ class Engine:
         bandwidth: float = 25e9,
         latency: float = 5e-6,
         spin_us: float = 0.0,
+        idle_spin_us: float = 0.0,
+        min_chunks_per_lane: int = 1,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
