@@ -196,11 +196,13 @@ class Shape:
     spin_us: float = 0.0
     idle_spin_us: float = 0.0
     min_chunks: int = 1
+    serialize: bool = True
 
     def __str__(self) -> str:
         return (
             f"{self.lanes} lanes x {self.slots} slots x {self.slot_mib:g} MiB, >= {self.min_chunks} chunk(s)/lane, "
-            f"spin {self.spin_us:g} us, idle spin {self.idle_spin_us:g} us"
+            f"spin {self.spin_us:g} us, idle spin {self.idle_spin_us:g} us, "
+            f"{'serialized' if self.serialize else 'concurrent'} enqueues"
         )
 
 
@@ -270,6 +272,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "spin_us": shape.spin_us,
         "idle_spin_us": shape.idle_spin_us,
         "min_chunks_per_lane": shape.min_chunks,
+        "serialize_driver": shape.serialize,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
@@ -384,9 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spin-us", type=float, default=0.0, help="poll events / jobs this long before sleeping")
     parser.add_argument("--idle-spin-us", type=float, default=0.0, help="idle lanes poll for work this long")
     parser.add_argument("--min-chunks", type=int, default=1, help="at least this many chunks per lane")
+    parser.add_argument(
+        "--concurrent-enqueues", action="store_true", help="let lanes call the driver concurrently (no spinlock)"
+    )
     parser.add_argument("--timeline", action="store_true", help="print the median run's timeline per size")
     parser.add_argument(
-        "--focus", action="store_true", help="sweep chunks per lane, spin and idle spin at 8 and 12 lanes (mid sizes)"
+        "--focus",
+        action="store_true",
+        help="sweep serialized/concurrent enqueues x 8/12 lanes x 1/2/4 chunks per lane x spin 0/30 us",
     )
     parser.add_argument("--threads", type=int, default=0, help="memcpy ceiling threads (default: --lanes)")
     parser.add_argument("--repeat", type=int, default=9)
@@ -406,7 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     gpu: Gpu | EmulatedGpu = EmulatedGpu() if args.emulated else Gpu()
     print(f"# probe_native on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
     rows: dict[str, Any] = {"device": gpu.name, "baselines": baselines(gpu, args), "engine": []}
-    first = Shape(args.lanes, args.slot_mib, args.slots, args.spin_us, args.idle_spin_us, args.min_chunks)
+    first = Shape(
+        args.lanes,
+        args.slot_mib,
+        args.slots,
+        args.spin_us,
+        args.idle_spin_us,
+        args.min_chunks,
+        not args.concurrent_enqueues,
+    )
     shapes = [first]
     if args.sweep:
         shapes += [
@@ -417,11 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.focus:
         shapes += [
-            Shape(lanes, 4.0, 3, spin, idle, chunks)
+            Shape(lanes, 4.0, 3, spin, 0.0, chunks, serialize)
+            for serialize in (True, False)
             for lanes in (8, 12)
             for chunks in (1, 2, 4)
-            for spin in (0.0, 50.0)
-            for idle in (0.0, 50.0)
+            for spin in (0.0, 30.0)
         ]
     seen: set[Shape] = set()
     for shape in shapes:

@@ -73,6 +73,7 @@ class Engine:
         spin_us: float = 0.0,
         idle_spin_us: float = 0.0,
         min_chunks_per_lane: int = 1,
+        serialize_driver: bool = True,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
