@@ -54,7 +54,13 @@ class DeviceUnavailableError(FerryError):
     """The requested backend cannot be used on this machine; the message says why."""
 
 
-class RuntimeClosedError(FerryError):
+class RuntimeClosedError(TransferSubmitError):
     """The runtime cannot be used any more: it was closed, it was inherited by a
     forked child process, or the device reported a sticky error that makes its
-    context unusable. The message says which."""
+    context unusable. The message says which.
+
+    One condition, one type: every call on such a runtime raises this, from
+    ``rt.pinned()`` to ``rt.upload()``. It is a :class:`TransferSubmitError`
+    too, so a refused submission is caught by either name, and, like every
+    refused submission, it changed nothing.
+    """

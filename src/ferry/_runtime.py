@@ -158,6 +158,9 @@ class Runtime:
         return f"<ferry.Runtime {self.backend} device {self.device} {state}>"
 
     def __enter__(self) -> Runtime:
+        """``with rt:`` closes the runtime on exit; entering a closed runtime raises
+        :class:`~ferry.RuntimeClosedError`."""
+        self._health.check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -386,9 +389,14 @@ class Runtime:
         return self._parts.registrations.register(array)
 
     # -- blocking conveniences --------------------------------------------------------------------
-    def to_device(self, array: Any) -> DeviceArray:
-        """Copy a host array to a new device array and wait: ``upload(array).wait()[1]``."""
-        _, destination = self.upload(np.asarray(array)).wait()
+    def to_device(self, array: np.ndarray[Any, Any]) -> DeviceArray:
+        """Copy a NumPy array to a new device array and wait: ``upload(array).wait()[1]``.
+
+        Like every transfer call it takes a NumPy array (convert other
+        sequences with ``numpy.asarray`` first) and refuses anything else with
+        :class:`~ferry.TransferSubmitError`.
+        """
+        _, destination = self.upload(array).wait()
         return destination
 
     def to_host(self, array: DeviceArray) -> np.ndarray[Any, Any]:

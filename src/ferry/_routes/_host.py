@@ -17,7 +17,7 @@ import numpy as np
 
 from .._backends._base import DeviceError
 from .._completion import Extras
-from .._errors import TransferSubmitError
+from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import device_side, give_back, order_before, release_import
 from .._state import IN_FLIGHT, OWNED
 from ._base import HostCopy, HostLeases
@@ -81,12 +81,12 @@ class HostRoutes:
         created = destination is None
         if created:
             if health.refusal is not None:
-                raise TransferSubmitError(health.refusal)
+                raise RuntimeClosedError(health.refusal)
             destination = empty(source.shape, source.dtype)
         try:
             with self.lock:
                 if health.refusal is not None:
-                    raise TransferSubmitError(health.refusal)
+                    raise RuntimeClosedError(health.refusal)
                 device = device_side(destination, owner, self.completion.backend, "upload", "destination",
                                      write=True, stream=self.h2d)
                 try:
@@ -107,7 +107,7 @@ class HostRoutes:
         health = self.completion.health
         with self.lock:
             if health.refusal is not None:
-                raise TransferSubmitError(health.refusal)
+                raise RuntimeClosedError(health.refusal)
             if out is not None and not isinstance(out, np.ndarray):
                 raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
             device = device_side(source, owner, self.completion.backend, "download", "source", write=False,

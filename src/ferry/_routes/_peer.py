@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._backends._base import Backend, DeviceError
 from .._completion import Extras
-from .._errors import TransferSubmitError
+from .._errors import RuntimeClosedError, TransferSubmitError
 from .._state import IN_FLIGHT
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ def copy_between(
             stack.enter_context(lock)
         for side in (parts, source_parts):
             if side.health.refusal is not None:
-                raise TransferSubmitError(side.health.refusal)
+                raise RuntimeClosedError(side.health.refusal)
         if source is destination:
             raise TransferSubmitError("copy_pending needs two different arrays")
         problem = destination._submission_problem(owner, write=True) or source._submission_problem(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._backends._base import DeviceError
 from .._buffer import PinnedHostBuffer
-from .._errors import TransferSubmitError
+from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import PINNED, device_side, expect, give_back, order_before, release_import
 from .._state import IN_FLIGHT
 
@@ -34,7 +34,7 @@ def submit_pinned(
     call = "upload_pending" if upload else "download_pending"
     refusal = completion.health.refusal
     if refusal is not None:
-        raise TransferSubmitError(refusal)
+        raise RuntimeClosedError(refusal)
     expect(buffer, PinnedHostBuffer, call, "buffer", PINNED)
     problem = buffer._submission_problem(owner)
     if problem:
