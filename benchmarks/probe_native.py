@@ -19,6 +19,13 @@ clock. Rows:
 - ``memcpy 1T`` / ``memcpy NT``: host memcpy on one thread and on ``--threads``
   threads (``ctypes.memmove`` releases the GIL), the ceiling of any staged route.
 
+Measured on the H200 VM (2026-11-30, three runs, median of 7-11; noisy: +-15% between runs of one
+shape). 12 lanes x 3 slots x 4 MiB, serialized enqueues: 1 MiB 6-7 GB/s each way (driver pageable
+8-11), 8 MiB 15-17 h2d / 15-20 d2h (25-30 h2d with 8 jobs queued), 64 MiB 33-36 / 33-35,
+256 MiB 44-46 / 37-42, downloads into fresh outputs 17-27. The timelines show where 8 MiB goes:
+lanes start within ~50 us, host copies end by 100-250 us, the last DMA is enqueued ~100 us later
+(the driver's enqueue calls are ~10 us per chunk, serialized) and completion comes ~250 us after that.
+
 Every size is verified: a download must equal the uploaded bytes, a strided
 (transposed) upload must land in C order; a mismatch exits with status 1.
 Exit status 2: no usable GPU or the extension is missing.
