@@ -136,6 +136,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -805,9 +806,14 @@ static atomic_int g_driver_lock;
 
 static inline void driver_lock(const engine_t *eng) {
     if (!eng->serialize) return;
-    for (;;) {
+    for (unsigned spins = 0;;) {
         if (!atomic_exchange_explicit(&g_driver_lock, 1, memory_order_acquire)) return;
-        while (atomic_load_explicit(&g_driver_lock, memory_order_relaxed)) cpu_relax();
+        while (atomic_load_explicit(&g_driver_lock, memory_order_relaxed)) {
+            if (++spins < 4096)
+                cpu_relax();
+            else
+                sched_yield(); /* the holder is stalled in the driver (another thread's long call): back off */
+        }
     }
 }
 
