@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import ferry
+import ferry._native
 from ferry import testing
 
 
@@ -93,11 +94,38 @@ def test_hand_off_orders_consumers_after_the_copy_without_a_host_wait(emu: ferry
     assert got_buf is buf and got_dev is dev and dev.__cuda_array_interface__["stream"] is None
 
 
-def test_staged_uploads_cannot_be_handed_off(emu: ferry.Runtime) -> None:
-    pending = emu.upload(np.zeros(8 << 20, np.uint8))
-    with pytest.raises(ferry.FerryError, match="staged"):
-        pending.hand_off()
-    pending.wait()
+def test_staged_uploads_cannot_be_handed_off_on_the_python_engine() -> None:
+    with ferry.Runtime("emulated", staging=ferry.StagingConfig(engine="python")) as rt:
+        pending = rt.upload(np.zeros(8 << 20, np.uint8))
+        with pytest.raises(ferry.FerryError, match="staged"):
+            pending.hand_off()
+        pending.wait()
+
+
+def test_staged_uploads_hand_off_on_the_native_engine() -> None:
+    if ferry._native.load() is None:
+        pytest.skip(f"the native engine does not run here: {ferry._native.status()}")
+    data = (np.arange(8 << 20) % 251).astype(np.uint8)
+    with ferry.Runtime("emulated", staging=ferry.StagingConfig(engine="native")) as rt:
+        consumer = testing.side_stream(rt)
+        out = np.empty_like(data)
+        with testing.hold(rt, "upload"):
+            pending = rt.upload(data)
+            waits = testing.host_waits(rt)
+            dev = pending.hand_off(consumer)
+            assert dev.state == "owned"
+            assert dev.__cuda_array_interface__["stream"] is not None  # names a stream that waits for every chunk
+            seen = testing.consume(rt, consumer, dev.ptr, data.nbytes)
+            later = rt.download(dev, out)  # ferry orders its own download after every chunk
+            assert testing.host_waits(rt) == waits
+            time.sleep(0.05)
+            assert not seen.ran()
+            assert later.is_ready() is False
+        assert np.array_equal(seen.result(), data)
+        _, got = later.wait()
+        assert np.array_equal(got, data)
+        source, handed = pending.wait()
+        assert source is data and handed is dev
 
 
 class DLPackOnly:

@@ -602,7 +602,8 @@ def test_status_says_why_the_extension_is_missing() -> None:
         "from ferry import _native\n"
         "print(_native.load(), _native.status())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_NATIVE"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("None python: the extension is not built (ImportError: ")
 

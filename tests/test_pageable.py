@@ -11,11 +11,24 @@ import numpy as np
 import pytest
 
 import ferry
+import ferry._native
 from ferry import testing
 
 MiB = 1 << 20
 # small slots and few lanes so that modest payloads cross many chunks and every lane
 SMALL = ferry.StagingConfig(slot_bytes=256 << 10, slots_per_lane=2, lanes=3, direct_bytes=64 << 10)
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def staging_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both staging engines: the compiled one and the pure-Python one."""
+    if request.param == "python":
+        monkeypatch.setenv("FERRY_NATIVE", "0")
+    else:
+        monkeypatch.delenv("FERRY_NATIVE", raising=False)
+        if ferry._native.load() is None:
+            pytest.skip(f"the native engine does not run here: {ferry._native.status()}")
+    return str(request.param)
 
 
 @pytest.fixture

@@ -18,6 +18,27 @@ Outcome rules, all enforced here and nowhere else:
 * **retire** (a dropped handle's copy is proven complete): like settle, but
   what the handle would have returned is freed instead.
 
+Waiting, bounded and interruptible. A wait never sits in a driver call that
+Python cannot leave: it first asks the record's event (one query, ~1 us),
+then *spins* on it for about as long as the copy should take (50 us plus
+0.1 ms per MiB, at most 10 ms, once per record: the time
+``cuEventSynchronize``'s default spin would burn anyway, so a copy that
+completes on time is noticed as soon as it is today), and then *sleeps* on
+the record's :class:`~ferry._waiting.Signal`, which the runtime's watcher sets
+once the device says the copy is done (its thread sleeps on a blocking-sync
+event: no CPU). The sleep is a lock wait in slices of 50 ms, so a timeout is
+honoured and a ``KeyboardInterrupt`` reaches the main thread at once. A staged
+job is waited through ``job.wait_done(timeout)`` in the same slices. A wait
+that times out or is interrupted changes nothing: the record stays live, its
+handle can be waited, polled or dropped.
+
+Who settles. A record is *settled* once (``settled``): by the first
+``wait()``, or by the watcher for a future. ``claimed`` marks the one
+``wait()`` that returned it. ``waiters`` counts the ``wait()`` calls and
+unresolved futures attending the record; :meth:`Completion.close` settles a
+live record that has waiters (they return its result) and releases one that
+has none (a later ``wait()`` raises ``RuntimeClosedError``).
+
 Handles and the watcher reach completion only through
 :class:`CompletionPort`; nothing here imports the runtime facade.
 """
@@ -26,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,9 +61,23 @@ if TYPE_CHECKING:
     from ._memory._device import DeviceMemory
     from ._memory._pinned import PinnedPool
     from ._pending import _Pending
-    from ._waiting import TransferFuture, Watcher
+    from ._waiting import Signal, TransferFuture, Watcher
 
 __all__: list[str] = []
+
+SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait stops spinning
+SPIN_PER_BYTE = 1e-10  # s/byte (10 GB/s): a fifth of PCIe Gen5, so a copy that runs on time ends in the spin
+SPIN_CAP = 10e-3  # s: the most one record is ever spun on; past it a wait sleeps
+SLICE = 0.05  # s: sleeping waits wake this often (a signal delivered to another thread is seen)
+
+
+def spin_budget(nbytes: int) -> float:
+    """How long a wait spins on a record of ``nbytes`` before it sleeps."""
+    return min(SPIN_CAP, SPIN_BASE + nbytes * SPIN_PER_BYTE)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class Record:
@@ -52,7 +88,10 @@ class Record:
     else; everything the other routes add lives in ``extra``.
     """
 
-    __slots__ = ("done", "error", "event", "extra", "leased", "moved", "nbytes", "result", "seq", "stream")
+    __slots__ = (
+        "claimed", "done", "error", "event", "extra", "leased", "moved", "nbytes", "result", "seq", "settled",
+        "signal", "spun", "stream", "waiters",
+    )
 
     def __init__(
         self,
@@ -71,9 +110,14 @@ class Record:
         self.leased = leased
         self.result = result
         self.nbytes = nbytes
-        self.done = False
+        self.done = False  # the copy is proven complete
         self.error: DeviceError | None = None
         self.extra: Extras | None = None
+        self.settled = False  # published, objects owned again (by a wait() or the watcher for a future)
+        self.claimed = False  # a wait() returned the result: at most once
+        self.waiters = 0  # wait() calls and unresolved futures attending the record
+        self.spun = False  # a wait spun its full budget on it: later waits sleep at once
+        self.signal: Signal | None = None  # created by the first wait that sleeps, or a future
 
     def __repr__(self) -> str:
         status = "failed" if self.error else "done" if self.done else "pending"
@@ -107,7 +151,7 @@ class Extras:
     completing.
     """
 
-    __slots__ = ("batch", "cleanups", "finish", "handed", "job", "shared", "stream_events")
+    __slots__ = ("batch", "cleanups", "export_stream", "finish", "handed", "job", "order_after", "shared")
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None
@@ -116,7 +160,8 @@ class Extras:
         self.batch: Batch | None = None
         self.shared: SharedEvent | None = None
         self.handed: Any = None
-        self.stream_events: Callable[[], list[tuple[Any, Any]]] | None = None  # a job's (stream, event) ends
+        self.order_after: Callable[[Any], None] | None = None  # a job's: make a stream wait for all of it
+        self.export_stream: Any = None  # a job's: the stream an export names once it waited for the job
 
 
 class SharedEvent:
@@ -157,14 +202,34 @@ def failed_error(record: Record) -> TransferFailedError:
 
 
 class CompletionPort(Protocol):
-    """The narrow interface handles talk to: poll, wait, detach, watch, hand off."""
+    """The narrow interface handles and waiters talk to: poll, wait, detach, watch, hand off."""
 
     def poll(self, record: Record) -> bool:
         """Whether the record's copy completed; raises ``TransferFailedError``. Never blocks."""
         ...
 
-    def wait(self, record: Record) -> tuple[Any, ...]:
-        """Block until complete, settle, return the record's result (once)."""
+    def wait(self, record: Record, timeout: float | None = None) -> tuple[Any, ...]:
+        """Block until complete (or ``TimeoutError``), settle, return the record's result (once)."""
+        ...
+
+    def ready(self, record: Record, timeout: float | None = None, spin: bool = True) -> bool:
+        """Block until the copy completed or failed, or ``timeout`` passed; settle nothing."""
+        ...
+
+    def attend(self, record: Record, delta: int) -> None:
+        """A waiter starts (``+1``) or stops (``-1``) attending the record (see ``close``)."""
+        ...
+
+    def listen(self, record: Record, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the copy completed or failed (on the watcher's thread, or at once)."""
+        ...
+
+    def unlisten(self, record: Record, fn: Callable[[], object]) -> None:
+        """Forget a listener that has not been called yet."""
+        ...
+
+    def settled_result(self, record: Record) -> tuple[Any, ...]:
+        """Settle a completed record (if no one did) and return its result, without claiming it."""
         ...
 
     def detach(self, record: Record) -> None:
@@ -172,7 +237,7 @@ class CompletionPort(Protocol):
         ...
 
     def watch(self, handle: _Pending[Any]) -> TransferFuture:
-        """A future the watcher resolves with ``handle``'s result."""
+        """A new future the watcher resolves with ``handle``'s result."""
         ...
 
     def hand_off(self, handle: _Pending[Any], stream: Any) -> Any:
@@ -413,62 +478,219 @@ class Completion:
                 self.fail(record, exc)
                 raise failed_error(record) from exc
             if ready:
-                record.done = True
+                self.mark_done(record)
             return ready
 
-    def wait(self, record: Record) -> tuple[Any, ...]:
-        """Block until the copy completed, settle the record, return its result (once)."""
-        if record.error is None and self.health.refusal is None:  # the common case
-            if not record.done:
-                try:
-                    if record.extra is None:
-                        self.backend.event_synchronize(record.event)
-                    else:
-                        self.block(record)
-                except DeviceError as exc:
-                    with self.lock:
-                        self.health.note(exc)
-                        self.fail(record, exc)
-                    raise failed_error(record) from exc
+    def wait(self, record: Record, timeout: float | None = None) -> tuple[Any, ...]:
+        """Block until the copy completed, settle the record, return its result (once).
+
+        ``TimeoutError`` after ``timeout`` seconds, and any exception a signal
+        handler raises meanwhile, leave the record exactly as it was.
+        """
+        record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
+        try:
+            if (
+                not record.done and record.error is None and self.health.refusal is None
+                and not self.ready(record, timeout)
+            ):
+                raise TimeoutError(
+                    f"the transfer of {record.nbytes} bytes did not complete within {timeout} s; it is still "
+                    "pending: wait() again, poll is_ready(), or drop the handle (it retires once complete)"
+                )
             with self.lock:
-                if record.error is None and record in self.live:
-                    self.live.remove(record)
-                    record.done = True
+                if record.done and not record.settled and record.error is None and record in self.live:
+                    self.live.remove(record)  # the common case, inline
                     self.settle(record)
+                    record.claimed = True
                     result = record.result
                 else:
-                    result = None
-            if result is not None:
-                if self.cross_returns:
-                    self.flush_cross()
-                return result
-        return self._wait_slow(record)
+                    result = self._claim(record)
+        finally:
+            record.waiters -= 1
+        if self.cross_returns:
+            self.flush_cross()
+        return result
 
-    def _wait_slow(self, record: Record) -> tuple[Any, ...]:
+    def _claim(self, record: Record) -> tuple[Any, ...]:
+        """What ``wait()`` returns or raises once the record is done (or cannot be waited). Lock held."""
         if record.error is not None:
             raise failed_error(record)
-        self.health.check_open()
-        if not record.done:
-            try:
-                self.block(record)
-            except DeviceError as exc:
-                with self.lock:
-                    self.health.note(exc)
-                    self.fail(record, exc)
-                raise failed_error(record) from exc
+        if record.claimed:
+            raise FerryError("this transfer was already waited; a handle is waited at most once")
+        if not record.settled:
+            if self.health.closed:
+                raise RuntimeClosedError("the runtime was closed while this transfer was pending")
+            self.health.check_open()
+            if record not in self.live or not record.done:
+                raise FerryError("this transfer is no longer pending")
+            self.live.remove(record)
+            self.settle(record)
+        record.claimed = True
+        return record.result
+
+    def settled_result(self, record: Record) -> tuple[Any, ...]:
+        """Settle a completed record if no one did, return its result; ``claimed`` stays as it is."""
         with self.lock:
             if record.error is not None:
                 raise failed_error(record)
-            if record not in self.live:
+            if not record.settled:
                 if self.health.closed:
                     raise RuntimeClosedError("the runtime was closed while this transfer was pending")
-                raise FerryError("this transfer was already waited; a handle is waited at most once")
-            record.done = True
-            self.live.discard(record)
-            self.settle(record)
+                self.health.check_open()
+                if record not in self.live or not record.done:
+                    raise FerryError("this transfer is no longer pending")
+                self.live.remove(record)
+                self.settle(record)
+            result = record.result
         if self.cross_returns:
             self.flush_cross()
-        return record.result
+        return result
+
+    def attend(self, record: Record, delta: int) -> None:
+        """See :class:`CompletionPort`."""
+        with self.lock:
+            record.waiters += delta
+
+    def ready(self, record: Record, timeout: float | None = None, spin: bool = True) -> bool:
+        """Block until the copy completed or failed, or ``timeout`` seconds passed. Lock not held.
+
+        Settles nothing: it proves the outcome (``done``, or the failure
+        recorded). With ``spin``, a record not spun on before is first spun on
+        for its :func:`spin_budget` (never longer than ``timeout``); then the
+        wait sleeps on the record's signal. ``timeout=0`` is a poll.
+        """
+        if record.done or record.error is not None:
+            return True
+        health = self.health
+        if health.refusal is not None and not health.device_usable:
+            # a poisoned device answers at once; a forked child or an exited runtime is never asked
+            return True if health.forked or health.exited else self.prove(record)
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        extra = record.extra
+        if extra is not None and extra.job is not None:
+            return self._ready_job(record, extra.job, deadline)
+        if spin and not record.spun:
+            budget = spin_budget(record.nbytes)
+            seconds = budget if timeout is None or timeout >= budget else max(timeout, 0.0)
+            if self._spin(record, seconds):
+                return True
+            if seconds >= budget:
+                record.spun = True
+        elif timeout is not None and timeout <= 0:
+            return self._spin(record, 0.0)
+        return self._sleep(record, deadline)
+
+    def _sleep(self, record: Record, deadline: float | None) -> bool:
+        """Sleep on the record's signal (in slices) until it is set or ``deadline`` passed."""
+        flag = self.signal(record).flag
+        while True:
+            remaining = _remaining(deadline)
+            if remaining is None:
+                if flag.wait(SLICE):
+                    return True
+            elif flag.wait(min(remaining, SLICE)):
+                return True
+            elif remaining <= SLICE:
+                return flag.is_set()
+
+    def _spin(self, record: Record, seconds: float) -> bool:
+        """Wait up to ``seconds`` on the record's event (backend ``event_wait``); whether it is resolved."""
+        extra = record.extra
+        shared = None
+        if extra is not None:
+            if extra.batch is not None:
+                self.flush_for(record)
+            shared = extra.shared
+            if shared is not None and shared.done:
+                self.mark_done(record)
+                return True
+        event = record.event
+        if event is None:  # settled, released or failed meanwhile (its event went back to the pool)
+            return record.done or record.error is not None
+        try:
+            ready = self.backend.event_wait(event, seconds)
+        except DeviceError as exc:
+            self._failed(record, exc)
+            return True
+        if ready:
+            if shared is not None:
+                shared.done = True
+            self.mark_done(record)
+        return ready
+
+    def _ready_job(self, record: Record, job: Job, deadline: float | None) -> bool:
+        while True:
+            remaining = _remaining(deadline)
+            if job.wait_done(SLICE if remaining is None else min(remaining, SLICE)):
+                break
+            if remaining is not None and remaining <= SLICE:
+                return False
+        self._job_outcome(record, job)
+        return True
+
+    def _job_outcome(self, record: Record, job: Job) -> None:
+        if job.error is not None:
+            self._failed(record, job.error)
+        else:
+            self.mark_done(record)
+
+    def _failed(self, record: Record, exc: DeviceError) -> None:
+        with self.lock:
+            self.health.note(exc)
+            self.fail(record, exc)
+
+    def mark_done(self, record: Record) -> None:
+        """The record's copy is proven complete: wake whoever sleeps on it."""
+        record.done = True
+        signal = record.signal
+        if signal is not None:
+            signal.flag.set()
+
+    def prove(self, record: Record) -> bool:
+        """Ask, without blocking, whether the record is resolved (done or failed); record which."""
+        with self.lock:
+            if record.done or record.error is not None:
+                return True
+            try:
+                ready = self.query(record)
+            except DeviceError as exc:
+                self.health.note(exc)
+                self.fail(record, exc)
+                return True
+            if ready:
+                self.mark_done(record)
+            return ready
+
+    def signal(self, record: Record) -> Signal:
+        """The record's completion signal, handed to the watcher when it is created."""
+        signal = record.signal
+        if signal is not None:
+            return signal
+        from ._waiting import Signal, Watcher
+
+        with self.lock:
+            signal = record.signal
+            if signal is None:
+                signal = Signal()
+                if record.done or record.error is not None or not self.health.device_usable:
+                    signal.fire()
+                else:
+                    if self.watcher is None:
+                        self.watcher = Watcher(self)
+                    self.watcher.watch(record)
+                record.signal = signal
+        return signal
+
+    def listen(self, record: Record, fn: Callable[[], object]) -> None:
+        """See :class:`CompletionPort`."""
+        self.health.check_open()
+        self.signal(record).listen(fn)
+
+    def unlisten(self, record: Record, fn: Callable[[], object]) -> None:
+        """See :class:`CompletionPort`."""
+        signal = record.signal
+        if signal is not None:
+            signal.unlisten(fn)
 
     def query(self, record: Record) -> bool:
         """Whether the record's copy completed. Never blocks; raises DeviceError."""
@@ -488,31 +710,35 @@ class Completion:
                 if not shared.done:
                     shared.done = bool(self.backend.event_query(record.event))
                 return shared.done
+        if record.event is None:  # settled or released: proven before its event went back
+            return record.done
         return bool(self.backend.event_query(record.event))
 
-    def block(self, record: Record) -> None:
-        """Block until the record's copy completed; raises DeviceError."""
+    def block_locked(self, record: Record) -> None:
+        """Wait for a record with the lock held (backpressure): no watcher, which needs the lock.
+
+        Spins for the record's budget, then polls with a back-off up to 1 ms;
+        interruptible between polls.
+        """
         extra = record.extra
-        if extra is not None:
-            job = extra.job
+        job = extra.job if extra is not None else None
+        pause, seconds = 50e-6, spin_budget(record.nbytes)
+        while not (record.done or record.error is not None):
             if job is not None:
-                job.wait_done()
-                if job.error is not None:
-                    raise job.error
-                return
-            if extra.batch is not None:
-                self.flush_for(record)
-            shared = extra.shared
-            if shared is not None:
-                if not shared.done:
-                    self.backend.event_synchronize(record.event)
-                    shared.done = True
-                return
-        self.backend.event_synchronize(record.event)
+                if job.wait_done(SLICE):
+                    self._job_outcome(record, job)
+            elif not self._spin(record, seconds):
+                seconds = 0.0
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
 
     # -- outcomes ----------------------------------------------------------------------------------
     def settle(self, record: Record) -> None:
-        """A waited record: publish, run its cleanups, hand every object back owned. Lock held."""
+        """A waited record: publish, run its cleanups, hand every object back owned. Lock held.
+
+        The caller has taken it out of ``live``; runs once per record.
+        """
+        record.settled = True
         extra = record.extra
         if extra is None:
             self.events.append(record.event)
@@ -543,10 +769,17 @@ class Completion:
         record.event = None
 
     def fail(self, record: Record, exc: DeviceError) -> None:
-        """The device reported a failure: abandon every object, keep the record forever. Lock held."""
-        if record.error is not None:
+        """The device reported a failure: abandon every object, keep the record forever. Lock held.
+
+        A record proven complete never fails (an error seen through an event
+        already recycled to a later transfer is not this record's).
+        """
+        if record.error is not None or record.done:
             return
         record.error = exc
+        signal = record.signal
+        if signal is not None:
+            signal.flag.set()
         self.live.discard(record)
         self.failed += 1
         self.abandoned.append(record)
@@ -604,13 +837,21 @@ class Completion:
             extra = record.extra
             if extra is not None and extra.batch is not None:
                 self._flush_segment(extra.batch, id(record.stream))
-            ends = self.ends(record)
+            if extra is not None and extra.job is not None and extra.order_after is None:
+                raise FerryError(
+                    "this staged upload cannot be handed off: the pure-Python staging engine has no "
+                    "device-side completion (the native engine has); wait() for it"
+                )
             destination = record.result[1]
+            if not record.done and extra is not None and extra.job is not None and extra.export_stream is not None:
+                try:  # the stream an export names (CUDA Array Interface) must wait for every chunk
+                    self.order_after(record, extra.export_stream)
+                except DeviceError as exc:
+                    self.health.note(exc)
+                    raise FerryError(f"could not order the export stream after the upload: {exc}") from exc
             if stream is not None and not record.done:
                 try:
-                    target = self.backend.stream_from_handle(stream_handle_of(stream))
-                    for _, event in ends:
-                        self.backend.stream_wait_event(target, event)
+                    self.order_after(record, self.backend.stream_from_handle(stream_handle_of(stream)))
                 except DeviceError as exc:
                     self.health.note(exc)
                     raise FerryError(f"could not make the stream wait for the upload: {exc}") from exc
@@ -619,35 +860,40 @@ class Completion:
                 destination._ready = record
                 record.moved = tuple(o for o in record.moved if o is not destination)
                 self.extras(record).handed = destination
+            if stream is not None and isinstance(destination, DeviceArray):
+                self.memory.note_stream(destination._ptr, stream)  # its free waits for that stream's work
             return destination
 
-    def ends(self, record: Record) -> list[tuple[Any, Any]]:
-        """``(stream, event)`` pairs whose completion proves the record's copy complete. Lock held."""
+    def order_after(self, record: Record, stream: Any) -> None:
+        """Make ``stream`` (a backend stream) wait on the device for the record's copy; no host wait.
+
+        Lock held; raises DeviceError, or FerryError for a staged job whose
+        engine has no device-side completion.
+        """
         extra = record.extra
         if extra is not None and extra.job is not None:
-            if extra.stream_events is None:
-                raise FerryError(
-                    "this staged upload cannot be handed off (its route has no device-side completion); "
-                    "wait() for it"
-                )
-            return extra.stream_events()
-        return [(record.stream, record.event)]
+            if extra.order_after is None:
+                raise FerryError("this staged transfer has no device-side completion; wait() for it")
+            extra.order_after(stream)
+        elif record.event is not None:
+            self.backend.stream_wait_event(stream, record.event)
 
     def watch(self, handle: _Pending[Any]) -> TransferFuture:
-        """A future for ``handle``, resolved by the watcher (created on first use)."""
-        from ._waiting import TransferFuture, Watcher
+        """A new future for ``handle``, resolved by the watcher (created on first use).
+
+        The future attends the record (``waiters``) until it is resolved or
+        cancelled; its resolution settles the record and sets its result.
+        """
+        from ._waiting import TransferFuture
 
         self.health.check_open()
-        with self.lock:
-            if self.watcher is None:
-                self.watcher = Watcher(self)
-            watcher = self.watcher
-        future = TransferFuture(handle)
         record = handle._record
-        if record.error is not None or record.done:
-            future._resolve()
-        else:
-            watcher.watch(record, future)
+        with self.lock:
+            if record.claimed:
+                raise FerryError("this transfer was already waited; there is nothing left to wait for")
+            record.waiters += 1
+        future = TransferFuture(handle)
+        self.signal(record).listen(future._resolve)
         return future
 
     # -- retirement ------------------------------------------------------------------------------------
@@ -658,7 +904,7 @@ class Completion:
         the device.
         """
         health = self.health
-        if health.forked or health.closed or record.error is not None:
+        if health.forked or health.closed or health.exited or record.error is not None or record.settled:
             return
         self.live.discard(record)
         self.retiring.push(record)
@@ -672,7 +918,8 @@ class Completion:
             self.health.note(exc)
             self.fail(record, exc)
             return True
-        record.done = ready
+        if ready:
+            self.mark_done(record)
         return ready
 
     def release_retired(self, record: Record) -> None:
@@ -711,42 +958,62 @@ class Completion:
                 oldest = queue.oldest()
                 if oldest is None:
                     break
-                try:
-                    self.block(oldest)
-                    oldest.done = True
-                except DeviceError as exc:
-                    self.health.note(exc)
-                    self.fail(oldest, exc)
+                self.block_locked(oldest)
                 queue.drain(self._retired_done, self.release_retired)
         self.pool.collect()
 
     # -- closing -----------------------------------------------------------------------------------------
-    def wait_everything(self) -> None:
-        """Block until every live and retiring copy completed (or failed). Lock not held."""
-        with self.lock:
-            pending = [r for r in list(self.live) + self.retiring.records() if not r.done]
-        for record in pending:  # outside the lock: a waiter must not stop submitters elsewhere
-            if record.error is not None:
-                continue
-            try:
-                self.block(record)
-                record.done = True
-            except DeviceError as exc:
-                with self.lock:
-                    self.health.note(exc)
-                    self.fail(record, exc)
-        if self.watcher is not None:  # resolves the futures of what was watched, then stops
-            self.watcher.close()
+    def unresolved(self) -> list[Record]:
+        """Live and retiring records not yet proven complete or failed. Lock held."""
+        return [r for r in (*self.live, *self.retiring.records()) if not r.done and r.error is None]
+
+    def wait_everything(self, deadline: float | None, lock: Callable[[], Any]) -> None:
+        """Block until every live and retiring copy is resolved, or raise ``TimeoutError``. Lock not held.
+
+        ``lock()`` is a context manager taking the lock by the deadline. Only
+        the first record waited is spun on; the rest sleep on their signals.
+        """
+        spin = True
+        while True:
+            with lock():
+                pending = self.unresolved()
+            if not pending:
+                return
+            for record in pending:
+                if not self.ready(record, _remaining(deadline), spin=spin):
+                    with lock():
+                        left = self.unresolved()
+                    raise TimeoutError(
+                        f"{len(left)} transfer(s) of {sum(r.nbytes for r in left)} bytes still in flight"
+                    )
+                spin = False
+
+    def all_resolved(self) -> bool:
+        """Whether every live and retiring record is resolved, asking without blocking. Lock held."""
+        return all(self._retired_done(r) for r in (*self.live, *self.retiring.records()))
 
     def close(self) -> None:
-        """Release every live and retiring record (all complete by now). Lock held."""
+        """Commit a close (every record is resolved by now). Lock held.
+
+        A live record that a ``wait()`` or a future attends is settled (its
+        waiters return the result); every other live or retiring record is
+        released. Every sleeping waiter is woken.
+        """
         for record in list(self.live):
             if record.error is None:
-                self.release_retired(record)
+                if record.waiters > 0 and not record.settled:
+                    self.settle(record)
+                else:
+                    self.release_retired(record)
         self.live.clear()
         for record in self.retiring.records():
             self.release_retired(record)
         self.retiring.clear()
+
+    def stop_watcher(self) -> None:
+        """Resolve the futures of what was watched, then stop the watcher. Lock not held."""
+        if self.watcher is not None:
+            self.watcher.close()
 
     def destroy_events(self) -> None:
         """Destroy the pooled events (the device is idle). Lock held."""

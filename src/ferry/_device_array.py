@@ -13,7 +13,12 @@ transfers may use it at the same time:
 * ``closed``: freed.
 
 Freeing never happens inside a finalizer: a collected array's address goes to
-the runtime's deferred-free list, drained by the next ordinary call.
+the runtime's deferred-free list, drained by the next ordinary call. The free
+is stream-ordered after every stream that may still use the array: the
+streams it was handed off to, the ``stream`` a DLPack consumer named, and those
+given to :meth:`DeviceArray.record_stream`; an array exported where no stream
+is known (the CUDA Array Interface, ``ptr``) is freed only after the device
+has been idle once (see ``_memory/_device.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 from ._backends._base import DeviceError
 from ._errors import BufferMovedError
-from ._state import CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
+from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
 
 if TYPE_CHECKING:
     from ._memory._device import DeviceMemory
@@ -104,9 +109,14 @@ class DeviceArray:
         """The raw device address: an escape hatch, valid while owned or read-leased.
 
         Work you enqueue on it yourself is not ordered with ferry's transfers.
+        Since ferry cannot know on which stream that work runs, an array whose
+        address was taken is freed only after the whole device has been idle
+        once (a background thread synchronizes it), unless
+        :meth:`record_stream` names the streams afterwards.
         """
         if self._state is not OWNED:
             raise BufferMovedError(f"cannot take the address of a device array that is {self._state}")
+        self._memory.note_unknown(self._ptr)
         return self._ptr
 
     @property
@@ -121,6 +131,12 @@ class DeviceArray:
         closed. Like ``ptr``, what the consumer then does with the memory is
         outside ferry's checks: do not hand the array to a transfer while a
         consumer still uses it.
+
+        The interface names no consumer stream, so the consumer may use any:
+        once exported this way, the array's memory is freed only after the
+        whole device has been idle once (a background thread synchronizes
+        it; the caller never waits). :meth:`record_stream` after the export
+        names the streams instead.
         """
         from ._interop._cai import export_cai
 
@@ -142,6 +158,12 @@ class DeviceArray:
         it on the device, without a host wait. Same conditions as
         ``__cuda_array_interface__``; ``copy=True`` and other devices are
         refused with ``BufferError``.
+
+        The consumer's stream is remembered: the array's memory is freed only
+        after the work queued there when the array died (an event recorded
+        then). With ``stream=-1`` or the per-thread default stream (``2``)
+        no stream is known, and the rule of ``__cuda_array_interface__``
+        applies.
         """
         from ._interop._dlpack import export_capsule
 
@@ -152,13 +174,44 @@ class DeviceArray:
         state = self.state
         if state not in (OWNED, READ_LEASED):
             raise BufferMovedError(f"cannot export a device array that is {state}")
+        consumer = 1 if stream is None else int(stream)
         ready = self._ready
-        if ready is not None and not ready.done and stream != -1 and ready.event is not None:
+        if ready is not None and not ready.done and consumer != -1:
             try:
-                self._memory.order_export(ready.event, 1 if stream is None else int(stream))
+                self._memory.order_export(ready, consumer)
             except DeviceError as exc:  # internal: the consumer sees what DLPack consumers expect
                 raise BufferError(f"could not order the consumer's stream after the pending upload: {exc}") from exc
+        self._memory.note_stream(self._ptr, consumer)
         return export_capsule(self, self._ptr, self._shape, self._dtype, self.__dlpack_device__())
+
+    def record_stream(self, stream: Any) -> None:
+        """Declare that work on ``stream`` uses this array: its memory is freed only after that work.
+
+        ``stream`` is an int handle, a ``torch.cuda.Stream``, a
+        ``cupy.cuda.Stream`` or anything with ``__cuda_stream__``; a stream
+        object is kept alive until the array is freed, an int handle must
+        stay valid until then. When the array dies, an event is recorded on
+        each recorded stream and the free waits for it on the device (no host
+        wait), as ``torch.Tensor.record_stream`` does for PyTorch's allocator.
+        Streams given to :meth:`~ferry.PendingUpload.hand_off` and to
+        ``__dlpack__`` are recorded without this call.
+
+        It is also a declaration: every use so far (through
+        ``__cuda_array_interface__`` or ``ptr``, which name no stream) is on
+        the streams recorded, so the array no longer waits for the whole
+        device to be idle before its memory is freed. Call it after such an
+        export, naming every stream that used it.
+
+        Raises
+        ------
+        BufferMovedError
+            The array is closed or abandoned.
+        TypeError
+            ``stream`` is not a stream.
+        """
+        if self._state is CLOSED or self._state is ABANDONED:
+            raise BufferMovedError(f"cannot record a stream on a device array that is {self._state}")
+        self._memory.declare(self._ptr, stream)
 
     def close(self) -> None:
         """Free the device memory now.

@@ -17,6 +17,7 @@ Every refusal happens before anything is enqueued and raises
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import weakref
 from collections.abc import Iterator
@@ -39,9 +40,9 @@ from ._pending import PendingCopy, PendingDownload, PendingUpload
 from ._routes._host import check_copyable
 from ._routes._peer import copy_between
 from ._routes._pinned import submit_pinned
-from ._routes._staged import StagingConfig
+from ._routes._staged import StagingConfig, engine_status
 from ._state import IN_FLIGHT, OWNED
-from ._stats import RuntimeStats
+from ._stats import RuntimeStats, snapshot
 
 __all__ = ["Runtime"]
 
@@ -81,6 +82,11 @@ class Runtime:
     host_cache_bytes
         Resident host memory kept for the fresh outputs of :meth:`download`
         (first-touch page faults cost more than the copy); 0 disables it.
+    device_pool_limit
+        Device memory the stream-ordered pool keeps reserved at synchronization
+        points (its release threshold); ``None`` keeps all of it until
+        :meth:`trim`. Past it allocations still succeed and the excess is given
+        back at the next synchronization (docs/memory.md).
 
     Guarantees
     ----------
@@ -104,16 +110,19 @@ class Runtime:
         peer_access: bool = True,
         staging: StagingConfig | None = None,
         host_cache_bytes: int = 2 << 30,
+        device_pool_limit: int | None = None,
     ) -> None:
         if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
             raise ValueError(f"device must be a non-negative int, got {device!r}")
         if retirement_capacity < 1:
             raise ValueError("retirement capacity must be >= 1")
+        if device_pool_limit is not None and size_arg(device_pool_limit, "device_pool_limit") < 0:
+            raise ValueError("device_pool_limit must be >= 0 (or None: keep everything)")
         chosen = _lifecycle.make_backend(backend, int(device), emulated_bandwidth, emulated_latency, peer_access)
         options = {
             "retirement_capacity": retirement_capacity, "pinned_cache_bytes": pinned_cache_bytes,
             "peer_access": peer_access, "staging": staging or _default_staging(),
-            "host_cache_bytes": host_cache_bytes,
+            "host_cache_bytes": host_cache_bytes, "device_pool_limit": device_pool_limit,
         }
         parts = self._parts = Parts(chosen, Health(), options)
         # the hot path reads these directly
@@ -151,6 +160,8 @@ class Runtime:
         info = dict(self._backend.info())
         info["pinned_pool_bytes"] = self._pool.held_bytes
         info["pinned_free_bytes"] = self._pool.free_bytes
+        info["staging_engine"] = engine_status(self._parts.staging)
+        info["device_pool"] = self._memory.kind
         return info
 
     def __repr__(self) -> str:
@@ -206,27 +217,22 @@ class Runtime:
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
         """An uninitialized C-contiguous device array, owned by the caller.
 
-        Any fixed-size NumPy dtype is accepted. The memory is freed by
-        ``close()`` or when the array is collected (at the runtime's next call).
+        Any fixed-size NumPy dtype is accepted. The memory comes from the
+        runtime's stream-ordered pool (microseconds once the pool is warm) and
+        is usable on every stream at once. It goes back to the pool by
+        ``close()`` or when the array is collected (at the runtime's next
+        call), after every stream that may still use it (docs/memory.md).
         """
         self._health.check_open()
         dt = check_dtype(dtype)
         dims = shape_arg(shape)
-        count = 1
-        for s in dims:
-            count *= s
-        nbytes = count * dt.itemsize
+        nbytes = math.prod(dims) * dt.itemsize
         if nbytes > MAX_BYTES:
             raise ValueError(f"{nbytes} bytes is larger than any device")
         with self._lock:
-            self._completion.maintain()
-            try:
-                ptr = self._memory.alloc(nbytes)
-            except DeviceError as exc:
-                self._health.note(exc)
-                raise alloc_error("device", nbytes, exc) from exc
-            except (MemoryError, ValueError) as exc:
-                raise MemoryError(f"device allocation of {nbytes} bytes failed: {exc}") from exc
+            if self._completion.maintenance_due():
+                self._completion.maintain()
+            ptr = self._memory.alloc(nbytes)  # MemoryError, or FerryError
         return new_device_array(self, self._memory, ptr, dims, dt, nbytes)
 
     # -- pinned submissions -------------------------------------------------------------------------
@@ -400,7 +406,9 @@ class Runtime:
         return destination
 
     def to_host(self, array: DeviceArray) -> np.ndarray[Any, Any]:
-        """Copy a device array into a new NumPy array and wait: ``download(array).wait()[1]``."""
+        """Copy a device array into a new NumPy array and wait: ``download(array).wait()[1]``.
+
+        Like :meth:`to_device`, it waits as ``wait()`` does: Ctrl-C interrupts it."""
         _, out = self.download(array).wait()
         result: np.ndarray[Any, Any] = out
         return result
@@ -451,35 +459,30 @@ class Runtime:
 
     def stats(self) -> RuntimeStats:
         """A consistent snapshot of the runtime's counters (works after close too)."""
-        parts, completion = self._parts, self._completion
         with self._lock:
-            return RuntimeStats(
-                in_flight=len(completion.live),
-                retiring=len(completion.retiring),
-                abandoned=completion.abandoned_objects,
-                abandoned_bytes=completion.abandoned_bytes + parts.staged.abandoned_bytes,
-                pinned_pool_bytes=self._pool.held_bytes,
-                pinned_free_bytes=self._pool.free_bytes,
-                pinned_allocations=self._pool.allocations,
-                device_bytes=self._memory.bytes,
-                submitted=completion.submitted,
-                completed=completion.completed,
-                failed=completion.failed,
-                events=completion.event_count,
-                host_copied_bytes=parts.host.host_copied,
-                staging_pinned_bytes=parts.host.staging_bytes,
-                registered_bytes=parts.registrations.bytes,
-                host_cache_bytes=parts.host_cache.free_bytes,
-            )
+            return snapshot(self._parts)
 
-    def close(self) -> None:
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Give the device pool's unused memory back to the device (``cuMemPoolTrimTo``), keeping at
+        most ``keep_bytes`` reserved. Memory in use, or freed after work that still runs, stays."""
+        self._health.check_open()
+        with self._lock:
+            self._completion.maintain()
+            self._memory.trim(size_arg(keep_bytes, "keep_bytes"))
+
+    def close(self, timeout: float | None = None) -> None:
         """Wait for everything in flight, release the retirement queue, free what the runtime owns.
 
-        Idempotent. Afterwards every call on the runtime, its buffers and its
-        handles raises. Abandoned memory stays allocated (the device may still
-        touch it). In a forked child it only marks the runtime closed.
+        Idempotent. While it waits the runtime stays open (submissions are
+        accepted, and waited for too). ``TimeoutError`` after ``timeout``
+        seconds, or Ctrl-C, leaves it open and unchanged: close() again later.
+        Then it closes in one step: a ``wait()`` or future already waiting on a
+        transfer gets its result; every other call on the runtime, its buffers
+        and its handles raises. Abandoned memory stays allocated (the device
+        may still touch it). In a forked child it only marks the runtime
+        closed. See docs/waiting.md.
         """
-        self._parts.close()
+        self._parts.close(timeout)
 
 
 def _default_staging() -> StagingConfig:

@@ -58,13 +58,18 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
     parts.health.check_open()
     backend = parts.backend
     streams = []
+    held: list[Any] = []  # native staging engines, held and released as a whole
     with parts.lock:
-        if direction in ("upload", "both"):
-            streams.append(parts.h2d)
-            streams.extend(parts.staged.engine(True).streams())
-        if direction in ("download", "both"):
-            streams.append(parts.d2h)
-            streams.extend(parts.staged.engine(False).streams())
+        for upload, name in ((True, "upload"), (False, "download")):
+            if direction not in (name, "both"):
+                continue
+            streams.append(parts.h2d if upload else parts.d2h)
+            engine = parts.staged.engine(upload)
+            if hasattr(engine, "hold"):
+                engine.hold()
+                held.append(engine)
+            else:
+                streams.extend(engine.streams())
     gate = backend.gate_create()
     try:
         for stream in streams:
@@ -72,6 +77,8 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
         yield
     finally:
         backend.gate_open(gate)
+        for engine in held:
+            engine.release()
 
 
 def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from typing import Any
 
 from .._errors import DeviceUnavailableError
@@ -165,6 +166,7 @@ class CudaBackend:
         self._cuEventSynchronize = d.cuEventSynchronize
         self._CUdeviceptr = d.CUdeviceptr
         self._gates: list[_Gate] = []
+        self._pools: list[Any] = []  # this backend's memory pools (peers are granted access to them)
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------------
@@ -231,6 +233,81 @@ class CudaBackend:
     def mem_free(self, ptr: int) -> None:
         with self._current:
             (err,) = self._d.cuMemFree(self._CUdeviceptr(ptr))
+            self._check(err)
+
+    # -- stream-ordered pools --------------------------------------------------------------
+    def mem_pool_create(self, release_threshold: int | None) -> Any:
+        d = self._d
+        with self._current:
+            if not self._attribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED):
+                return None
+            props = d.CUmemPoolProps()
+            props.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+            props.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            props.location.id = self.device
+            err, pool = d.cuMemPoolCreate(props)
+            self._check(err)
+            try:
+                attrs = d.CUmemPool_attribute
+                keep = (1 << 64) - 1 if release_threshold is None else int(release_threshold)
+                (err,) = d.cuMemPoolSetAttribute(pool, attrs.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(keep))
+                self._check(err)
+                # never make an allocation wait for another stream's work: reuse completed frees, or grow
+                (err,) = d.cuMemPoolSetAttribute(pool, attrs.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0)
+                self._check(err)
+            except DeviceError:
+                d.cuMemPoolDestroy(pool)
+                raise
+            self._pools.append(pool)
+            return pool
+
+    def mem_pool_destroy(self, pool: Any) -> None:
+        with self._current:
+            if pool in self._pools:
+                self._pools.remove(pool)
+            (err,) = self._d.cuMemPoolDestroy(pool)
+            self._check(err)
+
+    def mem_pool_alloc(self, pool: Any, nbytes: int, stream: Any) -> int:
+        d = self._d
+        err, ptr = d.cuMemAllocFromPoolAsync(nbytes, pool, stream)
+        if err and int(err) in _REBIND:
+            with self._current:
+                err, ptr = d.cuMemAllocFromPoolAsync(nbytes, pool, stream)
+        self._check(err)
+        # the stream holds only allocations and frees that wait for nothing: this returns at once,
+        # and from here the allocation is usable on every stream (not a host wait for a copy)
+        (err,) = d.cuStreamSynchronize(stream)
+        if err:
+            d.cuMemFreeAsync(ptr, stream)
+            self._check(err)
+        return int(ptr)
+
+    def mem_free_async(self, ptr: int, stream: Any) -> None:
+        d = self._d
+        (err,) = d.cuMemFreeAsync(self._CUdeviceptr(ptr), stream)
+        if err:
+            self._retry(err, d.cuMemFreeAsync, self._CUdeviceptr(ptr), stream)
+
+    def mem_pool_trim(self, pool: Any, keep_bytes: int) -> None:
+        with self._current:
+            (err,) = self._d.cuMemPoolTrimTo(pool, keep_bytes)
+            self._check(err)
+
+    def mem_pool_usage(self, pool: Any) -> tuple[int, int]:
+        d = self._d
+        attrs = d.CUmemPool_attribute
+        with self._current:
+            err, reserved = d.cuMemPoolGetAttribute(pool, attrs.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+            self._check(err)
+            err, used = d.cuMemPoolGetAttribute(pool, attrs.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+            self._check(err)
+            return int(reserved), int(used)
+
+    def device_synchronize(self) -> None:
+        with self._current:
+            (err,) = self._d.cuCtxSynchronize()
             self._check(err)
 
     def host_alloc(self, nbytes: int) -> int:
@@ -323,6 +400,30 @@ class CudaBackend:
         if err:
             self._retry(err, self._cuEventSynchronize, event)
 
+    def event_wait(self, event: Any, timeout: float) -> bool:
+        # cuEventSynchronize cannot be interrupted: poll instead. Python runs between the
+        # queries (each releases the GIL), so a signal handler's exception propagates at once.
+        self.sync_calls += 1
+        query, not_ready = self._cuEventQuery, self._not_ready
+        (err,) = query(event)
+        if err == not_ready:
+            if timeout <= 0:
+                return False
+            clock = time.perf_counter
+            deadline = clock() + timeout
+            while True:
+                (err,) = query(event)
+                if err != not_ready:
+                    break
+                if clock() >= deadline:
+                    return False
+        if not err:
+            return True
+        if int(err) in _REBIND:  # no usable context current on this thread: bind, ask again
+            return self.event_query(event)
+        self._check(err)  # never query again: a non-sticky error is reported once
+        return False
+
     # -- copies -----------------------------------------------------------------------------------
     def memcpy_htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         (err,) = self._cuMemcpyHtoDAsync(dst, src, nbytes, stream)
@@ -394,6 +495,16 @@ class CudaBackend:
             (err,) = self._d.cuCtxEnablePeerAccess(other._ctx, 0)
             if err and int(err) != 704:  # PEER_ACCESS_ALREADY_ENABLED
                 self._check(err)
+        # pool memory does not follow peer access: each pool grants it to the devices that read it
+        d = self._d
+        for pool in other._pools:
+            desc = d.CUmemAccessDesc()
+            desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = self.device
+            desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            with other._current:
+                (err,) = d.cuMemPoolSetAccess(pool, [desc], 1)
+            self._check(err)
 
     def memcpy_peer(self, dst: int, src: int, src_backend: CudaBackend, nbytes: int, stream: Any) -> None:
         with self._current:
@@ -439,6 +550,20 @@ class CudaBackend:
         ctypes.c_uint32.from_address(gate.host).value = 1
 
     # -- lifetime ---------------------------------------------------------------------------------------
+    # -- hooks for the native staging engine ---------------------------------------------------------
+    def native_context(self) -> int:
+        """The primary context handle, for the native engine's threads (``cuCtxSetCurrent``)."""
+        return self._ctx_id
+
+    def stream_wait_value32(self, stream: Any, address: int, value: int) -> None:
+        """Hold ``stream`` until the 32-bit word at device ``address`` is >= ``value`` (cyclic)."""
+        with self._current:
+            d = self._d
+            (err,) = d.cuStreamWaitValue32(
+                stream, d.CUdeviceptr(address), value, d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            )
+            self._check(err)
+
     def close(self) -> None:
         if self._closed or os.getpid() != self._pid:
             return

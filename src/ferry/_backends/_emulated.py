@@ -14,6 +14,21 @@ allocation (device or pinned host) that a queued operation still touches is
 recorded in :attr:`EmulatedBackend.violations`. A copy outside any live
 allocation is refused like an illegal address.
 
+Stream-ordered memory (``mem_pool_alloc``/``mem_free_async``) is checked by
+happens-before, not by timing, so a free that *could* race a queued use is
+reported even when the use happened to run first. Every stream keeps a vector
+clock (which positions of which streams its next operation is ordered after);
+an event carries the clock of the position it was recorded at, a stream wait
+merges it, and the host merges what it observes complete (an event
+synchronize, a query that answers ready, a stream or device synchronize)
+into one host clock that every later operation starts from. A pool
+allocation remembers the position it was made at and every stream position
+that used it: a use not ordered after the allocation, or a free not ordered
+after every use, is a violation. A freed block returns to its pool when the
+free runs on its stream; the pool reuses it for a later allocation of a fitting
+size, keeps at most its release threshold at synchronization points, and gives
+the rest back when trimmed.
+
 Faults for tests: :meth:`EmulatedBackend.fail_next_copy` makes the next
 enqueued copy fail when it runs (the failure is reported by the next event
 recorded on that stream, as CUDA reports an asynchronous error); with
@@ -25,11 +40,13 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -53,6 +70,36 @@ _DEVICE_ALIGN = 512
 _DEVICE_GAP = 1 << 20  # never adjacent: an overrun hits unmapped space
 _HANDLE_BASE = 0x5EED_0000  # integer handles of emulated streams (what CUDA's CUstream values are)
 _SLEEP_FLOOR = 20e-6  # below this, modelled time is not slept (timer granularity)
+_POOL_GRANULE = 2 << 20  # pool blocks of a MiB or more are reserved in these units, as CUDA's are
+_LEGACY_HANDLES = (0, 1)  # CU_STREAM_LEGACY (0 is the NULL stream, the same one here)
+_UIDS = itertools.count(1)  # stream identities, unique across devices: clocks span peer copies
+
+
+class _HostClock:
+    """What the host has observed complete: stream uid -> position. Under ``_SYSTEM_LOCK``."""
+
+    clock: ClassVar[dict[int, int]] = {}
+    version: ClassVar[int] = 0
+
+
+def _host_join(snapshot: dict[int, int]) -> None:
+    """The host observed everything ``snapshot`` is ordered after (``_SYSTEM_LOCK`` held)."""
+    clock = _HostClock.clock
+    changed = False
+    for uid, pos in snapshot.items():
+        if clock.get(uid, 0) < pos:
+            clock[uid] = pos
+            changed = True
+    if changed:
+        _HostClock.version += 1
+
+
+def _memory_bytes() -> int:
+    """The emulated device's memory: ``FERRY_EMULATED_MEMORY`` bytes (default 1 TiB)."""
+    try:
+        return max(1, int(os.environ.get("FERRY_EMULATED_MEMORY", str(1 << 40))))
+    except ValueError:
+        return 1 << 40
 
 
 def _resident(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -64,7 +111,7 @@ def _resident(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 
 class _Alloc:
-    __slots__ = ("base", "busy", "freed", "kind", "nbytes", "real", "storage")
+    __slots__ = ("base", "born", "busy", "freed", "kind", "nbytes", "pool", "real", "size", "storage", "uses")
 
     def __init__(self, base: int, nbytes: int, real: int, storage: Any, kind: str) -> None:
         self.base = base
@@ -74,6 +121,47 @@ class _Alloc:
         self.busy = 0
         self.kind = kind
         self.freed = False
+        self.pool: _Pool | None = None  # set for stream-ordered (pool) allocations
+        self.size = 0  # the pool block's size
+        self.born = (0, 0)  # (stream uid, position) of the allocation
+        self.uses: dict[int, int] = {}  # stream uid -> latest position that touched it
+
+
+class _Pool:
+    """A stream-ordered memory pool: blocks in use, and freed blocks kept for reuse."""
+
+    def __init__(self, threshold: int | None) -> None:
+        self.threshold = threshold  # reserved bytes kept at synchronization points (None: all)
+        self.reserved = 0
+        self.used = 0
+        self.free: list[tuple[int, Any]] = []  # (size, storage) whose free has run
+        self.destroyed = False
+
+    def take(self, size: int) -> Any:
+        """The smallest free block that fits ``size`` without wasting more than it, or None."""
+        best = -1
+        for i, (have, _) in enumerate(self.free):
+            if size <= have <= 2 * size + _POOL_GRANULE and (best < 0 or have < self.free[best][0]):
+                best = i
+        if best < 0:
+            return None
+        return self.free.pop(best)
+
+    def shrink_to(self, keep: int) -> int:
+        """Drop free blocks (largest first) until at most ``keep`` bytes stay reserved; the bytes dropped."""
+        dropped = 0
+        self.free.sort(key=lambda block: block[0])
+        while self.free and self.reserved > keep:
+            size, _ = self.free.pop()
+            self.reserved -= size
+            dropped += size
+        return dropped
+
+
+def _block_size(nbytes: int) -> int:
+    if nbytes >= _POOL_GRANULE // 2:
+        return -(-nbytes // _POOL_GRANULE) * _POOL_GRANULE
+    return -(-nbytes // _DEVICE_ALIGN) * _DEVICE_ALIGN
 
 
 class _AddressMap:
@@ -111,9 +199,17 @@ class _AddressMap:
 class _Stream:
     """An in-order queue of operations run by one worker thread."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, handle: int | None = None) -> None:
         self.index = index
+        self.handle = _HANDLE_BASE + index if handle is None else handle
         self.pending_error: DeviceError | None = None
+        self.uid = next(_UIDS)
+        self.pos = 0  # positions handed out (``advance``), under _SYSTEM_LOCK
+        self.clock: dict[int, int] = {}  # what the next operation is ordered after
+        self.seen = -1  # the host clock version last merged
+        self.pending = 0  # operations queued or running
+        self.stopped = False
+        self._count = threading.Lock()
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, name=f"ferry-emulated-stream-{index}", daemon=True
@@ -121,9 +217,24 @@ class _Stream:
         self._thread.start()
 
     def submit(self, op: Callable[[], None]) -> None:
+        with self._count:
+            self.pending += 1
         self._queue.put(op)
 
+    def advance(self) -> int:
+        """The next operation's position; it is ordered after what the host observed. _SYSTEM_LOCK held."""
+        if self.seen != _HostClock.version:
+            clock = self.clock
+            for uid, pos in _HostClock.clock.items():
+                if clock.get(uid, 0) < pos:
+                    clock[uid] = pos
+            self.seen = _HostClock.version
+        self.pos += 1
+        self.clock[self.uid] = self.pos
+        return self.pos
+
     def stop(self) -> None:
+        self.stopped = True
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join()
@@ -133,13 +244,18 @@ class _Stream:
             op = self._queue.get()
             if op is None:
                 return
-            op()
+            try:
+                op()
+            finally:
+                with self._count:
+                    self.pending -= 1
 
 
 class _Event:
-    __slots__ = ("cond", "done", "error", "recorded")
+    __slots__ = ("clock", "cond", "done", "error", "recorded")
 
     def __init__(self) -> None:
+        self.clock: dict[int, int] = {}  # the clock of the latest record's position
         self.cond = threading.Condition()
         self.recorded = 0  # generation of the latest record
         self.done = 0  # latest generation that completed
@@ -188,6 +304,12 @@ class EmulatedBackend:
         self._fail_next: bool | None = None  # None: no fault armed; else: sticky?
         self._fail_after = 0  # copies to let through before the armed fault
         self._poisoned: DeviceError | None = None
+        self._pools: list[_Pool] = []
+        self._legacy: _Stream | None = None
+        self.device_syncs = 0  # device-wide synchronizations (not host waits of the caller)
+        self.pools = os.environ.get("FERRY_EMULATED_POOLS", "1").strip() != "0"
+        self.memory_bytes = _memory_bytes()  # the device's memory; allocations beyond raise OOM
+        self._held = 0  # device memory taken: allocations plus what pools reserve
 
     # -- faults ---------------------------------------------------------------
     def fail_next_copy(self, *, sticky: bool = False, after: int = 0) -> None:
@@ -217,7 +339,12 @@ class EmulatedBackend:
     # -- memory ------------------------------------------------------------------
     def mem_alloc(self, nbytes: int) -> int:
         self._check()
-        storage = _resident(nbytes)
+        self._reserve(nbytes)
+        try:
+            storage = _resident(nbytes)
+        except MemoryError:
+            self._unreserve(nbytes)
+            raise
         with self._lock:
             base = self._next_device
             self._next_device += -(-nbytes // _DEVICE_ALIGN) * _DEVICE_ALIGN + _DEVICE_GAP
@@ -226,7 +353,151 @@ class EmulatedBackend:
 
     def mem_free(self, ptr: int) -> None:
         self._check()
-        self._free(self._device_map, ptr, "device memory")
+        alloc = self._free(self._device_map, ptr, "device memory")
+        if alloc.pool is not None:
+            self._violation(f"pool memory at {ptr:#x} freed with mem_free (it needs mem_free_async)")
+        self._unreserve(alloc.nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self._held + nbytes > self.memory_bytes:
+                raise DeviceError(
+                    f"out of memory: {nbytes} bytes asked, {self.memory_bytes - self._held} of "
+                    f"{self.memory_bytes} free", code=2,
+                )
+            self._held += nbytes
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._held -= nbytes
+
+    # -- stream-ordered pools ----------------------------------------------------------
+    def mem_pool_create(self, release_threshold: int | None) -> _Pool | None:
+        self._check()
+        if not self.pools:
+            return None
+        pool = _Pool(release_threshold)
+        with self._lock:
+            self._pools.append(pool)
+        return pool
+
+    def mem_pool_destroy(self, pool: _Pool) -> None:
+        with self._lock:
+            pool.destroyed = True
+            self._held -= pool.shrink_to(0)
+            if pool in self._pools:
+                self._pools.remove(pool)
+
+    def mem_pool_alloc(self, pool: _Pool, nbytes: int, stream: _Stream) -> int:
+        self._check()
+        size = _block_size(nbytes)
+        with self._lock:
+            if pool.destroyed:
+                raise DeviceError("invalid memory pool (destroyed)", code=1)
+            block = pool.take(size)
+        if block is None:  # grow: outside the lock, the pages are touched here
+            self._reserve(size)
+            try:
+                block = (size, _resident(size))
+            except MemoryError:
+                self._unreserve(size)
+                raise
+            with self._lock:
+                pool.reserved += size
+        have, storage = block
+        with self._lock:
+            base = self._next_device
+            self._next_device += have + _DEVICE_GAP
+            alloc = _Alloc(base, nbytes, storage.ctypes.data, storage, "device")
+            alloc.pool = pool
+            alloc.size = have
+            alloc.born = (stream.uid, stream.advance())
+            self._device_map.add(alloc)
+            pool.used += have
+            idle = stream.pending == 0
+            if idle:  # nothing queued: the stream is at the allocation now
+                _host_join(dict(stream.clock))
+            else:
+                reached = threading.Event()
+                snapshot = dict(stream.clock)
+                stream.submit(reached.set)
+        if not idle:
+            reached.wait()
+            with self._lock:
+                _host_join(snapshot)
+        return base
+
+    def mem_free_async(self, ptr: int, stream: _Stream) -> None:
+        self._check()
+        with self._lock:
+            alloc = self._device_map.pop(ptr)
+            if alloc is None:
+                raise DeviceError(f"invalid device memory address {ptr:#x}", code=1)
+            pool = alloc.pool
+            if pool is None:
+                self._device_map.add(alloc)
+                raise DeviceError(f"device memory at {ptr:#x} is not from a pool: it needs mem_free", code=1)
+            stream.advance()
+            clock = stream.clock
+            born_uid, born_pos = alloc.born
+            if clock.get(born_uid, 0) < born_pos:
+                self._violation(f"pool memory at {ptr:#x} freed on stream {stream.handle:#x} before its "
+                                "allocation is ordered before the free")
+            for uid, pos in alloc.uses.items():
+                if clock.get(uid, 0) < pos:
+                    self._violation(
+                        f"pool memory at {ptr:#x} ({alloc.nbytes} bytes) freed on stream {stream.handle:#x} "
+                        f"while a use queued on another stream (uid {uid}, position {pos}) is not ordered "
+                        "before the free: it could race the free"
+                    )
+            alloc.freed = True
+            size, storage = alloc.size, alloc.storage
+
+            def run() -> None:
+                with self._lock:
+                    pool.used -= size
+                    if pool.destroyed:
+                        self._held -= size
+                        pool.reserved -= size
+                    else:
+                        pool.free.append((size, storage))
+
+            stream.submit(run)
+
+    def mem_pool_trim(self, pool: _Pool, keep_bytes: int) -> None:
+        self._check()
+        with self._lock:
+            self._held -= pool.shrink_to(keep_bytes)
+
+    def mem_pool_usage(self, pool: _Pool) -> tuple[int, int]:
+        with self._lock:
+            return pool.reserved, pool.used
+
+    def _observed(self, snapshot: dict[int, int]) -> None:
+        """The host observed ``snapshot`` complete: a synchronization point. _SYSTEM_LOCK held."""
+        _host_join(snapshot)
+        for pool in self._pools:
+            if pool.threshold is not None and pool.reserved > pool.threshold:
+                self._held -= pool.shrink_to(pool.threshold)
+
+    def device_synchronize(self) -> None:
+        self._check()
+        with self._lock:
+            marks = []
+            for stream in self._streams:
+                if not stream.stopped:
+                    reached = threading.Event()
+                    marks.append((stream, reached, dict(stream.clock)))
+                    stream.submit(reached.set)
+        for stream, reached, _ in marks:
+            while not reached.wait(0.05):
+                if stream.stopped and not stream._thread.is_alive():
+                    break
+        with self._lock:
+            for _, _, snapshot in marks:
+                self._observed(snapshot)
+            self.device_syncs += 1
+        self._check()
 
     def host_alloc(self, nbytes: int) -> int:
         self._check()
@@ -251,7 +522,7 @@ class EmulatedBackend:
         self._check()
         self._free(self._host_map, ptr, "registered host memory")
 
-    def _free(self, amap: _AddressMap, ptr: int, what: str) -> None:
+    def _free(self, amap: _AddressMap, ptr: int, what: str) -> _Alloc:
         with self._lock:
             alloc = amap.pop(ptr)
             if alloc is None:
@@ -262,6 +533,7 @@ class EmulatedBackend:
                     f"{what} at {ptr:#x} ({alloc.nbytes} bytes) freed while "
                     f"{alloc.busy} queued operation(s) still touch it"
                 )
+            return alloc
 
     def live_allocations(self) -> tuple[int, int]:
         """(device allocations, host allocations) currently live."""
@@ -284,12 +556,17 @@ class EmulatedBackend:
                 self._streams.remove(stream)
 
     def stream_handle(self, stream: _Stream) -> int:
-        return _HANDLE_BASE + stream.index
+        return stream.handle
 
     def stream_from_handle(self, handle: int) -> _Stream:
         with self._lock:
+            if handle in _LEGACY_HANDLES:  # the legacy default stream, made on first use
+                if self._legacy is None:
+                    self._legacy = _Stream(0, handle=1)
+                    self._streams.append(self._legacy)
+                return self._legacy
             for stream in self._streams:
-                if _HANDLE_BASE + stream.index == handle:
+                if stream.handle == handle:
                     return stream
         raise DeviceError(f"invalid stream handle {handle:#x} for the emulated device", code=400)
 
@@ -297,8 +574,12 @@ class EmulatedBackend:
         self._check()
         self.sync_calls += 1
         done = threading.Event()
-        stream.submit(done.set)
+        with self._lock:
+            snapshot = dict(stream.clock)
+            stream.submit(done.set)
         done.wait()
+        with self._lock:
+            self._observed(snapshot)
         self._check()
 
     def event_create(self, blocking: bool = False) -> _Event:
@@ -310,9 +591,15 @@ class EmulatedBackend:
 
     def event_record(self, event: _Event, stream: _Stream) -> None:
         self._check()
-        with event.cond:
-            event.recorded += 1
-            generation = event.recorded
+        with self._lock:
+            stream.advance()
+            with event.cond:
+                event.recorded += 1
+                generation = event.recorded
+                event.clock = dict(stream.clock)
+            self._record_submit(event, stream, generation)
+
+    def _record_submit(self, event: _Event, stream: _Stream, generation: int) -> None:
 
         def complete() -> None:
             error, stream.pending_error = stream.pending_error, None
@@ -334,7 +621,12 @@ class EmulatedBackend:
     def event_query(self, event: _Event) -> bool:
         self._check()
         with event.cond:
-            return self._event_state(event)
+            ready = self._event_state(event)
+            clock = event.clock
+        if ready:
+            with self._lock:
+                self._observed(clock)
+        return ready
 
     def event_synchronize(self, event: _Event) -> None:
         self._check()
@@ -342,12 +634,45 @@ class EmulatedBackend:
         with event.cond:
             while not self._event_state(event):
                 event.cond.wait()
+            clock = event.clock
+        with self._lock:
+            self._observed(clock)
         self._check()
+
+    def event_wait(self, event: _Event, timeout: float) -> bool:
+        self._check()
+        self.sync_calls += 1
+        with event.cond:
+            if not self._event_state(event):
+                deadline = time.monotonic() + timeout
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    event.cond.wait(remaining)  # a lock wait: signals reach the main thread
+                    if self._event_state(event):
+                        break
+            clock = event.clock
+        with self._lock:
+            self._observed(clock)
+        self._check()
+        return True
 
     def stream_wait_event(self, stream: _Stream, event: _Event) -> None:
         self._check()
-        with event.cond:
-            generation = event.recorded
+        with self._lock:
+            with event.cond:
+                generation = event.recorded
+                clock = event.clock
+            if generation:  # later work on the stream is ordered after the event's position
+                stream.advance()
+                merged = stream.clock
+                for uid, pos in clock.items():
+                    if merged.get(uid, 0) < pos:
+                        merged[uid] = pos
+                self._wait_submit(event, stream, generation)
+
+    def _wait_submit(self, event: _Event, stream: _Stream, generation: int) -> None:
 
         def wait() -> None:
             with event.cond:
@@ -456,7 +781,26 @@ class EmulatedBackend:
                         alloc.busy -= 1
                 del keep[:]
 
-        stream.submit(run)
+        with self._lock:
+            self._enqueue_use(stream, touched, run)
+
+    def _enqueue_use(self, stream: _Stream, touched: list[_Alloc], op: Callable[[], None]) -> None:
+        """Queue ``op``, which touches ``touched``, and check it against their pools' order. Lock held."""
+        pos = stream.advance()
+        clock = stream.clock
+        for alloc in touched:
+            if alloc.pool is None:
+                continue
+            if alloc.freed:
+                self._violation(f"pool memory at {alloc.base:#x} used on stream {stream.handle:#x} after its free")
+            uid, born = alloc.born
+            if clock.get(uid, 0) < born:
+                self._violation(
+                    f"pool memory at {alloc.base:#x} used on stream {stream.handle:#x} before its allocation "
+                    "is ordered before the use"
+                )
+            alloc.uses[stream.uid] = pos
+        stream.submit(op)
 
     def htod_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event | None) -> None:
         if nbytes:
@@ -501,7 +845,8 @@ class EmulatedBackend:
                 with self._lock:
                     alloc.busy -= 1
 
-        stream.submit(run)
+        with self._lock:
+            self._enqueue_use(stream, [alloc], run)
 
     # -- gates ------------------------------------------------------------------------
     def gate_create(self) -> _Gate:
@@ -516,6 +861,51 @@ class EmulatedBackend:
 
     def gate_open(self, gate: _Gate) -> None:
         gate.flag.set()
+
+    # -- hooks for the native staging engine's emulated mode ----------------------------------
+    def native_target(self, ptr: int, nbytes: int) -> int:
+        """The host address behind device memory ``[ptr, ptr + nbytes)``, for the native engine.
+
+        The engine's emulated DMAs copy there directly; until
+        :meth:`native_release` the allocation counts one more queued use, so
+        freeing it meanwhile is recorded as a violation, as for any queued copy.
+        """
+        self._check()
+        with self._lock:
+            alloc = self._device_map.find(ptr, max(nbytes, 1))
+            if alloc is None:
+                raise DeviceError(f"illegal address: no device allocation covers {ptr:#x} (+{nbytes})", code=700,
+                                  sticky=True)
+            alloc.busy += 1
+            return int(alloc.real) + (ptr - alloc.base)
+
+    def native_release(self, ptr: int, nbytes: int) -> None:
+        """The native engine is done with ``[ptr, ptr + nbytes)`` (see :meth:`native_target`)."""
+        with self._lock:
+            alloc = self._device_map.find(ptr, max(nbytes, 1))
+            if alloc is not None and alloc.busy:
+                alloc.busy -= 1
+
+    def take_armed_fault(self) -> tuple[int, bool] | None:
+        """Disarm and return ``(after, sticky)`` of a fault armed by :meth:`fail_next_copy`, if any
+        (a staged transfer on the native engine takes it over)."""
+        with self._lock:
+            if self._fail_next is None:
+                return None
+            armed = (self._fail_after, self._fail_next)
+            self._fail_next = None
+            self._fail_after = 0
+            return armed
+
+    def stream_wait_host(self, stream: _Stream, wait: Callable[[], object]) -> None:
+        """Hold ``stream`` until ``wait()`` returns (it runs on the stream's worker): how a
+        consumer stream is ordered after work the emulated streams do not run themselves."""
+        self._check()
+
+        def run() -> None:
+            wait()
+
+        stream.submit(run)
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

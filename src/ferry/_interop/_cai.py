@@ -17,7 +17,10 @@ In the other direction, a ferry array exported while an upload into it may
 still be running (after :meth:`~ferry.PendingUpload.hand_off`) names ferry's
 copy stream in its interface, so a consumer that honours the protocol orders
 its work after the copy; :meth:`~ferry.PendingUpload.hand_off` with a stream
-does the same with an event, without naming ferry's stream.
+does the same with an event, without naming ferry's stream. The interface
+names no *consumer* stream, so an exported array is freed only once the whole
+device has been idle (see ``_memory/_device.py``), unless
+:meth:`~ferry.DeviceArray.record_stream` names the consumer's streams.
 """
 
 from __future__ import annotations
@@ -167,7 +170,11 @@ def export_cai(array: DeviceArray) -> dict[str, Any]:
     stream = None
     ready = array._ready
     if ready is not None and not ready.done:
-        stream = array._memory.backend.stream_handle(ready.stream)
+        extra = ready.extra
+        named = extra.export_stream if extra is not None and extra.job is not None else ready.stream
+        if named is not None:
+            stream = array._memory.backend.stream_handle(named)
+    array._memory.note_unknown(array._ptr)  # the consumer may use any stream: free after the device idled
     descr = array.dtype.descr if array.dtype.names else [("", array.dtype.str)]
     return {
         "shape": array.shape,

@@ -103,10 +103,8 @@ def order_before(completion: Completion, streams: list[Any], device: Any, ordere
     backend = completion.backend
     ready = getattr(device, "_ready", None)
     if ready is not None and not ready.done:
-        for _, event in completion.ends(ready):
-            if event is not None:
-                for stream in streams:
-                    backend.stream_wait_event(stream, event)
+        for stream in streams:
+            completion.order_after(ready, stream)
     if not isinstance(device, Foreign):
         return
     if device.stream is not None:

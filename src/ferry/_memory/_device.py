@@ -1,20 +1,69 @@
-"""Device memory: allocation, frees that never run in a finalizer, and the accounting.
+"""Device memory: a stream-ordered pool, frees ordered after every user, and the accounting.
 
-A :class:`~ferry.DeviceArray` that dies owned cannot free its memory from
-``__del__`` (finalizers never call into the device: they may run during
-interpreter shutdown, in a forked child, or inside another ferry call), so it
-appends its address to :attr:`DeviceMemory.deferred`, a plain list append
-that is atomic under the GIL; the runtime's next ordinary call frees it.
-Every other free happens from an ordinary call, under the runtime's lock.
+Allocation
+----------
+A runtime owns one CUDA memory pool (``cuMemPoolCreate``) whose release
+threshold keeps freed memory reserved between batches, so a fresh array costs
+a pool lookup, not a ``cuMemAlloc``. Stream-ordered memory belongs to the
+position of the stream it was allocated on; other streams may use it only
+once they are ordered after that position. ferry allocates on its own
+*allocation stream*, which never waits for anything: it holds only
+allocations and frees of memory nothing uses any more, and the pool is told
+never to make an allocation wait for another stream (no internal
+dependencies: it reuses a block whose free has completed, or one freed on the
+allocation stream, or grows). So the allocation stream is always at its end,
+synchronizing it returns at once, and the backend does so after every
+allocation: from then on the host has observed the allocation and *every*
+stream's first use is ordered after it, with no event and no wait on the
+device. Where the device has no memory pools
+(``CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED`` is 0) ``cuMemAlloc`` and
+``cuMemFree`` serve instead.
+
+Frees
+-----
+A free must come after every use on the device. ferry's own transfers hold
+their arrays until their completion is proven (a record keeps what it
+touches, even after a hand-off), so when an array dies its ferry uses are
+complete. What ferry cannot see is other libraries' work, and the array
+remembers what may still be running there:
+
+* the streams it was handed to (``PendingUpload.hand_off(stream)``), the
+  ``stream`` a consumer passed to ``__dlpack__``, and the streams named by
+  :meth:`~ferry.DeviceArray.record_stream`: the free waits for each of them
+  on the device. At the first ordinary call after the array died (a finalizer
+  never calls the device) an event is recorded on each of those streams, a
+  private *free stream* waits for those events and the memory is freed there
+  (``cuMemFreeAsync``). Recording later than the death only waits for more
+  work, never less. Nothing on ferry's copy or allocation streams waits for
+  it, and the pool reuses the block only once the free has run, as
+  PyTorch's ``record_stream`` does with its cache.
+* Exports that name no stream (``__cuda_array_interface__``, ``ptr``,
+  ``__dlpack__(stream=-1)`` or the per-thread default stream): the consumer
+  may use any stream, so the only rule that can never free early is to wait
+  until the whole device has been idle once. Such an array's memory goes to a
+  background thread that synchronizes the device (``cuCtxSynchronize``;
+  never on the caller's thread, never on the transfer path) and frees
+  everything that died before the synchronization began. A later
+  ``record_stream`` declares the streams and lifts the rule.
+
+Nothing is ever freed from a finalizer: a collected array appends its address
+to :attr:`DeviceMemory.deferred` (a list append, atomic under the GIL), and
+the runtime's next ordinary call frees it as above. ``close()`` may block:
+after the runtime's copies are waited it synchronizes the device once if any
+memory with unknown users is left, frees everything in order, then destroys
+the pool (frees still pending on the device complete first).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .._args import alloc_error
 from .._backends._base import Backend, DeviceError
+from .._interop._cai import stream_handle_of
 
 if TYPE_CHECKING:
     from .._device_array import DeviceArray
@@ -22,33 +71,156 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+_OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+_LEGACY = 1  # CU_STREAM_LEGACY; the NULL stream (0) is the same one
+_UNKNOWN_HANDLES = (2, -1)  # the per-thread default stream is another stream on every thread; -1 names none
+
+
+class _Users:
+    """Who besides ferry may still use one allocation."""
+
+    __slots__ = ("streams", "unknown")
+
+    def __init__(self) -> None:
+        self.streams: dict[int, Any] = {}  # stream handle -> the stream object named (kept alive), or None
+        self.unknown = False  # exported where no stream is known: free after the device was idle
+
 
 class DeviceMemory:
-    """One device's allocations made through one runtime."""
+    """One device's allocations made through one runtime, from its pool."""
 
-    def __init__(self, backend: Backend, health: Health, lock: threading.RLock) -> None:
+    def __init__(self, backend: Backend, health: Health, lock: threading.RLock, pool_limit: int | None = None) -> None:
         self.backend = backend
         self.health = health
         self.lock = lock
         self.device = int(backend.device)
-        self.bytes = 0  # allocated through this runtime and not freed
+        self.bytes = 0  # allocated through this runtime for arrays alive (or dying) and not freed
         self.deferred: list[tuple[int, int]] = []  # (address, nbytes) of collected arrays
         self.arrays: weakref.WeakSet[DeviceArray] = weakref.WeakSet()
+        self.users: dict[int, _Users] = {}  # address -> streams that may use it beyond ferry
+        self.pool_limit = pool_limit
+        self.pool: Any = None
+        self.alloc_stream: Any = None
+        self.free_stream: Any = None  # made on the first free ordered after other streams
+        self.events: list[Any] = []
+        self.reaper: _Reaper | None = None
+        self.legacy_bytes = 0  # allocated by cuMemAlloc where there is no pool, not yet freed
+        self._count = threading.Lock()  # legacy_bytes is also updated by the reaper's thread
+        self._closed = False
+        why = "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0)"
+        try:
+            self.pool = backend.mem_pool_create(pool_limit)
+        except DeviceError as exc:
+            why = f"cuMemPoolCreate failed: {exc}"
+        if self.pool is not None:
+            try:
+                self.alloc_stream = backend.stream_create()
+            except DeviceError:
+                with contextlib.suppress(DeviceError):
+                    backend.mem_pool_destroy(self.pool)
+                raise
+            kept = "everything it reserved" if pool_limit is None else f"up to {pool_limit} bytes"
+            self.kind = f"stream-ordered pool (cuMemAllocFromPoolAsync), keeps {kept}"
+        else:
+            self.kind = f"cuMemAlloc/cuMemFree ({why})"
 
+    # -- allocation --------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
-        """``nbytes`` of device memory (0 for an empty array). Lock held; raises DeviceError."""
-        ptr = self.backend.mem_alloc(nbytes) if nbytes else 0
+        """``nbytes`` of device memory (0 for an empty array), usable on every stream. Lock held.
+
+        Raises MemoryError (out of memory), or FerryError (another refusal).
+        """
+        if not nbytes:
+            return 0
+        try:
+            return self._alloc(nbytes)
+        except DeviceError as exc:
+            self.health.note(exc)
+            raise alloc_error("device", nbytes, exc) from exc
+        except (MemoryError, ValueError) as exc:
+            raise MemoryError(f"device allocation of {nbytes} bytes failed: {exc}") from exc
+
+    def _alloc(self, nbytes: int) -> int:
+        if self.pool is None:
+            ptr = self.backend.mem_alloc(nbytes)
+            with self._count:
+                self.legacy_bytes += nbytes
+        else:
+            try:
+                ptr = self.backend.mem_pool_alloc(self.pool, nbytes, self.alloc_stream)
+            except DeviceError as exc:
+                if exc.code != _OOM:
+                    raise
+                # out of memory: free what is due, give the pool's unused memory back, try once more
+                self.free_deferred()
+                self.backend.mem_pool_trim(self.pool, 0)
+                ptr = self.backend.mem_pool_alloc(self.pool, nbytes, self.alloc_stream)
         self.bytes += nbytes
         return ptr
 
+    def trim(self, keep_bytes: int) -> None:
+        """Give unused pool memory back to the device, keeping at most ``keep_bytes`` reserved. Lock held."""
+        if self.pool is not None and self.health.device_usable:
+            self.backend.mem_pool_trim(self.pool, keep_bytes)
+
+    def usage(self) -> tuple[int, int]:
+        """``(reserved, used)`` bytes: the pool's, or what ``cuMemAlloc`` holds. Lock held."""
+        if self._closed or not self.health.device_usable:
+            return 0, 0
+        if self.pool is None:
+            return self.legacy_bytes, self.legacy_bytes
+        try:
+            return self.backend.mem_pool_usage(self.pool)
+        except DeviceError as exc:
+            self.health.note(exc)
+            return 0, 0
+
+    # -- who else may use an allocation --------------------------------------------------------
+    def note_stream(self, ptr: int, stream: Any) -> None:
+        """Work on ``stream`` (an int handle or a stream object) may use the allocation at ``ptr``:
+        its free waits for that work on the device."""
+        if not ptr:
+            return
+        handle = stream_handle_of(stream)
+        with self.lock:
+            users = self.users.get(ptr)
+            if users is None:
+                users = self.users[ptr] = _Users()
+            if handle in _UNKNOWN_HANDLES:
+                users.unknown = True
+                return
+            users.streams[_LEGACY if handle == 0 else handle] = None if isinstance(stream, int) else stream
+
+    def note_unknown(self, ptr: int) -> None:
+        """The allocation at ``ptr`` was exported where no consumer stream is known."""
+        if not ptr:
+            return
+        with self.lock:
+            users = self.users.get(ptr)
+            if users is None:
+                users = self.users[ptr] = _Users()
+            users.unknown = True
+
+    def declare(self, ptr: int, stream: Any) -> None:
+        """``record_stream``: ``stream`` may use the allocation, and every use so far is on the
+        streams recorded (the unknown-consumer rule is lifted)."""
+        if not ptr:
+            return
+        handle = stream_handle_of(stream)
+        with self.lock:
+            self.note_stream(ptr, stream)
+            if handle not in _UNKNOWN_HANDLES:
+                self.users[ptr].unknown = False
+
+    # -- frees ------------------------------------------------------------------------------------
     def release(self, ptr: int, nbytes: int) -> None:
-        """Free memory no transfer uses any more (an ordinary call). Lock held."""
+        """Free memory no ferry transfer uses any more (an ordinary call), after its other users. Lock held."""
         self.bytes -= nbytes
-        if ptr and self.health.device_usable:  # forked or poisoned: never touch the device
-            self._free_now(ptr)
+        if ptr:
+            self._free(ptr, nbytes)
 
     def free(self, ptr: int, nbytes: int) -> None:
-        """A closed array's memory, freed now (takes the lock)."""
+        """A closed array's memory, freed now in stream order (takes the lock)."""
         with self.lock:
             self.release(ptr, nbytes)
 
@@ -63,33 +235,184 @@ class DeviceMemory:
             for ptr, nbytes in deferred:
                 self.release(ptr, nbytes)
 
-    def order_export(self, event: Any, stream_handle: int) -> None:
-        """Make a consumer's stream (an integer handle) wait on the device for ``event``."""
+    def order_export(self, ready: Any, stream_handle: int) -> None:
+        """Make a consumer's stream (an integer handle) wait on the device for the pending upload
+        record ``ready`` (its event, or a staged job's device-side completion)."""
         backend = self.backend
-        backend.stream_wait_event(backend.stream_from_handle(stream_handle), event)
+        stream = backend.stream_from_handle(stream_handle)
+        extra = ready.extra
+        if extra is not None and extra.job is not None:
+            if extra.order_after is not None:
+                extra.order_after(stream)
+        elif ready.event is not None:
+            backend.stream_wait_event(stream, ready.event)
 
-    def _free_now(self, ptr: int) -> None:
+    def _free(self, ptr: int, nbytes: int) -> None:
+        users = self.users.pop(ptr, None)
+        if not self.health.device_usable:  # forked, poisoned or left at exit: never touch the device
+            return
+        if users is None or not (users.unknown or users.streams):
+            self._free_now(ptr, nbytes)
+        elif users.unknown or self.pool is None:
+            self._after_idle(ptr, nbytes)
+        else:
+            self._free_after(ptr, nbytes, users)
+
+    def _free_now(self, ptr: int, nbytes: int) -> None:
+        """Free memory nothing uses any more: on the allocation stream (or ``cuMemFree``). Any thread."""
         try:
-            self.backend.mem_free(ptr)
+            if self.pool is None:
+                self.backend.mem_free(ptr)
+                with self._count:
+                    self.legacy_bytes -= nbytes
+            else:
+                self.backend.mem_free_async(ptr, self.alloc_stream)
         except DeviceError as exc:
             self.health.note(exc)
 
+    def _free_after(self, ptr: int, nbytes: int, users: _Users) -> None:
+        """Free on the free stream once it waited, on the device, for each stream in ``users``."""
+        backend = self.backend
+        try:
+            if self.free_stream is None:
+                self.free_stream = backend.stream_create()
+            for handle in users.streams:
+                target = backend.stream_from_handle(handle)
+                event = self.events.pop() if self.events else backend.event_create()
+                try:
+                    backend.event_record(event, target)
+                    backend.stream_wait_event(self.free_stream, event)
+                finally:
+                    self.events.append(event)  # the wait captured the record: reusable at once
+            backend.mem_free_async(ptr, self.free_stream)
+        except DeviceError as exc:
+            # the free could not be ordered (a consumer stream destroyed?): never early, free after idle
+            self.health.note(exc)
+            if self.health.device_usable:
+                self._after_idle(ptr, nbytes)
+
+    def _after_idle(self, ptr: int, nbytes: int) -> None:
+        if self._closed:
+            return
+        if self.reaper is None:
+            self.reaper = _Reaper(self)
+        self.reaper.add(ptr, nbytes)
+
+    def _idle_then_free(self, batch: list[tuple[int, int]]) -> None:
+        """The reaper's thread: synchronize the device, then free what died before. No runtime lock."""
+        if not self.health.device_usable:
+            return
+        try:
+            self.backend.device_synchronize()
+        except DeviceError as exc:
+            self.health.note(exc)
+            return  # never freed: the device is gone, or reported an error nobody can attribute
+        for ptr, nbytes in batch:
+            self._free_now(ptr, nbytes)
+
+    @property
+    def idle_pending_bytes(self) -> int:
+        """Bytes waiting for the device to have been idle (exports with unknown consumers)."""
+        reaper = self.reaper
+        return reaper.pending_bytes if reaper is not None else 0
+
     def close(self) -> None:
-        """Free every owned array and deferred address (the device is idle). Lock held.
+        """Free every owned array and deferred address in order, then the pool. Lock held; ferry's
+        copies are complete, and this blocks until the device was idle once if any memory has
+        unknown users.
 
         Abandoned arrays stay allocated: the device may still touch them.
         """
         from .._state import OWNED
 
+        leftover = self.reaper.stop() if self.reaper is not None else []
+        self._closed = True
         usable = self.health.device_usable
-        for ptr, nbytes in self.deferred:
-            self.bytes -= nbytes
-            if usable and ptr:
-                self._free_now(ptr)
+        dying = list(self.deferred)
         self.deferred.clear()
         for array in list(self.arrays):
             if array._state is OWNED:
                 array._release_for_close()
-                self.bytes -= array._nbytes
-                if array._ptr and usable:
-                    self._free_now(array._ptr)
+                dying.append((array._ptr, array._nbytes))
+        idle = list(leftover)
+        for ptr, nbytes in dying:
+            self.bytes -= nbytes
+            if not ptr:
+                continue
+            users = self.users.pop(ptr, None)
+            if not usable:
+                continue
+            if users is not None and (users.unknown or (users.streams and self.pool is None)):
+                idle.append((ptr, nbytes))
+            elif users is not None and users.streams:
+                self._free_after(ptr, nbytes, users)
+            else:
+                self._free_now(ptr, nbytes)
+        if idle and usable:
+            try:
+                self.backend.device_synchronize()
+            except DeviceError as exc:
+                self.health.note(exc)
+            else:
+                for ptr, nbytes in idle:
+                    self._free_now(ptr, nbytes)
+        if self.health.device_usable:
+            if self.pool is not None:
+                with contextlib.suppress(DeviceError):
+                    self.backend.mem_pool_destroy(self.pool)  # pending frees complete first
+            for stream in (self.alloc_stream, self.free_stream):
+                if stream is not None:
+                    with contextlib.suppress(DeviceError):
+                        self.backend.stream_destroy(stream)
+            for event in self.events:
+                with contextlib.suppress(DeviceError):
+                    self.backend.event_destroy(event)
+        self.events.clear()
+        self.pool = self.alloc_stream = self.free_stream = None
+
+
+class _Reaper:
+    """A background thread: frees memory with unknown users once the device has been idle."""
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+        self.cond = threading.Condition()
+        self.queue: list[tuple[int, int]] = []
+        self.pending_bytes = 0
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        with self.cond:
+            self.queue.append((ptr, nbytes))
+            self.pending_bytes += nbytes
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="ferry-device-reaper", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.stopping:
+                    self.cond.wait()
+                if self.stopping:
+                    return  # close() takes what is left
+                batch, self.queue = self.queue, []
+            try:
+                self.memory._idle_then_free(batch)
+            finally:
+                with self.cond:
+                    self.pending_bytes -= sum(n for _, n in batch)
+
+    def stop(self) -> list[tuple[int, int]]:
+        """Stop the thread (after the batch it is freeing); return what it had not started."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+        with self.cond:
+            left, self.queue = self.queue, []
+            self.pending_bytes = 0
+        return left

@@ -58,6 +58,8 @@ import numpy as np
 from .._backends._base import DeviceError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from .._completion import Completion, Record
     from .._memory._pinned import Block, PinnedPool
     from ._base import HostCopy, HostLeases
@@ -88,6 +90,12 @@ class StagingConfig:
         ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
         at least ``min_chunk_bytes`` (fewer lanes wake for mid-size payloads)
         and at most ``slot_bytes``.
+    engine
+        ``"auto"`` (the compiled engine when it is built and ``FERRY_NATIVE``
+        is not ``0``, else the pure-Python one), ``"native"`` (the compiled
+        engine, or :class:`~ferry.DeviceUnavailableError` at the first staged
+        transfer when it cannot run) or ``"python"``. ``python -m ferry info``
+        says which one runs and why.
     """
 
     slot_bytes: int = 4 << 20
@@ -95,6 +103,7 @@ class StagingConfig:
     lanes: int = 12
     direct_bytes: int = 4 << 20
     min_chunk_bytes: int = 1 << 20
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         if (
@@ -108,6 +117,10 @@ class StagingConfig:
                 "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 "
                 "and min_chunk_bytes >= 4096"
             )
+        if self.engine not in ("auto", "native", "python"):
+            raise ValueError(f"StagingConfig.engine must be 'auto', 'native' or 'python', not {self.engine!r}")
+        if self.lanes > 64 or self.slots_per_lane > 64:
+            raise ValueError("StagingConfig allows at most 64 lanes and 64 slots per lane")
 
     def chunk_bytes(self, nbytes: int) -> int:
         """The chunk size for a transfer of ``nbytes``: spread over every lane, within the bounds."""
@@ -426,8 +439,40 @@ class StagingEngine:
             lane.release()
 
 
+def native_module(config: StagingConfig) -> ModuleType | None:
+    """The compiled engine's module when ``config`` lets it run here, else ``None``.
+
+    Raises :class:`~ferry.DeviceUnavailableError` when ``config.engine`` is
+    ``"native"`` and the extension cannot run (the reason is
+    :func:`ferry._native.status`).
+    """
+    if config.engine == "python":
+        return None
+    from .. import _native
+
+    module = _native.load()
+    if module is None and config.engine == "native":
+        from .._errors import DeviceUnavailableError
+
+        raise DeviceUnavailableError(f"the native staging engine cannot run: {_native.status()}")
+    return module
+
+
+def engine_status(config: StagingConfig) -> str:
+    """Which staging engine a runtime with ``config`` runs, and why, in one line."""
+    if config.engine == "python":
+        return "python: StagingConfig(engine='python')"
+    from .. import _native
+
+    return _native.status()
+
+
 class StagedRoute:
-    """Chunks through the lanes of one engine per direction (see the module docstring)."""
+    """Chunks through the lanes of one engine per direction (see the module docstring).
+
+    The engine is the compiled one (``_native.py``) when it can run, else the
+    pure-Python :class:`StagingEngine`; both keep the same contract.
+    """
 
     name = "staged"
 
@@ -438,29 +483,55 @@ class StagedRoute:
         self.pool = pool
         self.config = config
         self.leases = leases
-        self.engines: dict[str, StagingEngine] = {}
+        self.engines: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.host_copied = 0
         self._abandoned_before = 0  # abandoned by engines already closed
+        self._order_stream: Any = None  # emulated device: where native jobs wait for their producers
 
-    def engine(self, upload: bool) -> StagingEngine:
-        """The direction's engine, created on first use. Lock held."""
+    def engine(self, upload: bool) -> Any:
+        """The direction's engine (native or Python), created on first use. Lock held."""
         direction = "upload" if upload else "download"
         engine = self.engines.get(direction)
         if engine is None:
-            engine = self.engines[direction] = StagingEngine(self.completion.backend, self.pool, self.config, direction)
+            backend = self.completion.backend
+            module = native_module(self.config)
+            if module is not None:
+                from ._native import NativeEngine
+
+                engine = NativeEngine(module, backend, self.config, direction)
+            else:
+                engine = StagingEngine(backend, self.pool, self.config, direction)
+            self.engines[direction] = engine
         return engine
 
+    def _ordering_stream(self) -> Any:
+        if self._order_stream is None:
+            self._order_stream = self.completion.backend.stream_create()
+        return self._order_stream
+
     def streams(self, request: HostCopy) -> list[Any]:
-        """Every lane's stream of the direction."""
-        return self.engine(request.upload).streams()
+        """The streams a producer must be ordered before: every lane's of the direction (on the
+        emulated native engine, the one stream its jobs are submitted from)."""
+        engine = self.engine(request.upload)
+        if getattr(engine, "cuda", True) is False:
+            return [self._ordering_stream()]
+        streams: list[Any] = engine.streams()
+        return streams
 
     def submit(self, request: HostCopy) -> Record:
         """Deal the chunks to the lanes; the record's job proves completion. Lock held."""
         host = request.host
         engine = self.engine(request.upload)
         alias = host if request.upload else host.view()  # lanes write through a view taken before read-only
-        job = engine.submit(alias, request.device._ptr)
+        native = not isinstance(engine, StagingEngine)
+        if native:
+            after = self._order_stream if not engine.cuda else None
+            job = engine.submit(alias, request.device._ptr, after=after)
+            request.extra.order_after = lambda stream: engine.order_after(job, stream)
+            request.extra.export_stream = request.stream
+        else:
+            job = engine.submit(alias, request.device._ptr)
         record = self.completion.job_record(
             job, engine, request.moved, request.leased, request.result, request.nbytes, request.extra
         )
@@ -468,7 +539,10 @@ class StagedRoute:
         def cleanup(failed: bool) -> None:
             with self._lock:
                 self.host_copied += job.host_bytes
-            job.array = None
+            if native:
+                job.finished()
+            else:
+                job.array = None
 
         request.extra.cleanups.append(cleanup)
         request.extra.cleanups.append(self.leases.lease(host))
@@ -477,12 +551,12 @@ class StagedRoute:
     @property
     def held_bytes(self) -> int:
         """Pinned bytes the lanes hold."""
-        return sum(e.held_bytes for e in self.engines.values())
+        return sum(int(e.held_bytes) for e in self.engines.values())
 
     @property
     def abandoned_bytes(self) -> int:
         """Slots abandoned by failed DMAs."""
-        return self._abandoned_before + sum(e.abandoned_bytes for e in self.engines.values())
+        return self._abandoned_before + sum(int(e.abandoned_bytes) for e in self.engines.values())
 
     def close(self) -> None:
         """Stop the lanes after their queued work and free their slots."""
@@ -490,3 +564,8 @@ class StagedRoute:
             engine.close()
             self._abandoned_before += engine.abandoned_bytes
         self.engines.clear()
+        backend = self.completion.backend
+        if self._order_stream is not None and self.completion.health.device_usable:
+            with contextlib.suppress(DeviceError):
+                backend.stream_destroy(self._order_stream)
+        self._order_stream = None

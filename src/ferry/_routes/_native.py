@@ -1,0 +1,210 @@
+"""The staged route on the compiled engine: the same plan as ``_staged.py``, on native threads.
+
+``ferry._native._engine`` runs the staging lanes in C: each chunk's host copy,
+DMA enqueue, event record and slot recycling happen on native threads that
+never take the GIL (see the essay at the top of ``_engine.c``). This module
+adapts it to the route interface: Python hands over addresses, sizes and
+strides, keeps the host array and the device memory alive until the job is
+done, and learns the outcome from the job (one atomic load on the
+``is_ready`` fast path).
+
+Ordering. On CUDA the lanes' streams are real streams: a transfer whose
+device side must wait for a producer makes those streams wait on the device
+(``cuStreamWaitEvent``) before the job is submitted, and a consumer is
+ordered after the whole job through the job's *marks*: each lane writes a
+32-bit word on its stream after its last DMA for the job, and the consumer's
+stream waits for every word (``cuStreamWaitValue32``), no host wait. On the
+emulated device the engine's streams are its own threads: a job that must
+wait for a producer is submitted from the producer's (emulated) stream once
+the producer's work ran, and a consumer's emulated stream waits for the job
+on its worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._backends._base import DeviceError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from .._backends._base import Backend
+    from ._staged import StagingConfig
+
+__all__: list[str] = []
+
+
+class NativeJob:
+    """One staged transfer on the compiled engine, seen through the completion ``Job`` protocol.
+
+    On the emulated device the engine job may start later (after a producer
+    ran on its stream): until then the job is not done.
+    """
+
+    __slots__ = ("_error", "_inner", "_release", "_started", "array", "device_ptr", "nbytes")
+
+    def __init__(self, array: np.ndarray[Any, Any], device_ptr: int, nbytes: int) -> None:
+        self.array: Any = array  # kept alive until the record settles
+        self.device_ptr = device_ptr
+        self.nbytes = nbytes
+        self._inner: Any = None
+        self._error: DeviceError | None = None
+        self._started = threading.Event()
+        self._release: Any = None  # the emulated device's use count, given back once done
+
+    def _start(self, inner: Any) -> None:
+        self._inner = inner
+        self._started.set()
+
+    def _fail_to_start(self, error: DeviceError) -> None:
+        self._error = error
+        self._started.set()
+
+    def is_done(self) -> bool:
+        """Whether the job finished (its DMAs complete, or it failed). Never blocks."""
+        inner = self._inner
+        if inner is None:
+            return self._error is not None
+        return bool(inner.done())
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed."""
+        if self._inner is None:
+            if not self._started.wait(timeout):
+                return False
+            if self._inner is None:
+                return True  # failed to start
+        return bool(self._inner.wait(timeout))
+
+    @property
+    def error(self) -> DeviceError | None:
+        """The first device error, or ``None`` (only meaningful once done)."""
+        if self._error is None and self._inner is not None:
+            failure = self._inner.error
+            if failure is not None:
+                code, text, sticky = failure
+                self._error = DeviceError(f"staging failed: {text}", code=int(code), sticky=bool(sticky))
+        return self._error
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes the host copied for this job."""
+        return int(self._inner.host_bytes) if self._inner is not None else 0
+
+    def marks(self) -> list[tuple[int, int]]:
+        """``(device address, value)`` per lane that a consumer stream waits for (CUDA)."""
+        return list(self._inner.marks()) if self._inner is not None else []
+
+    def finished(self) -> None:
+        """The record left flight: drop the array, give the emulated use back."""
+        self.array = None
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class NativeEngine:
+    """The compiled lanes of one direction behind the staging-engine interface of ``_staged.py``."""
+
+    def __init__(self, module: ModuleType, backend: Backend, config: StagingConfig, direction: str) -> None:
+        self.backend = backend
+        self.direction = direction
+        self.cuda = backend.name == "cuda"
+        options: dict[str, Any] = {
+            "lanes": config.lanes, "slots_per_lane": config.slots_per_lane, "slot_bytes": config.slot_bytes,
+            "min_chunk_bytes": min(config.min_chunk_bytes, config.slot_bytes),
+        }
+        if self.cuda:
+            from cuda.bindings import driver
+
+            from .._native import cuda_entry_points
+
+            context = backend.native_context()  # type: ignore[attr-defined]
+            self.engine = module.Engine(direction, mode="cuda", context=context,
+                                        entry_points=cuda_entry_points(driver), **options)
+        else:
+            self.engine = module.Engine(direction, mode="emulated", bandwidth=backend.bandwidth,  # type: ignore[attr-defined]
+                                        latency=backend.latency, **options)  # type: ignore[attr-defined]
+        self._streams: list[Any] | None = None
+
+    # -- the staging-engine interface ---------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        """Pinned bytes the lanes' slots hold."""
+        return int(self.engine.held_bytes)
+
+    @property
+    def abandoned_bytes(self) -> int:
+        """Slots a failed DMA may still touch: never reused."""
+        return int(self.engine.abandoned_bytes)
+
+    def streams(self) -> list[Any]:
+        """The lanes' streams as backend streams (CUDA); none on the emulated device (see the module essay)."""
+        if self._streams is None:
+            backend = self.backend
+            self._streams = [backend.stream_from_handle(h) for h in self.engine.streams()] if self.cuda else []
+        return self._streams
+
+    def hold(self) -> None:
+        """Start no new DMA until :meth:`release` (for ``ferry.testing.hold``)."""
+        self.engine.hold()
+
+    def release(self) -> None:
+        """Lift :meth:`hold`."""
+        self.engine.release()
+
+    def submit(self, array: np.ndarray[Any, Any], device_ptr: int, after: Any = None) -> NativeJob:
+        """Queue ``array`` <-> ``[device_ptr, ...)``; returns at once.
+
+        ``after``: on the emulated device, the producer stream the job must
+        follow (the job is submitted from that stream's worker once its queued
+        work ran); ``None`` submits now.
+        """
+        nbytes = int(array.nbytes)
+        job = NativeJob(array, device_ptr, nbytes)
+        backend = self.backend
+        target = device_ptr
+        if not self.cuda:
+            self._arm_fault()
+            target = backend.native_target(device_ptr, nbytes)  # type: ignore[attr-defined]
+            job._release = lambda: backend.native_release(device_ptr, nbytes)  # type: ignore[attr-defined]
+        host = int(array.ctypes.data)
+        shape, strides, itemsize = tuple(array.shape), tuple(array.strides), int(array.itemsize)
+        engine = self.engine
+
+        def start() -> None:
+            try:
+                job._start(engine.submit(host, target, nbytes, shape, strides, itemsize,
+                                         record_events=self.cuda))
+            except Exception as exc:  # a closed or poisoned engine: the job fails, nothing runs
+                job._fail_to_start(DeviceError(f"staging could not start: {exc}"))
+
+        if after is None:
+            start()
+        else:
+            backend.stream_wait_host(after, start)  # type: ignore[attr-defined]
+        return job
+
+    def _arm_fault(self) -> None:
+        take = getattr(self.backend, "take_armed_fault", None)
+        armed = take() if take is not None else None
+        if armed is not None:
+            after, sticky = armed
+            self.engine.fail_next_copy(after, sticky=sticky)
+
+    def order_after(self, job: NativeJob, stream: Any) -> None:
+        """Make ``stream`` (a backend stream) wait on the device for the whole job."""
+        backend = self.backend
+        if self.cuda:
+            for address, value in job.marks():
+                backend.stream_wait_value32(stream, address, value)  # type: ignore[attr-defined]
+        else:
+            backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Wait for queued jobs, stop the lanes, free the slots."""
+        self.engine.close()
