@@ -218,3 +218,30 @@ def test_pageable_download_through_dlpack(rt: ferry.Runtime) -> None:
     with pytest.raises(ferry.TransferSubmitError, match="mismatch"):
         rt.download(DLPackOnly(dev), np.empty(10, np.uint8))
     assert len(_dlpack._exports) == exported  # refused: the consumed capsule was given back
+
+
+def test_numpy_refusing_a_device_array_gets_a_clean_error_and_nothing_is_printed() -> None:
+    import importlib.util
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, numpy as np, ferry\n"
+        "from ferry._interop import _dlpack\n"
+        "with ferry.Runtime('emulated') as rt:\n"
+        "    dev = rt.to_device(np.arange(4.0))\n"
+        "    try:\n"
+        "        np.from_dlpack(dev)\n"
+        "    except Exception as exc:\n"
+        "        print(type(exc).__name__)\n"
+        "    gc.collect()\n"
+        "    print(len(_dlpack._exports))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    if "SystemError" in result.stdout and importlib.util.find_spec("ferry._native._engine") is None:
+        pytest.skip("without the compiled extension the capsule destructor cannot keep NumPy's error")
+    kind, exports = result.stdout.split()
+    assert kind in ("BufferError", "RuntimeError", "TypeError", "ValueError")  # NumPy's own refusal
+    assert exports == "0"  # the unconsumed capsule released the array
+    assert result.stderr == ""  # no "Exception ignored in ctypes callback"

@@ -99,6 +99,20 @@ def _destroy_capsule(capsule: int) -> None:
 _capsule_destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule)
 
 
+def _destructor_address() -> int:
+    """The capsule destructor: the compiled one when the extension is built (it keeps an
+    exception that a consumer left pending, as NumPy does when it refuses a CUDA tensor), else a
+    ctypes callback (which cannot, so such a consumer's error turns into a SystemError there)."""
+    try:
+        from .._native import _engine
+    except ImportError:
+        return int(ctypes.cast(_capsule_destructor, ctypes.c_void_p).value or 0)
+    return int(_engine.dlpack_capsule_destructor())
+
+
+_DESTRUCTOR = _destructor_address()
+
+
 def dtype_to_dl(dtype: np.dtype[Any]) -> DLDataType:
     code = _CODES.get(dtype.kind)
     if code is None or dtype.fields is not None:
@@ -130,7 +144,7 @@ def export_capsule(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype
     address = ctypes.addressof(managed)
     with _lock:
         _exports[address] = (managed, dims, owner)
-    return _api.PyCapsule_New(address, _NAME, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    return _api.PyCapsule_New(address, _NAME, _DESTRUCTOR)
 
 
 class Imported:

@@ -2197,7 +2197,45 @@ static PyObject *mod_entry_point_names(PyObject *Py_UNUSED(mod), PyObject *Py_UN
     return t;
 }
 
+/* ---- DLPack capsule destructor ---------------------------------------------------------------
+ * A DLPack producer's capsule destructor runs when the capsule dies; if nobody consumed it (its
+ * name is still "dltensor") the producer must call the tensor's deleter. A consumer may drop the
+ * capsule while an exception is pending (NumPy does when it refuses a CUDA tensor), so the
+ * destructor keeps that exception aside while the deleter (a Python callback in ferry) runs and
+ * puts it back afterwards: the consumer's error reaches its caller and nothing is printed. */
+typedef struct {
+    void *data;
+    int32_t device_type, device_id;
+    int32_t ndim;
+    uint8_t code, bits;
+    uint16_t lanes;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+    void *manager_ctx;
+    void (*deleter)(void *);
+} dl_managed_tensor;
+
+static void dlpack_capsule_destructor(PyObject *capsule) {
+    if (!PyCapsule_IsValid(capsule, "dltensor")) {
+        return; /* consumed: the consumer calls the deleter */
+    }
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    dl_managed_tensor *managed = (dl_managed_tensor *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed != NULL && managed->deleter != NULL) {
+        managed->deleter(managed);
+    }
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+}
+
+static PyObject *mod_dlpack_capsule_destructor(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromVoidPtr((void *)dlpack_capsule_destructor);
+}
+
 static PyMethodDef module_methods[] = {
+    {"dlpack_capsule_destructor", mod_dlpack_capsule_destructor, METH_NOARGS,
+     "dlpack_capsule_destructor() -> the address of a DLPack capsule destructor that keeps a pending exception"},
     {"is_sticky", mod_is_sticky, METH_O, "is_sticky(code) -> whether a CUDA error code poisons the context"},
     {"entry_point_names", mod_entry_point_names, METH_NOARGS,
      "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},

@@ -16,6 +16,10 @@ class DriverError(RuntimeError):
 def is_sticky(code: int, /) -> bool:
     """Whether a CUDA error code leaves the context unusable (700, 701, 702, 714-719, 999)."""
 
+def dlpack_capsule_destructor() -> int:
+    """The address of a DLPack capsule destructor (C) that calls an unconsumed tensor's deleter
+    and keeps an exception pending in the consumer intact."""
+
 def entry_point_names() -> tuple[str, ...]:
     """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
 
