@@ -1,7 +1,8 @@
 """The benchmark groups (the design record's section 3, extended).
 
 ``transfer``     download and upload per size and route, with the peers
-``host_copies``  the pieces of a staged 8 MiB upload
+``host_copies``  the pieces of a staged 8 MiB upload; the multi-threaded memcpy ceiling at
+                 the engine's lane count (64 and 256 MiB) beside ferry's pageable routes
 ``large``        256 MiB both ways: pageable fresh / reused output / pinned
 ``overlap``      copy alone, host work alone, serial, overlapped (8 and 256 MiB)
 ``both``         both directions at once
@@ -10,11 +11,14 @@
 ``pinned_alloc`` a pinned buffer fresh versus from the pool
 ``handoff``      submitting a download right after a ~10 ms producer kernel
 ``peer``         device to device, peer against staged (two devices or more)
+``pipeline``     a training-style input pipeline with real device work (``_pipeline.py``)
+``gil``          a pure-Python loop's speed beside background transfer loops (``_gil.py``)
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,14 +27,16 @@ import numpy as np
 
 from .. import testing
 from .._runtime import parts_of
+from . import _gil, _pipeline
+from ._memcpy import CopyTeam, passes_for
 from ._peers import Case
 from ._protocol import Budget, Result, measure, payload, poison
 
 __all__: list[str] = []
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-FULL_SIZES = [16, 64, 32 * KiB, 8 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
-QUICK_SIZES = [16, 32 * KiB, 8 * MiB, 64 * MiB]
+FULL_SIZES = [16, 64, 32 * KiB, 1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
+QUICK_SIZES = [16, 32 * KiB, 1 * MiB, 8 * MiB, 64 * MiB]
 
 
 @dataclass
@@ -246,6 +252,73 @@ def group_host_copies(ctx: Context) -> None:
     pinned.close()
     ctx.run("host_copies", ferry_pinned(rt, "h2d", data))
     ctx.run("host_copies", ferry_pageable(rt, "h2d", data))
+    for size in ceiling_sizes(ctx):
+        _ceiling_at(ctx, size)
+
+
+def ceiling_sizes(ctx: Context) -> list[int]:
+    """Where the memcpy ceiling is measured (64 MiB only on the emulated device: CI's memory)."""
+    return [64 * MiB] if ctx.rt.backend == "emulated" else [64 * MiB, 256 * MiB]
+
+
+CEILING_ROUTES = ("pageable_to_pageable", "pageable_to_pinned", "pinned_to_pageable")
+
+
+def _ceiling_at(ctx: Context, n: int) -> None:
+    """The multi-threaded memcpy at the engine's lane count, each way a staged route copies,
+    then ferry's pageable routes at the same size (reused output), for the checks' ratios."""
+    rt = ctx.rt
+    threads = parts_of(rt).staging.lanes
+    data = payload(n, n + 3)
+    pageable = np.empty(n, np.uint8)
+    pinned = rt.pinned(n)
+    holder = {"view": pinned.as_array()}
+    passes = passes_for(n)
+    try:
+        for route in CEILING_ROUTES:
+            ctx.progress(f"host_copies: memcpy x{threads} {route} {_size(n)}")
+            dst, src = {
+                "pageable_to_pageable": (pageable, data),
+                "pageable_to_pinned": (holder["view"], data),
+                "pinned_to_pageable": (pageable, holder["view"]),
+            }[route]
+            result = Result("host_copies", "memcpy_mt", route, "host", n,
+                            note=f"{threads} threads, a 1/{threads} share each, {passes} passes per round")
+            ctx.results.append(result)
+            try:
+                dst[:] = POISON_BYTE  # also touches every page
+                team = CopyTeam(dst, src, threads, passes)
+                try:
+                    team.round()  # warm-up
+                    result.valid = bool(np.array_equal(dst, src))
+                    if result.valid:
+                        result.samples = _rounds(team, ctx.budget)
+                    else:
+                        result.note += "; validation failed: not timed"
+                finally:
+                    team.close()
+            except Exception as exc:
+                result.valid = False
+                result.note = f"error: {exc!r}"
+    finally:
+        holder.clear()
+        pinned.close()
+    del pageable
+    for direction in ("h2d", "d2h"):
+        ctx.run("host_copies", ferry_pageable(rt, direction, data))
+    rt.poll()
+
+
+POISON_BYTE = 0xA5
+
+
+def _rounds(team: CopyTeam, budget: Budget) -> list[float]:
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget.seconds
+    most = min(budget.max_reps, 50)
+    while len(samples) < most and (len(samples) < budget.min_reps or time.perf_counter() < deadline):
+        samples.append(team.round())
+    return samples
 
 
 def group_large(ctx: Context) -> None:
@@ -278,8 +351,6 @@ def host_work(iterations: int) -> float:
 
 
 def _calibrate(seconds: float) -> int:
-    import time
-
     iterations = 20_000
     while True:
         start = time.perf_counter()
@@ -571,8 +642,6 @@ def group_handoff(ctx: Context) -> None:
     the submission returned (an event recorded behind it, queried at once):
     a submission that waited on the host would always find it finished.
     """
-    import time as _time
-
     rt = ctx.rt
     n = 8 * MiB
     made = _producer(ctx, n)
@@ -593,9 +662,9 @@ def group_handoff(ctx: Context) -> None:
             value = 1 + i % 250
             launch(value)
             backend.event_record(marker, producer_stream)
-            start = _time.perf_counter()
+            start = time.perf_counter()
             pending = rt.download_pending(foreign, buf)
-            elapsed = _time.perf_counter() - start
+            elapsed = time.perf_counter() - start
             still_running = not backend.event_query(marker)
             _, buf = pending.wait()
             view = buf.as_array()
@@ -674,7 +743,7 @@ def case_count(group: str, ctx: Context) -> int:
         return 6 if testing.backend_of(ctx.rt).device_count() >= 2 else 1
     counts = {
         "transfer": len(ctx.sizes) * 2 * (4 + peer_cases),
-        "host_copies": 4,
+        "host_copies": 4 + len(ceiling_sizes(ctx)) * (len(CEILING_ROUTES) + 2),
         "large": 1 + 2 * (2 + pageable_peers) + has["torch"] + has["cupy"],
         "overlap": 2 * 4,
         "both": 2 + has["raw"],
@@ -682,6 +751,8 @@ def case_count(group: str, ctx: Context) -> int:
         "many_small": 2 + has["raw"] + has["torch"],
         "pinned_alloc": 2 * 2,
         "handoff": 1,
+        "pipeline": _pipeline.case_count(ctx.rt.backend == "emulated", ctx.quick),
+        "gil": _gil.case_count(ctx),
     }
     return counts[group]
 
@@ -697,4 +768,6 @@ GROUPS: dict[str, Callable[[Context], None]] = {
     "pinned_alloc": group_pinned_alloc,
     "handoff": group_handoff,
     "peer": group_peer,
+    "pipeline": _pipeline.group_pipeline,
+    "gil": _gil.group_gil,
 }

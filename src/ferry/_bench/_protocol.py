@@ -35,6 +35,7 @@ class Result:
     samples: list[float] = field(default_factory=list)
     valid: bool | None = None  # None: nothing to validate (host-only work)
     note: str = ""
+    config: str = ""  # the group's configuration, where one group runs several (pipeline: "32 MiB, 8 ms")
 
     @property
     def median(self) -> float:

@@ -37,8 +37,11 @@ class Check:
 
 
 def _find(results: Iterable[Result], **want: Any) -> Result | None:
+    """The first measured, validated result matching ``want`` (``valid=None`` counts for host-only
+    rows such as the ``gil`` group's idle loop, which have nothing to validate)."""
     for r in results:
-        if all(getattr(r, k) == v for k, v in want.items()) and r.samples and r.valid:
+        checked = r.valid or (r.valid is None and r.direction == "host")
+        if checked and r.samples and all(getattr(r, k) == v for k, v in want.items()):
             return r
     return None
 
@@ -139,7 +142,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
                 ">= 4x",
             )
         bandwidth_check(
-            f"pageable d2h {n // MiB} MiB into a fresh output", _find(large, impl="ferry", route="fresh"), 20
+            f"pageable d2h {n // MiB} MiB into a fresh output", _find(large, impl="ferry", route="fresh"), 25
         )
     handoff = [r for r in results if r.group == "handoff"]
     if handoff:
@@ -162,7 +165,104 @@ def compute_checks(results: list[Result]) -> list[Check]:
     for d in ("h2d", "d2h"):
         f = _find(results, group="transfer", impl="ferry", route="pageable", direction=d, nbytes=8 * MiB)
         bandwidth_check(f"pageable {d} 8 MiB", f, 25)
+    for d in ("h2d", "d2h"):
+        ratio_check(
+            f"pageable {d} 1 MiB vs raw driver pageable",
+            _find(results, group="transfer", impl="ferry", route="pageable", direction=d, nbytes=MiB),
+            _find(results, group="transfer", impl="raw", route="pageable", direction=d, nbytes=MiB),
+            1.0,
+            ">= 1.0 (at least the driver's own pageable copy)",
+        )
+    checks += _ceiling_checks(results)
+    checks += _pipeline_checks(results)
+    checks += _gil_checks(results)
     return checks
+
+
+CEILING_OF = {"h2d": "pageable_to_pinned", "d2h": "pinned_to_pageable"}  # the host copy each direction stages
+
+
+def _pageable_at(results: list[Result], n: int, d: str) -> Result | None:
+    """ferry's pageable route at ``n`` bytes (reused output): measured beside the ceiling in
+    ``host_copies`` if it was, else in ``large`` or ``transfer`` of the same run."""
+    for group in ("host_copies", "large", "transfer"):
+        r = _find(results, group=group, impl="ferry", route="pageable", direction=d, nbytes=n)
+        if r is not None:
+            return r
+    return None
+
+
+def _ceiling_checks(results: list[Result]) -> list[Check]:
+    """Pageable 64/256 MiB each way: >= 0.9x the multi-threaded memcpy ceiling (the host copy
+    that direction stages, at the engine's lane count), and >= 35 GB/s where the ceiling itself
+    reaches 35 GB/s."""
+    checks = []
+    for n in (64 * MiB, 256 * MiB):
+        for d in ("h2d", "d2h"):
+            name = f"pageable {d} {n // MiB} MiB vs multi-threaded memcpy ceiling"
+            target = ">= 0.9x ceiling; >= 35 GB/s if the ceiling is >= 35"
+            f = _pageable_at(results, n, d)
+            c = _find(results, group="host_copies", impl="memcpy_mt", route=CEILING_OF[d], nbytes=n)
+            if f is None or c is None:
+                checks.append(Check(name, "not measured", target, None))
+                continue
+            ratio = f.gbps / c.gbps
+            floor_ok = f.gbps >= 35 or c.gbps < 35
+            measured = f"{f.gbps:.1f} / {c.gbps:.1f} GB/s ({CEILING_OF[d]}) = {ratio:.3f}x"
+            checks.append(Check(name, measured, target, ratio >= 0.9 and floor_ok))
+    return checks
+
+
+def _ms(r: Result) -> str:
+    return f"{r.median * 1e3:.3f} ms"
+
+
+def _pipeline_checks(results: list[Result]) -> list[Check]:
+    """Per configuration: ferry (fresh arrays, the hand-written pipeline) <= PyTorch's best
+    practice and within 1.05x of max(work alone, transfers alone); fresh within 1.05x of the
+    ring; ferry.prefetch <= PyTorch's best practice."""
+    rows = [r for r in results if r.group == "pipeline"]
+    checks: list[Check] = []
+    for config in dict.fromkeys(r.config for r in rows):
+
+        def get(impl: str, route: str, config: str = config) -> Result | None:
+            return _find(rows, impl=impl, route=route, config=config)
+
+        ferry, ring, pre = get("ferry", "fresh"), get("ferry", "ring"), get("ferry", "prefetch")
+        best, work, moves = get("torch", "best"), get("floor", "work_only"), get("floor", "transfers_only")
+
+        def time_check(name: str, a: Result | None, b: Result | None, limit: float, target: str,
+                       b_value: float | None = None, b_text: str = "") -> None:
+            if a is None or (b is None and b_value is None):
+                checks.append(Check(name, "not measured", target, None))
+                return
+            denominator = b_value if b_value is not None else b.median if b is not None else math.nan
+            value = a.median / denominator
+            shown = b_text or f"{denominator * 1e3:.3f} ms"
+            checks.append(Check(name, f"{_ms(a)} / {shown} = {value:.3f}x", target, value <= limit))
+
+        prefix = f"pipeline {config}:"
+        time_check(f"{prefix} ferry <= PyTorch best practice", ferry, best, 1.0, "<= 1.0x")
+        floor = None if work is None or moves is None else max(work.median, moves.median)
+        time_check(
+            f"{prefix} ferry within 1.05x of max(work alone, transfers alone)", ferry, None, 1.05, "<= 1.05x",
+            b_value=floor,
+            b_text="" if work is None or moves is None else f"max({_ms(work)}, {_ms(moves)})",
+        )
+        time_check(f"{prefix} ferry fresh arrays within 1.05x of a ring", ferry, ring, 1.05, "<= 1.05x")
+        time_check(f"{prefix} ferry.prefetch <= PyTorch best practice", pre, best, 1.0, "<= 1.0x")
+    return checks
+
+
+def _gil_checks(results: list[Result]) -> list[Check]:
+    idle = _find(results, group="gil", route="idle")
+    up = _find(results, group="gil", route="beside_ferry_upload")
+    name = "python loop beside pageable uploads in a background thread"
+    if idle is None or up is None:
+        return [Check(name, "not measured", ">= 0.9x idle speed", None)]
+    speed = idle.median / up.median
+    moved = up.note.split(" (")[0]
+    return [Check(name, f"{speed:.3f}x idle speed ({moved})", ">= 0.9x idle speed", speed >= 0.9)]
 
 
 def _fmt_size(n: int) -> str:
@@ -189,6 +289,9 @@ def markdown(meta: dict[str, Any], results: list[Result], checks: list[Check]) -
     if meta["backend"] == "emulated":
         lines += ["**Emulated device: these figures model a device; they are not a GPU's.**", ""]
     for group in dict.fromkeys(r.group for r in results):
+        if group in SPECIAL_TABLES:
+            lines += SPECIAL_TABLES[group](results)
+            continue
         lines += [f"## {group}", "", "| impl | route | dir | size | median | min | max | GB/s | valid |"]
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in (r for r in results if r.group == group):
@@ -206,6 +309,66 @@ def markdown(meta: dict[str, Any], results: list[Result], checks: list[Check]) -
     for c in checks:
         lines.append(f"| {c.name} | {c.measured} | {c.target} | {verdict(c, meta['backend'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _valid(r: Result) -> str:
+    return {True: "yes", False: f"NO {r.note}", None: "-"}[r.valid]
+
+
+def _pipeline_table(results: list[Result]) -> list[str]:
+    rows = [r for r in results if r.group == "pipeline"]
+    lines = [
+        "## pipeline",
+        "",
+        "Wall time per step (median of the timed runs; min - max). Ratios: against the larger floor "
+        "(device work alone, ferry's transfers alone) and against PyTorch's best practice.",
+        "",
+    ]
+    for config in dict.fromkeys(r.config for r in rows):
+        mine = [r for r in rows if r.config == config]
+        work = _find(mine, impl="floor", route="work_only")
+        moves = _find(mine, impl="floor", route="transfers_only")
+        best = _find(mine, impl="torch", route="best")
+        floor = max(work.median, moves.median) if work is not None and moves is not None else math.nan
+        lines += [f"### {config} (batch, device work per step)", ""]
+        lines += ["| contender | per step | min - max | / floor | / torch best | valid | note |"]
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in mine:
+            measured = bool(r.samples)
+            lo = _fmt_time(min(r.samples)) if measured else "-"
+            hi = _fmt_time(max(r.samples)) if measured else "-"
+            over_floor = f"{r.median / floor:.3f}x" if measured and not math.isnan(floor) else "-"
+            over_best = f"{r.median / best.median:.3f}x" if measured and best is not None else "-"
+            note = "" if r.valid is False else r.note
+            lines.append(
+                f"| {r.impl} {r.route} | {_fmt_time(r.median)} | {lo} - {hi} | {over_floor} | {over_best} "
+                f"| {_valid(r)} | {note} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _gil_table(results: list[Result]) -> list[str]:
+    rows = [r for r in results if r.group == "gil"]
+    idle = _find(rows, route="idle")
+    lines = [
+        "## gil",
+        "",
+        "A pure-Python loop on the main thread, in windows of a fixed iteration count: window time "
+        "(median) and speed against idle, beside each background loop of 64 MiB transfers.",
+        "",
+        "| main thread | window | speed vs idle | background | valid |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speed = f"{idle.median / r.median:.3f}x" if idle is not None and r.samples else "-"
+        note = "" if r.valid is False else r.note
+        lines.append(f"| {r.route} | {_fmt_time(r.median)} | {speed} | {note} | {_valid(r)} |")
+    lines.append("")
+    return lines
+
+
+SPECIAL_TABLES = {"pipeline": _pipeline_table, "gil": _gil_table}
 
 
 def verdict(check: Check, backend: str) -> str:
