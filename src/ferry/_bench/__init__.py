@@ -63,7 +63,7 @@ def _seconds(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench subcommand's options."""
-    parser.add_argument("--quick", action="store_true", help="a run under a minute: fewer sizes, shorter timing")
+    parser.add_argument("--quick", action="store_true", help="a short run (minutes): fewer sizes, steps and repeats")
     parser.add_argument("--groups", type=_groups, default=",".join(GROUPS), metavar="G1,G2",
                         help="comma-separated groups to run (default: all)")
     where = parser.add_mutually_exclusive_group()

@@ -105,7 +105,7 @@ def plan(emulated: bool, quick: bool) -> Plan:
     if emulated:
         return Plan([Config(8 * MiB, 8e-3), Config(8 * MiB, 1e-3)], steps=6, warmup=3, repeats=2)
     configs = [Config(n * MiB, w) for n in (8, 32) for w in (8e-3, 1e-3)]
-    return Plan(configs, steps=12 if quick else 32, warmup=3 if quick else 4, repeats=3 if quick else 5)
+    return Plan(configs, steps=20 if quick else 40, warmup=3 if quick else 4, repeats=3 if quick else 5)
 
 
 def case_count(emulated: bool, quick: bool) -> int:
