@@ -292,17 +292,21 @@ def markdown(meta: dict[str, Any], results: list[Result], checks: list[Check]) -
         if group in SPECIAL_TABLES:
             lines += SPECIAL_TABLES[group](results)
             continue
-        lines += [f"## {group}", "", "| impl | route | dir | size | median | min | max | GB/s | valid |"]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        for r in (r for r in results if r.group == group):
+        rows = [r for r in results if r.group == group]
+        noted = any(r.note and r.valid is not False for r in rows)  # notes of invalid rows go in "valid"
+        header = "| impl | route | dir | size | median | min | max | GB/s | valid |" + (" note |" if noted else "")
+        lines += [f"## {group}", "", header, "|---" * header.count(" | ") + "|---|"]
+        for r in rows:
             lo = min(r.samples) if r.samples else float("nan")
             hi = max(r.samples) if r.samples else float("nan")
-            no_rate = math.isnan(r.gbps) or r.direction in ("host", "-") or r.group == "handoff"
+            host_rate = r.direction == "host" and r.group == "host_copies"  # host copies: bytes per second
+            no_rate = math.isnan(r.gbps) or (r.direction in ("host", "-") and not host_rate) or r.group == "handoff"
             gbps = "-" if no_rate else f"{r.gbps:.2f}"
             valid = {True: "yes", False: f"NO {r.note}", None: "-"}[r.valid]
             lines.append(
                 f"| {r.impl} | {r.route} | {r.direction} | {_fmt_size(r.nbytes)} | {_fmt_time(r.median)} "
                 f"| {_fmt_time(lo)} | {_fmt_time(hi)} | {gbps} | {valid} |"
+                + (f" {'' if r.valid is False else r.note} |" if noted else "")
             )
         lines.append("")
     lines += ["## checks", "", "| check | measured | target | result |", "|---|---|---|---|"]
