@@ -203,10 +203,15 @@ class _MatmulWork(Work):
             if target_s / one >= 6:
                 break
         count = max(1, round(target_s / one))
-        measured = self._events_time(m, count)
-        count = max(1, round(count * target_s / measured))
+        for _ in range(4):  # correct the count until a whole step is within 5% of the target
+            measured = self._events_time(m, count)
+            if abs(measured - target_s) <= 0.05 * target_s:
+                break
+            count = max(1, round(count * target_s / measured))
+        else:
+            measured = self._events_time(m, count)
         self.m, self.count = m, count
-        self.step_s = self._events_time(m, count)
+        self.step_s = measured
         self.detail = (f"{self.kind} matmul {m}x{m} float32 x {count}: {self.step_s * 1e3:.2f} ms per step "
                        f"(CUDA events; target {target_s * 1e3:g} ms)")
 
@@ -250,6 +255,7 @@ class TorchWork(_MatmulWork):
             end.synchronize()
             return float(start.elapsed_time(end)) / 1e3
 
+        once()  # a new size's first products pay the library's set-up
         return _median_time(once)
 
     def consumer(self) -> Any:
@@ -303,6 +309,7 @@ class CupyWork(_MatmulWork):
             end.synchronize()
             return float(cupy.cuda.get_elapsed_time(start, end)) / 1e3
 
+        once()  # a new size's first products pay the library's set-up
         return _median_time(once)
 
     def consumer(self) -> Any:
