@@ -198,3 +198,21 @@ def test_checks_read_the_pipeline_ceiling_and_gil_rows() -> None:
     results[6] = _row("host_copies", "memcpy_mt", "pageable_to_pinned", 64 * MiB / (38 * gb), direction="host")
     checks = {ch.name: ch for ch in compute_checks(results)}
     assert checks["pageable h2d 64 MiB vs multi-threaded memcpy ceiling"].passed is False
+
+
+def test_a_contender_that_fails_mid_run_leaves_the_next_one_a_clean_slate(
+        emu: ferry.Runtime, small_plan: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+
+    def wrap_once_broken(self: Any, dev: Any) -> Any:  # the 4th step of the first ferry run fails
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("the consumer failed mid-run")
+        return dev
+
+    monkeypatch.setattr(_pipeline.EmulatedWork, "wrap", wrap_once_broken)
+    ctx = _context(emu, [])
+    GROUPS["pipeline"](ctx)
+    rows = {(r.impl, r.route): r for r in ctx.results}
+    assert rows[("ferry", "fresh")].valid is False and "mid-run" in rows[("ferry", "fresh")].note
+    assert rows[("ferry", "ring")].valid is True, rows[("ferry", "ring")].note  # in flight was drained

@@ -123,6 +123,18 @@ class Backend(Protocol):
         """Block until ``event`` completed; raise on a device error."""
         ...
 
+    def event_wait(self, event: Any, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds (>= 0) for ``event``; return whether it completed.
+
+        Raises on a device error, like :meth:`event_query` (``timeout=0`` is one
+        query). Meant for short waits that a signal can interrupt: the calling
+        thread returns to Python often enough that a ``KeyboardInterrupt``
+        raised by a signal handler propagates at once. CUDA polls
+        ``cuEventQuery`` (busy, as ``cuEventSynchronize``'s default spin is);
+        the emulated device sleeps on the event.
+        """
+        ...
+
     # -- copies -----------------------------------------------------------
     def memcpy_htod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """Enqueue a host-to-device copy of ``nbytes`` on ``stream``."""

@@ -44,6 +44,7 @@ plumbing run in CI; the PyTorch contenders need a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import queue
@@ -52,7 +53,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -418,9 +419,21 @@ class Run:
     shift: float
     stamps: list[float]
     last: Any = None  # work_only: the last step's result, checked after the run
+    handles: list[Any] = field(default_factory=list)  # every ferry transfer submitted, for drain()
 
     def done(self) -> None:
         self.stamps.append(time.perf_counter())
+
+    def pending(self, handle: Any) -> Any:
+        self.handles.append(handle)
+        return handle
+
+    def drain(self) -> None:
+        """After a failure: wait for whatever is still in flight (buffers back, flags restored)."""
+        for handle in self.handles:
+            with contextlib.suppress(Exception):
+                handle.wait()
+        self.handles.clear()
 
 
 def _finish(downs: deque[tuple[Any, Any, Any]], run: Run) -> None:
@@ -452,7 +465,7 @@ def run_ferry(run: Run, *, ring: bool) -> str:
     consumer = work.consumer()
 
     def submit(j: int) -> None:
-        ups.append(rt.upload(batches[j], slots[j % RING] if ring else None))
+        ups.append(run.pending(rt.upload(batches[j], slots[j % RING] if ring else None)))
 
     for j in range(min(DEPTH, run.total)):
         submit(j)
@@ -460,7 +473,7 @@ def run_ferry(run: Run, *, ring: bool) -> str:
         upload, dev = _take(ups.popleft(), consumer, fallbacks)
         x = work.wrap(dev)
         y = work.step(x, run.shift)
-        downs.append((upload, rt.download(y, run.outs[k]), (x, dev, y)))
+        downs.append((upload, run.pending(rt.download(y, run.outs[k])), (x, dev, y)))
         if len(downs) > 1:
             _finish(downs, run)
         if k + DEPTH < run.total:
@@ -483,14 +496,14 @@ def run_transfers_only(run: Run) -> str:
     downs: deque[tuple[Any, Any, Any]] = deque()
     fallbacks = [0]
     for j in range(min(DEPTH, run.total)):
-        ups.append(rt.upload(batches[j], slots[j % RING]))
+        ups.append(run.pending(rt.upload(batches[j], slots[j % RING])))
     for k in range(run.total):
         upload, dev = _take(ups.popleft(), None, fallbacks)
-        downs.append((upload, rt.download(dev, run.outs[k]), dev))
+        downs.append((upload, run.pending(rt.download(dev, run.outs[k])), dev))
         if len(downs) > 1:
             _finish(downs, run)
         if k + DEPTH < run.total:
-            ups.append(rt.upload(batches[k + DEPTH], slots[(k + DEPTH) % RING]))
+            ups.append(run.pending(rt.upload(batches[k + DEPTH], slots[(k + DEPTH) % RING])))
     while downs:
         _finish(downs, run)
     return _fallback_note(fallbacks[0], run.total)
@@ -525,7 +538,7 @@ def run_prefetch(run: Run, prefetch: Callable[..., Any]) -> str:
     try:
         for k, x in enumerate(source):
             y = work.step(x, run.shift)
-            downs.append((None, rt.download(y, run.outs[k]), (x, y)))
+            downs.append((None, run.pending(rt.download(y, run.outs[k])), (x, y)))
             count += 1
             if len(downs) > 1:
                 _finish(downs, run)
@@ -700,12 +713,14 @@ def _contend(
     landing = pinned_outs if route == "best" else outs
     notes: list[str] = []
     valid = True
+    runs: list[Run] = []
     try:
         for attempt in range(1 + p.repeats):
             shift = float(next(shifts))
             if route != "work_only":
                 poison([o.numpy() for o in landing] if route == "best" else landing)
             run = Run(rt, work, batches, outs, total, shift, [])
+            runs.append(run)
             if route == "work_only":
                 note = run_work_only(run, resident)
             elif route == "transfers_only":
@@ -737,9 +752,12 @@ def _contend(
                 break
             if attempt:
                 result.samples.append((run.stamps[-1] - run.stamps[p.warmup - 1]) / p.steps)
+            run.handles.clear()
     except Exception as exc:
         valid = False
         notes.append(f"error: {exc!r}")
+        if runs:
+            runs[-1].drain()
     finally:
         del resident
         rt.poll()
