@@ -1,11 +1,12 @@
 """Lifecycle: a runtime's health, the registry of live runtimes, interpreter exit and fork.
 
-A runtime is usable until one of three things happens, and :class:`Health`
+A runtime is usable until one of four things happens, and :class:`Health`
 records which: it was closed; it was inherited by a forked child (device state
 does not survive ``fork``: the child must never touch the parent's streams,
-memory or threads); or the device reported a sticky error (the context is
-unusable). Every part of a runtime reads the same :class:`Health`, so one
-refusal message answers every later call.
+memory or threads); the device reported a sticky error (the context is
+unusable); or the interpreter exited while its copies were still in flight.
+Every part of a runtime reads the same :class:`Health`, so one refusal message
+answers every later call.
 
 The registry keeps every runtime's *parts* (not the :class:`~ferry.Runtime`
 facade) alive until they are closed. A runtime that is dropped without
@@ -15,14 +16,28 @@ closed on a background thread (closing waits for copies in flight, and a
 finalizer must never block); at interpreter exit every runtime still open is
 closed. In a forked child every inherited runtime is marked forked, so its
 calls refuse with a clear error and nothing touches the device.
+
+Interpreter exit is bounded. The runtimes still open are closed within
+``FERRY_EXIT_TIMEOUT`` seconds in all (default 30; ``0`` waits for nothing
+that is not already complete; ``inf`` waits as long as it takes; an invalid
+value is reported on stderr and the default used). A copy that a hung
+producer holds back must not hang the program's exit: when the time passes (or
+Ctrl-C interrupts the wait), ferry prints one warning on stderr naming, per
+runtime, how many transfers and bytes are still in flight, marks those runtimes
+*exited* (nothing touches the device again, nothing is freed: a copy may still
+touch that memory) and lets the process exit; the operating system reclaims
+the memory.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
+import sys
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,10 +52,11 @@ __all__: list[str] = []
 class Health:
     """Why a runtime refuses calls, if it does; shared by all of its parts."""
 
-    __slots__ = ("closed", "forked", "poisoned", "refusal")
+    __slots__ = ("closed", "exited", "forked", "poisoned", "refusal")
 
     def __init__(self) -> None:
         self.closed = False
+        self.exited = False
         self.forked = False
         self.poisoned: DeviceError | None = None
         self.refusal: str | None = None  # why every call is refused; None while usable
@@ -51,6 +67,8 @@ class Health:
                 "this runtime was inherited by a forked child process; device state does not "
                 "survive fork: create a new ferry.Runtime in the child"
             )
+        elif self.exited:
+            self.refusal = "the interpreter is exiting and left this runtime's transfers in flight"
         elif self.closed:
             self.refusal = "the runtime is closed"
         elif self.poisoned is not None:
@@ -74,10 +92,15 @@ class Health:
         self.forked = True
         self._update()
 
+    def mark_exited(self) -> None:
+        """The interpreter exits with copies in flight: never touch the device or free anything again."""
+        self.exited = True
+        self._update()
+
     @property
     def device_usable(self) -> bool:
-        """Whether device calls may still be made (not forked, not poisoned)."""
-        return not self.forked and self.poisoned is None
+        """Whether device calls may still be made (not forked, not poisoned, not left at exit)."""
+        return not self.forked and not self.exited and self.poisoned is None
 
     def check_open(self) -> None:
         """Raise :class:`~ferry.RuntimeClosedError` unless the runtime is usable."""
@@ -90,8 +113,12 @@ class Closable(Protocol):
 
     health: Health
 
-    def close(self) -> None:
-        """Wait for what is in flight, then free everything; idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for what is in flight (or raise ``TimeoutError``), then free everything; idempotent."""
+        ...
+
+    def describe_in_flight(self) -> str:
+        """One line: which runtime, how many transfers and bytes are still in flight."""
         ...
 
 
@@ -136,12 +163,71 @@ def _after_fork_in_child() -> None:
     _open.clear()
 
 
+EXIT_TIMEOUT = 30.0  # s: the default of FERRY_EXIT_TIMEOUT
+_left_at_exit: list[Closable] = []  # kept alive to the end: nothing in them is ever freed
+
+
+def exit_timeout() -> float | None:
+    """``FERRY_EXIT_TIMEOUT`` in seconds (``None``: no bound); an invalid value is reported, the default used."""
+    raw = os.environ.get("FERRY_EXIT_TIMEOUT", "").strip()
+    if not raw:
+        return EXIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        _stderr(f"ferry: FERRY_EXIT_TIMEOUT={raw!r} is not a number of seconds >= 0 (or 'inf'); "
+                f"waiting at most {EXIT_TIMEOUT:g} s\n")
+        return EXIT_TIMEOUT
+    return None if math.isinf(value) else value
+
+
+def _stderr(text: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def _close_all_at_exit() -> None:
     with _lock:
         open_now = list(_open.values())
-    for parts in open_now:
-        with contextlib.suppress(Exception):  # interpreter exit must not fail
-            parts.close()
+    if not open_now:
+        return
+    timeout = exit_timeout()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    left: list[Closable] = []
+    waited = "without a bound" if timeout is None else f"{timeout:g} s"
+    for i, parts in enumerate(open_now):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            parts.close(timeout=remaining)
+        except TimeoutError:
+            left.append(parts)
+        except KeyboardInterrupt:  # Ctrl-C while exiting: stop waiting
+            left.extend(open_now[i:])
+            waited = "until Ctrl-C"
+            break
+        except Exception:  # interpreter exit must not fail
+            pass
+    if left:
+        give_up(left, waited)
+
+
+def give_up(left: list[Closable], waited: str) -> None:
+    """Leave ``left`` as they are for the OS to reclaim, and say so on stderr."""
+    lines = []
+    for parts in left:
+        with contextlib.suppress(Exception):
+            lines.append(f"  {parts.describe_in_flight()}\n")
+        parts.health.mark_exited()
+        _left_at_exit.append(parts)
+        unregister(parts)
+    _stderr(
+        f"ferry: warning: the interpreter is exiting with transfers still in flight after waiting {waited} "
+        "(FERRY_EXIT_TIMEOUT); nothing they may touch was freed, the operating system reclaims it:\n"
+        + "".join(lines)
+    )
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

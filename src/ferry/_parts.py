@@ -1,18 +1,26 @@
 """A runtime's parts: built together, closed in one order.
 
-The order of ``close()`` matters: first every copy in flight is waited for
-(outside the lock, so submitters elsewhere are refused cleanly rather than
-blocked), then the records are released, the staging workers stopped,
-registrations undone, device memory freed, pinned memory returned, events and
-streams destroyed, and the backend closed last. A part is never touched by
-the device after it is freed, and nothing abandoned is ever freed.
+The order of ``close()`` matters. First every copy in flight is waited for,
+outside the lock: meanwhile the runtime is fully open (submissions are
+accepted, and waited for too; waits, polls and futures work), and the wait is
+bounded and interruptible, so a ``TimeoutError`` or ``KeyboardInterrupt``
+leaves the runtime exactly as it was. Then, in one step under the lock, the
+close *commits*: once every live and retiring record is proven complete (or
+failed), the runtime is marked closed, the records attended by a ``wait()``
+or a future are settled for them and the others released. Then the watcher is
+stopped (the futures resolved), the staging workers stopped, registrations
+undone, device memory freed, pinned memory returned, events and streams
+destroyed, and the backend closed last. A part is never touched by the device
+after it is freed, and nothing abandoned is ever freed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from . import _lifecycle
@@ -39,7 +47,7 @@ class Parts:
         self.health = health
         self.lock = threading.RLock()
         self.pool = PinnedPool(backend, options["pinned_cache_bytes"])
-        self.memory = DeviceMemory(backend, health, self.lock)
+        self.memory = DeviceMemory(backend, health, self.lock, options.get("device_pool_limit"))
         self.completion = Completion(backend, health, self.lock, self.memory, self.pool,
                                      options["retirement_capacity"])
         self.registrations = Registrations(backend, health, self.lock)
@@ -55,19 +63,50 @@ class Parts:
         self.side_streams: list[Any] = []  # made by ferry.testing.side_stream
         self.side = Side(backend, self.d2h, self.lock)
 
-    def close(self) -> None:
-        """Wait for everything in flight, then free everything, in order. Idempotent."""
+    @contextlib.contextmanager
+    def _locked(self, deadline: float | None) -> Iterator[None]:
+        """The lock, taken by ``deadline`` (at least 0.1 s of patience) or ``TimeoutError``."""
+        wait = -1.0 if deadline is None else max(0.1, deadline - time.monotonic())
+        if not self.lock.acquire(timeout=wait):
+            raise TimeoutError("another thread holds the runtime's lock")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for everything in flight, then free everything, in order. Idempotent.
+
+        ``TimeoutError`` after ``timeout`` seconds leaves the runtime open and
+        unchanged (see the module docstring).
+        """
         health = self.health
-        with self.lock:
-            if health.closed:
+        completion = self.completion
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        with self._locked(deadline):
+            if health.closed or health.exited:
                 return
             if health.forked:
                 health.mark_closed()
                 return
-        self.completion.wait_everything()
+        while True:
+            try:
+                completion.wait_everything(deadline, lambda: self._locked(deadline))
+            except TimeoutError as exc:
+                raise TimeoutError(
+                    f"close() gave up after {timeout} s: {exc}; the runtime is still open and nothing was "
+                    "released: wait for the transfers, or call close() again"
+                ) from None
+            with self._locked(deadline):
+                if health.closed:
+                    return  # another thread's close() committed
+                if not completion.all_resolved():
+                    continue  # submitted meanwhile: wait for those too
+                health.mark_closed()
+                completion.close()
+                break
+        completion.stop_watcher()
         with self.lock:
-            health.mark_closed()
-            self.completion.close()
             self.host.close()
             self.registrations.close()
             self.memory.close()
@@ -76,7 +115,7 @@ class Parts:
             with contextlib.suppress(DeviceError):
                 self.pool.close()
             self.host_cache.clear()
-            self.completion.destroy_events()
+            completion.destroy_events()
             self.peer.close()
             if health.device_usable:
                 for stream in (self.h2d, self.d2h, *self.side_streams):
@@ -85,3 +124,20 @@ class Parts:
             with contextlib.suppress(DeviceError):
                 self.backend.close()
         _lifecycle.unregister(self)
+
+    def describe_in_flight(self) -> str:
+        """Which runtime, and how many transfers and bytes it still has in flight (for the exit warning)."""
+        completion = self.completion
+        got = self.lock.acquire(timeout=0.1)  # at exit a stuck thread may hold it: read anyway
+        try:
+            live = [r for r in list(completion.live) if not r.done and r.error is None]
+            dropped = [r for r in completion.retiring.records() if not r.done and r.error is None]
+        finally:
+            if got:
+                self.lock.release()
+        nbytes = sum(r.nbytes for r in live + dropped)
+        return (
+            f"{self.backend.name} device {self.backend.device}: {len(live) + len(dropped)} transfer(s), "
+            f"{nbytes} bytes ({nbytes / (1 << 20):.1f} MiB) in flight "
+            f"({len(live)} with a pending handle, {len(dropped)} dropped)"
+        )

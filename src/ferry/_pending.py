@@ -63,25 +63,42 @@ class _Pending(Generic[_Result]):
             return True
         return self._port.poll(self._record)
 
-    def wait(self) -> _Result:
+    def wait(self, timeout: float | None = None) -> _Result:
         """Block until the copy completed, then hand back what was handed in.
 
         Guarantee: when it returns, the copy is complete (the destination holds
         the bytes) and every returned object is owned again and may be reused.
 
+        The wait is bounded by ``timeout`` seconds (``None``: no bound; ``0``:
+        a poll) and can be interrupted: Ctrl-C raises ``KeyboardInterrupt`` in
+        the main thread within milliseconds. A wait that times out or is
+        interrupted changes nothing: the handle stays pending (wait again,
+        poll :meth:`is_ready`, or drop it: it retires as usual). A copy that
+        completes on time is noticed as fast as ``cuEventSynchronize`` would:
+        the wait spins on its event about as long as the copy should take,
+        then sleeps until the device signals.
+
+        Racing :meth:`Runtime.close() <ferry.Runtime.close>` from another
+        thread: a ``wait()`` that began before ``close()`` committed returns
+        the result (``close()`` first waits for the copy; the runtime's
+        pinned buffers and device arrays in it are then closed with the
+        runtime, while host arrays you own keep the bytes). A ``wait()``
+        begun after raises :class:`~ferry.RuntimeClosedError`.
+
         Raises
         ------
+        TimeoutError
+            ``timeout`` seconds passed first (the builtin exception).
         TransferFailedError
             The device reported a failure: nothing is published, the objects
             stay abandoned forever.
         FerryError
             The handle was already waited (a handle is waited at most once), or
-            the runtime was closed.
+            the runtime was closed (:class:`~ferry.RuntimeClosedError`).
         """
         if self._claimed:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
-        future = self._future  # when set, the watcher performs the one wait
-        result = future.result() if future is not None and not future.cancelled() else self._port.wait(self._record)
+        result = self._port.wait(self._record, timeout)
         self._waited = self._claimed = True
         return result  # type: ignore[return-value]
 
@@ -89,32 +106,40 @@ class _Pending(Generic[_Result]):
         """A :class:`concurrent.futures.Future` resolved with what ``wait()`` returns.
 
         The runtime's watcher (one per runtime, sleeping until the device
-        reports completion, never polling) performs the wait and resolves the
-        future, or sets its :class:`~ferry.TransferFailedError`. Calling
+        reports completion, never polling) settles the transfer and resolves
+        the future, or sets its :class:`~ferry.TransferFailedError`. Calling
         ``wait()`` afterwards returns the same result. The same future is
-        returned on every call. Cancelling the future never cancels or frees
-        the copy: the handle is released, and retires like any dropped handle.
+        returned on every call until it is cancelled; after that a new one.
+        Cancelling a future never cancels or frees the copy and never
+        affects any other waiter (``wait()``, :func:`~ferry.wait_all`,
+        :func:`~ferry.as_completed`, other futures, ``await``): the handle is
+        released by that future, and retires like any dropped handle once
+        nothing else holds it.
         """
-        if self._future is None:
-            if self._claimed:
-                raise FerryError("this transfer was already waited; there is nothing left to wait for")
-            self._future = self._port.watch(self)
-        return self._future  # type: ignore[no-any-return]
+        future = self._future
+        if future is None or future.cancelled():
+            future = self._future = self._port.watch(self)
+        return future  # type: ignore[no-any-return]
 
     def add_done_callback(self, fn: Callable[[_Pending[_Result]], object]) -> None:
         """Call ``fn(handle)`` once the transfer completed or failed.
 
         The callback runs on the watcher's thread (or at once, if the transfer
         is already resolved); inside it, ``handle.wait()`` returns (or raises)
-        without blocking.
+        without blocking. It has a future of its own: cancelling
+        :meth:`future` does not stop it.
         """
-        self.future().add_done_callback(lambda _future: fn(self))
+        self._port.watch(self).add_done_callback(lambda _future: fn(self))
 
     def __await__(self) -> Generator[Any, None, _Result]:
-        """``await handle`` in asyncio: the result of ``wait()``, without blocking the loop."""
+        """``await handle`` in asyncio: the result of ``wait()``, without blocking the loop.
+
+        Each ``await`` has a future of its own, so a cancelled task (or an
+        ``asyncio.wait_for`` that timed out) gives up only its own wait.
+        """
         import asyncio
 
-        return asyncio.wrap_future(self.future()).__await__()
+        return asyncio.wrap_future(self._port.watch(self)).__await__()
 
     def __del__(self) -> None:
         # Never blocks, never calls the device: detach the record, nothing more.

@@ -1,25 +1,34 @@
-"""Waiting the Python way: futures, callbacks, ``await``, ``wait_all`` and ``as_completed``.
+"""Waiting the Python way: signals, futures, callbacks, ``await``, ``wait_all`` and ``as_completed``.
 
-One watcher per runtime turns completions into futures. It never polls: it
-has one thread per copy stream it watches (transfers on one stream complete in
-submission order, so each thread waits for the oldest watched transfer of its
-stream) and each thread *sleeps* until the device says the transfer is
-complete: it makes a private stream wait for the transfer's event and
-synchronizes on a blocking-sync event recorded after that wait (on CUDA the
-driver puts the thread to sleep until the copy engine signals); for staged
-pageable transfers it sleeps on the job's completion flag, which the staging
-lanes set. So 100 pending transfers cost no CPU while they run.
+Every record that someone sleeps on has one :class:`Signal`: a flag set once
+the copy is proven complete or failed, and listeners run once after that.
+Waiters never share anything else. ``wait()``, ``wait_all`` and
+``as_completed`` sleep on the flag (a lock wait: timeouts are honoured and
+``KeyboardInterrupt`` reaches the main thread at once); each future is a
+listener of its own. So a waiter that gives up (a timeout, an interrupt, a
+cancelled future or asyncio task) takes nothing from the others: the signal
+still fires, and every other waiter sees it.
 
-When a transfer completes, the watcher performs the handle's one ``wait()``
-and resolves the future with its result (or its ``TransferFailedError``); the
-future's callbacks run on the watcher thread, and ``asyncio`` receives the
-result through ``asyncio.wrap_future``.
+One watcher per runtime sets the signals. It never polls: it has one thread
+per copy stream it watches (transfers on one stream complete in submission
+order, so each thread waits for the oldest watched transfer of its stream)
+and each thread *sleeps* until the device says the transfer is complete: it
+makes a private stream wait for the transfer's event and synchronizes on a
+blocking-sync event recorded after that wait (on CUDA the driver puts the
+thread to sleep until the copy engine signals); for staged pageable transfers
+it sleeps on the job's completion. So 100 pending transfers cost no CPU while
+they run. Then it proves the outcome, sets the flag and runs the listeners on
+its thread: a future's listener performs the settlement a ``wait()`` would
+(publish, hand the objects back owned) and resolves the future with the
+result (or its ``TransferFailedError``); ``asyncio`` receives it through
+``asyncio.wrap_future``.
 
 Cancelling never touches the copy. A future cancelled before the transfer
-completed (including the future behind an ``await`` in a cancelled asyncio
-task) lets go of its handle; once every reference to the handle is gone, the
-handle goes to the retirement queue like any dropped handle, and the buffers
-are released only when the copy is proven complete.
+completed (including the private future behind an ``await`` in a cancelled
+asyncio task, or one ``asyncio.wait_for`` gave up on) lets go of its handle;
+the handle can still be waited in every other way, and once every reference
+to it is gone it goes to the retirement queue like any dropped handle, and
+the buffers are released only when the copy is proven complete.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ import bisect
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._backends._base import DeviceError
@@ -39,6 +50,43 @@ if TYPE_CHECKING:
 
 __all__ = ["wait_all", "as_completed"]
 
+_SLICE = 0.05  # s: sleeping waits wake this often, so a signal delivered to another thread is seen
+
+
+class Signal:
+    """Set once a record's copy is proven complete or failed; listeners run once, after that."""
+
+    __slots__ = ("_listeners", "_lock", "fired", "flag")
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()  # the copy is resolved: waiters may settle or claim
+        self.fired = False  # the listeners ran (on the watcher's thread)
+        self._listeners: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+
+    def listen(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once fired: later on the watcher's thread, or now if it already fired."""
+        with self._lock:
+            if not self.fired:
+                self._listeners.append(fn)
+                return
+        fn()
+
+    def unlisten(self, fn: Callable[[], object]) -> None:
+        """Forget ``fn`` if it has not been called."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(fn)
+
+    def fire(self) -> None:
+        """The record is resolved: set the flag, run every listener once (never raises)."""
+        self.flag.set()
+        with self._lock:
+            self.fired = True
+            listeners, self._listeners = self._listeners, []
+        for fn in listeners:
+            with contextlib.suppress(Exception):
+                fn()
+
 
 class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     """A future resolved by the runtime's watcher with what ``wait()`` returns."""
@@ -48,28 +96,30 @@ class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         self._handle: _Pending[Any] | None = handle  # kept alive until resolved or cancelled
 
     def cancel(self) -> bool:
-        """Stop waiting for the result. The copy itself is never cancelled."""
+        """Stop waiting for the result. The copy itself is never cancelled, and no other waiter is."""
+        handle = self._handle
         cancelled = super().cancel()
-        if cancelled:
+        if cancelled and handle is not None:
             self._handle = None  # once nothing else holds the handle, it retires
+            handle._port.attend(handle._record, -1)
         return cancelled
 
     def _resolve(self) -> None:
+        """The record's signal fired: settle (if no one did) and resolve, unless cancelled first."""
         handle = self._handle
-        if handle is None or self.cancelled():
-            return
-        try:
-            result = handle._port.wait(handle._record)
-        except BaseException as exc:  # delivered to whoever awaits
-            handle._waited = True
-            self._handle = None
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                self.set_exception(exc)
-            return
-        handle._waited = True  # settled: dropping the handle now must not retire it
+        if handle is None or not self.set_running_or_notify_cancel():
+            return  # cancelled: cancel() stopped attending
         self._handle = None
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
+        port, record = handle._port, handle._record
+        try:
+            result = port.settled_result(record)
+        except BaseException as exc:  # delivered to whoever waits on the future
+            self.set_exception(exc)
+        else:
+            handle._waited = True  # settled: dropping the handle now must not retire it
             self.set_result(result)
+        finally:
+            port.attend(record, -1)
 
 
 class _StreamWatch:
@@ -77,7 +127,7 @@ class _StreamWatch:
 
     def __init__(self, watcher: Watcher, key: int) -> None:
         self.watcher = watcher
-        self.items: list[tuple[int, Record, TransferFuture]] = []
+        self.items: list[tuple[int, Record]] = []
         self.cond = threading.Condition()
         self.closing = False
         self.notify_stream: Any = None
@@ -85,53 +135,64 @@ class _StreamWatch:
         self.thread = threading.Thread(target=self._run, name=f"ferry-watcher-{key}", daemon=True)
         self.thread.start()
 
-    def add(self, record: Record, future: TransferFuture) -> None:
+    def add(self, record: Record) -> None:
         with self.cond:
-            bisect.insort(self.items, (record.seq, record, future), key=lambda item: item[0])
+            bisect.insort(self.items, (record.seq, record), key=lambda item: item[0])
             self.cond.notify()
 
     def _run(self) -> None:
+        completion = self.watcher.completion
         while True:
             with self.cond:
                 while not self.items and not self.closing:
                     self.cond.wait()
                 if not self.items:
                     return
-                _, record, future = self.items.pop(0)
-            self._sleep_until_done(record)
-            future._resolve()
-            del record, future  # hold nothing while idle: the objects belong to their owners
+                _, record = self.items.pop(0)
+            try:
+                while not completion.prove(record):
+                    if not self._sleep_until_done(record):
+                        time.sleep(0.001)  # the device would not say: ask again soon
+            except Exception:  # never leave a waiter asleep: fire, and let it ask
+                pass
+            signal = record.signal
+            if signal is not None:
+                signal.fire()
+            del record, signal  # hold nothing while idle: the objects belong to their owners
 
-    def _sleep_until_done(self, record: Record) -> None:
-        """Block, without spinning, until the record's copy is complete (or failed)."""
+    def _sleep_until_done(self, record: Record) -> bool:
+        """Block, without spinning, until the record's copy is complete (or failed); False if it could not."""
         completion = self.watcher.completion
         extra = record.extra
-        if record.done or record.error is not None:
-            return
         if extra is not None and extra.job is not None:
             extra.job.wait_done()
-            return
-        if extra is not None and extra.batch is not None:
-            completion.flush_for(record)
-        event = record.event
-        if event is None:  # settled meanwhile (the event went back to the pool)
-            return
+            return True
         backend = completion.backend
         try:
-            if self.notify_stream is None:
-                self.notify_stream = backend.stream_create()
-                self.notify_event = backend.event_create(blocking=True)
-            backend.stream_wait_event(self.notify_stream, event)
-            backend.event_record(self.notify_event, self.notify_stream)
-            backend.event_synchronize(self.notify_event)
+            with completion.lock:  # the event cannot go back to the pool (and be reused) meanwhile
+                if record.done or record.error is not None:
+                    return True
+                if extra is not None and extra.batch is not None:
+                    completion.flush_for(record)
+                event = record.event
+                if event is None:
+                    return True
+                if self.notify_stream is None:
+                    self.notify_stream = backend.stream_create()
+                    self.notify_event = backend.event_create(blocking=True)
+                backend.stream_wait_event(self.notify_stream, event)
+                backend.event_record(self.notify_event, self.notify_stream)
+            backend.event_synchronize(self.notify_event)  # asleep until the copy engine signals
         except DeviceError:
-            pass  # the failure is reported by the handle's wait in _resolve
+            return False  # prove() asks the record's own event, and records a failure
+        return True
 
     def close(self) -> None:
         with self.cond:
             self.closing = True
             self.cond.notify()
-        self.thread.join()
+        if self.thread is not threading.current_thread():  # close() from a done-callback
+            self.thread.join()
         backend = self.watcher.completion.backend
         with contextlib.suppress(DeviceError):
             if self.notify_stream is not None:
@@ -144,27 +205,41 @@ class Watcher:
 
     def __init__(self, completion: Completion) -> None:
         self.completion = completion
-        self._watches: dict[int, _StreamWatch] = {}
+        self._watches: dict[Any, _StreamWatch] = {}
         self._lock = threading.Lock()
 
-    def watch(self, record: Record, future: TransferFuture) -> None:
-        key = id(record.stream)
+    def watch(self, record: Record) -> None:
+        """Fire ``record.signal`` once the record is resolved."""
+        stream = record.stream
+        key = stream if isinstance(stream, tuple) else id(stream)
         with self._lock:
             watch = self._watches.get(key)
             if watch is None:
                 watch = self._watches[key] = _StreamWatch(self, len(self._watches))
-        watch.add(record, future)
+        watch.add(record)
 
     def close(self) -> None:
-        """Resolve what is watched (the runtime has waited for it), then stop."""
+        """Fire what is watched (every record is resolved by now), then stop."""
         with self._lock:
             watches, self._watches = list(self._watches.values()), {}
         for watch in watches:
             watch.close()
 
 
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + max(timeout, 0.0)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def wait_all(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> list[Any]:
     """Wait for every handle; return their ``wait()`` results in the order given.
+
+    Each handle is waited as by ``wait()`` (it is then waited: a second
+    ``wait()`` raises). The wait is bounded by ``timeout`` and interruptible
+    (Ctrl-C); futures of the handles, cancelled or not, play no part.
 
     Raises
     ------
@@ -174,21 +249,71 @@ def wait_all(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> 
     TransferFailedError
         The first failed transfer, in the order given; the handles after it
         are left unwaited.
+    KeyboardInterrupt
+        Raised by Ctrl-C while waiting; every handle is left as it was.
     """
     handles = list(handles)
-    futures = [h.future() for h in handles]
-    _, pending = concurrent.futures.wait(futures, timeout=timeout)
-    if pending:
-        raise TimeoutError(f"{len(pending)} of {len(futures)} transfers were not complete after {timeout} s")
-    return [h.wait() for h in handles]
+    deadline = _deadline(timeout)
+    attended = []
+    try:
+        for handle in handles:
+            handle._port.attend(handle._record, 1)
+            attended.append(handle)
+        spin = True
+        for i, handle in enumerate(handles):
+            if handle._waited:
+                continue
+            if not handle._port.ready(handle._record, _left(deadline), spin=spin):
+                late = 1 + sum(not h._port.ready(h._record, 0, spin=False) for h in handles[i + 1:])
+                raise TimeoutError(f"{late} of {len(handles)} transfers were not complete after {timeout} s")
+            spin = False
+        return [h.wait() for h in handles]
+    finally:
+        for handle in attended:
+            handle._port.attend(handle._record, -1)
 
 
 def as_completed(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> Iterator[_Pending[Any]]:
-    """Yield the handles as their transfers complete (``wait()`` on each then returns at once).
+    """Yield the handles as their transfers complete or fail (``wait()`` on each then returns at once).
 
-    Raises ``TimeoutError`` (from :func:`concurrent.futures.as_completed`) if
-    ``timeout`` seconds pass before every transfer completed.
+    Each handle is yielded once, whatever became of its futures. Raises the
+    builtin ``TimeoutError`` if ``timeout`` seconds pass (from the first
+    ``next()``) before every transfer completed; the handles not yet yielded
+    are left as they were. Interruptible (Ctrl-C).
     """
-    by_future = {h.future(): h for h in handles}
-    for future in concurrent.futures.as_completed(by_future, timeout=timeout):
-        yield by_future[future]
+    unique = list({id(h): h for h in handles}.values())
+    deadline = _deadline(timeout)
+    arrived: deque[_Pending[Any]] = deque()
+    cond = threading.Condition()
+    listeners: list[tuple[_Pending[Any], Callable[[], object]]] = []
+
+    def listener(handle: _Pending[Any]) -> Callable[[], object]:
+        def fire() -> None:
+            with cond:
+                arrived.append(handle)
+                cond.notify()
+
+        return fire
+
+    try:
+        for handle in unique:
+            fn = listener(handle)
+            listeners.append((handle, fn))
+            if handle._waited:
+                fn()
+            else:
+                handle._port.listen(handle._record, fn)
+        for done in range(len(unique)):
+            with cond:
+                while not arrived:
+                    left = _left(deadline)
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"{len(unique) - done} of {len(unique)} transfers were not complete after {timeout} s"
+                        )
+                    cond.wait(_SLICE if left is None else min(left, _SLICE))
+                handle = arrived.popleft()
+            yield handle
+    finally:
+        for handle, fn in listeners:
+            handle._port.unlisten(handle._record, fn)
