@@ -489,14 +489,27 @@ class Completion:
         """
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
-            if (
-                not record.done and record.error is None and self.health.refusal is None
-                and not self.ready(record, timeout)
-            ):
-                raise TimeoutError(
-                    f"the transfer of {record.nbytes} bytes did not complete within {timeout} s; it is still "
-                    "pending: wait() again, poll is_ready(), or drop the handle (it retires once complete)"
-                )
+            if not record.done and record.error is None and self.health.refusal is None:
+                event = record.event
+                if timeout is None and record.extra is None and event is not None and not record.spun:
+                    # the common case, inline: a pinned copy's own event, no bound (see ready())
+                    budget = SPIN_BASE + record.nbytes * SPIN_PER_BYTE
+                    try:
+                        ready = self.backend.event_wait(event, budget if budget < SPIN_CAP else SPIN_CAP)
+                    except DeviceError as exc:
+                        self._failed(record, exc)
+                        ready = True
+                    if ready:
+                        record.done = True  # anyone asleep on it is woken by the watcher
+                    else:
+                        record.spun = True
+                        self._sleep(record, None)
+                elif not self.ready(record, timeout):
+                    raise TimeoutError(
+                        f"the transfer of {record.nbytes} bytes did not complete within {timeout} s; it is "
+                        "still pending: wait() again, poll is_ready(), or drop the handle (it retires once "
+                        "complete)"
+                    )
             with self.lock:
                 if record.done and not record.settled and record.error is None and record in self.live:
                     self.live.remove(record)  # the common case, inline
