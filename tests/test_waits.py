@@ -456,3 +456,35 @@ def test_as_completed_times_out_and_leaves_the_handles(rt: ferry.Runtime) -> Non
     assert set(map(id, ferry.as_completed(handles, timeout=10))) == set(map(id, handles))
     for handle in handles:
         _check(handle.wait(timeout=0), data)
+
+
+def test_a_done_callback_may_wait_for_another_transfer_and_close_the_runtime(backend_name: str) -> None:
+    rt = ferry.Runtime(backend_name)
+    data = np.arange(1 << 10, dtype=np.int32)
+    got: list[Any] = []
+    finished = threading.Event()
+
+    def callback(handle: ferry.PendingDownload) -> None:  # runs on the watcher's thread
+        try:
+            for pending in (handle, later):  # the second is behind a second gate: no sleeping on itself
+                _, buf = pending.wait(timeout=30)
+                got.append(np.array_equal(buf.as_array(data.dtype), data))
+            rt.close()
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            finished.set()
+
+    try:
+        release_first = _held(rt, "download")
+        first = _download(rt, data)
+        release_second = _held(rt, "download")
+        later = _download(rt, data)
+        first.add_done_callback(callback)
+        release_first()
+        _later(0.3, release_second)
+        assert finished.wait(30)
+        assert got == [True, True]
+        assert rt.closed
+    finally:
+        rt.close()

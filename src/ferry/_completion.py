@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import _waiting
 from ._backends._base import Backend, DeviceError
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._retire import RetirementQueue
@@ -595,6 +596,8 @@ class Completion:
 
     def _sleep(self, record: Record, deadline: float | None) -> bool:
         """Sleep on the record's signal (in slices) until it is set or ``deadline`` passed."""
+        if _waiting.on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself
+            return self._poll_until(record, deadline)
         flag = self.signal(record).flag
         while True:
             remaining = _remaining(deadline)
@@ -605,6 +608,17 @@ class Completion:
                 return True
             elif remaining <= SLICE:
                 return flag.is_set()
+
+    def _poll_until(self, record: Record, deadline: float | None) -> bool:
+        """Ask without blocking, backing off up to 1 ms between asks, until resolved or ``deadline``."""
+        pause = 50e-6
+        while not self.prove(record):
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                return False
+            time.sleep(pause if remaining is None else min(pause, remaining))
+            pause = min(2 * pause, 1e-3)
+        return True
 
     def _spin(self, record: Record, seconds: float) -> bool:
         """Wait up to ``seconds`` on the record's event (backend ``event_wait``); whether it is resolved."""

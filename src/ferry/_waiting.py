@@ -51,6 +51,12 @@ if TYPE_CHECKING:
 __all__ = ["wait_all", "as_completed"]
 
 _SLICE = 0.05  # s: sleeping waits wake this often, so a signal delivered to another thread is seen
+_local = threading.local()
+
+
+def on_watcher_thread() -> bool:
+    """Whether the calling thread is a watcher's (a done-callback runs there: it must not sleep on a signal)."""
+    return bool(getattr(_local, "watcher", False))
 
 
 class Signal:
@@ -141,6 +147,7 @@ class _StreamWatch:
             self.cond.notify()
 
     def _run(self) -> None:
+        _local.watcher = True
         completion = self.watcher.completion
         while True:
             with self.cond:
