@@ -488,3 +488,22 @@ def test_a_done_callback_may_wait_for_another_transfer_and_close_the_runtime(bac
         assert rt.closed
     finally:
         rt.close()
+
+
+def test_timeouts_are_numbers_of_seconds(backend_name: str) -> None:
+    rt = ferry.Runtime(backend_name)
+    try:
+        data = np.arange(64, dtype=np.uint8)
+        with testing.hold(rt, "download"):
+            pending = _download(rt, data)
+            with pytest.raises(ValueError, match="NaN"):
+                pending.wait(timeout=float("nan"))
+            with pytest.raises(ValueError, match="NaN"):
+                rt.close(timeout=float("nan"))
+            with pytest.raises(TimeoutError):
+                pending.wait(timeout=-1)  # a negative timeout is a poll
+        _check(pending.wait(timeout=float("inf")), data)
+        rt.close(timeout=float("inf"))  # no bound
+        assert rt.closed
+    finally:
+        rt.close()

@@ -46,6 +46,7 @@ Handles and the watcher reach completion only through
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -579,6 +580,8 @@ class Completion:
         if health.refusal is not None and not health.device_usable:
             # a poisoned device answers at once; a forked child or an exited runtime is never asked
             return True if health.forked or health.exited else self.prove(record)
+        if timeout is not None and math.isnan(timeout):
+            raise ValueError("timeout must be a number of seconds (or None), not NaN")
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         extra = record.extra
         if extra is not None and extra.job is not None:

@@ -17,6 +17,7 @@ after it is freed, and nothing abandoned is ever freed.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import weakref
@@ -82,6 +83,10 @@ class Parts:
         """
         health = self.health
         completion = self.completion
+        if timeout is not None and math.isnan(timeout):
+            raise ValueError("timeout must be a number of seconds (or None), not NaN")
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         with self._locked(deadline):
             if health.closed or health.exited:
@@ -105,7 +110,14 @@ class Parts:
                 health.mark_closed()
                 completion.close()
                 break
-        completion.stop_watcher()
+        try:
+            completion.stop_watcher()  # the futures are resolved before close() returns
+        finally:  # committed: tear down even if Ctrl-C lands here
+            self._tear_down()
+        _lifecycle.unregister(self)
+
+    def _tear_down(self) -> None:
+        health = self.health
         with self.lock:
             self.host.close()
             self.registrations.close()
@@ -115,7 +127,7 @@ class Parts:
             with contextlib.suppress(DeviceError):
                 self.pool.close()
             self.host_cache.clear()
-            completion.destroy_events()
+            self.completion.destroy_events()
             self.peer.close()
             if health.device_usable:
                 for stream in (self.h2d, self.d2h, *self.side_streams):
@@ -123,7 +135,6 @@ class Parts:
                         self.backend.stream_destroy(stream)
             with contextlib.suppress(DeviceError):
                 self.backend.close()
-        _lifecycle.unregister(self)
 
     def describe_in_flight(self) -> str:
         """Which runtime, and how many transfers and bytes it still has in flight (for the exit warning)."""
