@@ -55,6 +55,10 @@ def main() -> None:
                      d.cuEventSynchronize(event)), 5000),
         "ctypes   copy+record+sync 16 B": per_call(
             lambda: (cp(dptr, hptr, 16, st_i), rec(ev_i, st_i), sync(ev_i)), 5000),
+        # what ferry's wait() does instead of cuEventSynchronize: poll cuEventQuery (interruptible)
+        "bindings copy+record+event_wait 16 B": per_call(
+            lambda: (d.cuMemcpyHtoDAsync(dptr, hptr, 16, stream), d.cuEventRecord(event, stream),
+                     be.event_wait(event, 1.0)), 5000),
     }
     box = {"b": buf, "d": dev}
 
@@ -64,8 +68,10 @@ def main() -> None:
     rows["ferry upload_pending+wait 16 B"] = per_call(ferry_rt, 5000)
     # ferry's own Python: the same with the device calls replaced by no-ops
     be.memcpy_htod = lambda *a: None
+    be.htod_record = lambda *a: None
     be.event_record = lambda *a: None
     be.event_synchronize = lambda *a: None
+    be.event_wait = lambda *a: True
     rows["ferry python only (no device calls)"] = per_call(ferry_rt, 20000)
     for name, ns in rows.items():
         print(f"{name:40s} {ns / 1000:8.2f} us")

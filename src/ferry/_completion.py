@@ -494,10 +494,11 @@ class Completion:
             if not record.done and record.error is None and self.health.refusal is None:
                 event = record.event
                 if timeout is None and record.extra is None and event is not None and not record.spun:
-                    # the common case, inline: a pinned copy's own event, no bound (see ready())
-                    budget = SPIN_BASE + record.nbytes * SPIN_PER_BYTE
+                    # the common case, inline: a pinned copy's own event, no bound (see ready()); a
+                    # small copy completes within SPIN_BASE, so the rest of its budget is reckoned later
                     try:
-                        ready = self.backend.event_wait(event, budget if budget < SPIN_CAP else SPIN_CAP)
+                        ready = self.backend.event_wait(event, SPIN_BASE) or self.backend.event_wait(
+                            event, spin_budget(record.nbytes) - SPIN_BASE)
                     except DeviceError as exc:
                         self._failed(record, exc)
                         ready = True

@@ -404,21 +404,24 @@ class CudaBackend:
         # cuEventSynchronize cannot be interrupted: poll instead. Python runs between the
         # queries (each releases the GIL), so a signal handler's exception propagates at once.
         self.sync_calls += 1
-        query, not_ready = self._cuEventQuery, self._not_ready
+        query = self._cuEventQuery
         (err,) = query(event)
-        if err == not_ready:
-            if timeout <= 0:
-                return False
+        if not err:
+            return True
+        not_ready = self._not_ready
+        if err == not_ready and timeout > 0:
             clock = time.perf_counter
             deadline = clock() + timeout
             while True:
                 (err,) = query(event)
+                if not err:
+                    return True
                 if err != not_ready:
                     break
                 if clock() >= deadline:
                     return False
-        if not err:
-            return True
+        if err == not_ready:
+            return False
         if int(err) in _REBIND:  # no usable context current on this thread: bind, ask again
             return self.event_query(event)
         self._check(err)  # never query again: a non-sticky error is reported once
