@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._parts import Parts
 
 __all__ = ["RuntimeStats"]
 
@@ -30,7 +34,19 @@ class RuntimeStats:
     pinned_allocations
         Pinned allocations made so far (the pool's misses).
     device_bytes
-        Device memory allocated through this runtime and not freed.
+        Device memory allocated through this runtime for arrays alive (or
+        dropped and not yet collected by a later call).
+    device_pool_reserved_bytes
+        Device memory the runtime's pool holds from the device: in use, freed
+        and kept for reuse, or freed in stream order and not yet reusable (a
+        consumer's work on it still runs). What ``Runtime(device_pool_limit=...)``
+        bounds at synchronization points and :meth:`Runtime.trim` gives back.
+        Where the device has no memory pools: what ``cuMemAlloc`` holds. 0
+        after ``close()``.
+    device_pool_used_bytes
+        The part of it in use: live arrays, and memory whose free waits for a
+        consumer's work (or, for arrays exported with no known stream, for
+        the device to have been idle once).
     submitted, completed, failed
         Transfers submitted; proven complete (waited or retired); failed.
     events
@@ -62,3 +78,31 @@ class RuntimeStats:
     staging_pinned_bytes: int
     registered_bytes: int
     host_cache_bytes: int
+    device_pool_reserved_bytes: int
+    device_pool_used_bytes: int
+
+
+def snapshot(parts: Parts) -> RuntimeStats:
+    """The counters of a runtime's parts, summed (the runtime's lock held)."""
+    completion, pool, memory = parts.completion, parts.pool, parts.memory
+    reserved, used = memory.usage()
+    return RuntimeStats(
+        in_flight=len(completion.live),
+        retiring=len(completion.retiring),
+        abandoned=completion.abandoned_objects,
+        abandoned_bytes=completion.abandoned_bytes + parts.staged.abandoned_bytes,
+        pinned_pool_bytes=pool.held_bytes,
+        pinned_free_bytes=pool.free_bytes,
+        pinned_allocations=pool.allocations,
+        device_bytes=memory.bytes,
+        submitted=completion.submitted,
+        completed=completion.completed,
+        failed=completion.failed,
+        events=completion.event_count,
+        host_copied_bytes=parts.host.host_copied,
+        staging_pinned_bytes=parts.host.staging_bytes,
+        registered_bytes=parts.registrations.bytes,
+        host_cache_bytes=parts.host_cache.free_bytes,
+        device_pool_reserved_bytes=reserved,
+        device_pool_used_bytes=used,
+    )

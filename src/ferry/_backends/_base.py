@@ -57,6 +57,54 @@ class Backend(Protocol):
         """Free device memory from :meth:`mem_alloc`."""
         ...
 
+    # -- stream-ordered memory pools (cuMemPoolCreate, cuMemAllocFromPoolAsync, cuMemFreeAsync) --
+    def mem_pool_create(self, release_threshold: int | None) -> Any:
+        """A memory pool of the device, or ``None`` where the device has none (then
+        :meth:`mem_alloc`/:meth:`mem_free` serve).
+
+        ``release_threshold``: reserved bytes the pool keeps at synchronization
+        points (``None``: everything). The pool never makes an allocation wait
+        for another stream's work (no internal dependencies): it reuses a block
+        whose free is complete, or one freed on the allocating stream, or grows.
+        """
+        ...
+
+    def mem_pool_destroy(self, pool: Any) -> None:
+        """Destroy a pool; blocks still allocated, or whose free is pending, are released by the
+        device once those complete."""
+        ...
+
+    def mem_pool_alloc(self, pool: Any, nbytes: int, stream: Any) -> int:
+        """Allocate ``nbytes`` (> 0) from ``pool`` in the order of ``stream`` and return once the
+        allocation is usable on every stream.
+
+        ``stream`` must be a stream that never waits for other work (ferry's
+        allocation stream), so that reaching the allocation on it is
+        immediate; the backend synchronizes it, which is not counted as a host
+        wait.
+        """
+        ...
+
+    def mem_free_async(self, ptr: int, stream: Any) -> None:
+        """Free pool memory in the order of ``stream``: after everything queued there before."""
+        ...
+
+    def mem_pool_trim(self, pool: Any, keep_bytes: int) -> None:
+        """Give the pool's unused memory back to the device until at most ``keep_bytes`` stay reserved."""
+        ...
+
+    def mem_pool_usage(self, pool: Any) -> tuple[int, int]:
+        """``(reserved, used)`` bytes of the pool now."""
+        ...
+
+    def device_synchronize(self) -> None:
+        """Block until every stream of the device (any library's, in this process's context) is idle.
+
+        Only a background thread of ferry calls it (never the transfer path);
+        not counted as a host wait.
+        """
+        ...
+
     def host_alloc(self, nbytes: int) -> int:
         """Allocate ``nbytes`` (> 0) of pinned host memory; return its address."""
         ...
