@@ -15,18 +15,28 @@ flight is readable, every object is in the state the model says, owned bytes
 never change under us, every completed transfer delivered the bytes the model
 predicts, the stats add up, registrations are accounted for, and the emulated
 device saw no invariant violation (use after free, ...). After close(): nothing
-is in flight or retiring, and the only device memory still allocated is what
-failed transfers abandoned.
+is in flight or retiring, the only device memory still allocated is what failed
+transfers abandoned, and no handle outlived its use.
 
-Two bugs this machine found are kept out of its moves (see the ``KNOWN BUG``
+Each example runs on one staging engine (the pure-Python one, and the native one
+when it is built); they differ in one documented way: the native engine hands
+off staged uploads. The machine is deterministic given its choices: whatever
+the device's speed can change (a failure seen by ``is_ready()``, a dropped
+handle's retirement) is polled or settled to its end before the model moves on,
+so hypothesis can replay and shrink what it finds.
+
+Five bugs this machine found are kept out of its moves (the ``KNOWN BUG``
 notes) and pinned down by the strict-xfail tests at the end of the file.
+Set ``FERRY_STATE_MACHINE_TRACE=1`` to print every submission while debugging.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +56,7 @@ from hypothesis.stateful import (
 import ferry
 from ferry import testing
 
-pytestmark = pytest.mark.slow
-
+_TRACE = bool(os.environ.get("FERRY_STATE_MACHINE_TRACE"))  # print each submission (for debugging)
 CAPACITY = 4
 DIRECT = 8192
 STAGING = ferry.StagingConfig(slot_bytes=4096 * 4, direct_bytes=DIRECT, min_chunk_bytes=4096, lanes=2, slots_per_lane=2)
@@ -69,7 +78,7 @@ MAX_OBJECTS = 6
 MAX_PENDING = 8
 
 # the number of rule steps the CI run must reach (checked by the test below)
-MAX_EXAMPLES = 220
+MAX_EXAMPLES = 350  # about 38 steps each: ~13,000 steps, ~12 s on 2 cores
 STEPS_PER_EXAMPLE = 50
 MIN_STEPS = 10_000
 
@@ -138,7 +147,6 @@ class Pending:
     handed: bool = False
     failure_seen: bool = False
     took_fault: bool = False  # submitted while a fault was armed: it takes the fault
-    complete_seen: bool = False  # is_ready() returned True
 
 
 def _random_bytes(seed: int, n: int) -> np.ndarray[Any, Any]:
@@ -157,7 +165,8 @@ class FerryMachine(RuleBasedStateMachine):
         self.hosts: list[Host] = []
         self.views: list[tuple[Buf, np.ndarray[Any, Any]]] = []
         self.pending: list[Pending] = []
-        self.graveyard: list[Any] = []  # objects the model stopped using but whose fate is counted at teardown
+        self.graveyard: list[Any] = []  # objects the model stopped using, whose fate teardown counts
+        self.handles: list[weakref.ref[Any]] = []  # every handle made, to prove none outlives its use
         self.fault_armed = False
         self.staged_may_run = False  # a dropped staged transfer may still be enqueueing chunk copies
         self.closed = False
@@ -221,22 +230,18 @@ class FerryMachine(RuleBasedStateMachine):
         if self.fault_armed:
             self.fault_armed = False
             p.took_fault = True
+        if _TRACE:
+            print(f"  submitted #{len(self.pending)} {p.kind} {p.route} fate={p.fate} fault={p.took_fault} "
+                  f"buf={p.buf} dev={p.dev} src={p.src} host={p.host}")
         self.pending.append(p)
+        self.handles.append(weakref.ref(p.handle))
         return p
 
     def _claim_fault(self, p: Pending) -> None:
         """A staged transfer consumes the armed fault on a lane thread, later: make sure it did
         (so no later submission takes it) by polling until the failure shows."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                ready = p.handle.is_ready()
-            except ferry.TransferFailedError:
-                self._failed(p)
-                return
-            assert not ready, "a staged transfer submitted with an armed fault completed"
-            time.sleep(0.0005)
-        raise AssertionError("a staged transfer with an armed fault never failed")
+        assert p.fate == "fail"
+        self._resolve(p)
 
     # -- allocation and views ----------------------------------------------------------------------
     @precondition(lambda self: not self.closed and len(self.bufs) < MAX_OBJECTS)
@@ -510,13 +515,13 @@ class FerryMachine(RuleBasedStateMachine):
         if kind == "down_pinned" and self.bufs and self.devs:
             return self._down_pinned(pick(st.sampled_from(self.devs)), pick(st.sampled_from(self.bufs)))
         if kind == "up_host" and self.hosts:
-            host = pick(st.sampled_from(self.hosts))
-            dev = pick(st.none() | st.sampled_from(self.devs)) if self.devs else None
-            return self._up_host(host, dev)
+            source = pick(st.sampled_from(self.hosts))
+            dest = pick(st.none() | st.sampled_from(self.devs)) if self.devs else None
+            return self._up_host(source, dest)
         if kind == "down_host" and self.devs:
-            dev = pick(st.sampled_from(self.devs))
-            host = pick(st.none() | st.sampled_from(self.hosts)) if self.hosts else None
-            return self._down_host(dev, host)
+            device = pick(st.sampled_from(self.devs))
+            out = pick(st.none() | st.sampled_from(self.hosts)) if self.hosts else None
+            return self._down_host(device, out)
         if kind == "copy" and self.devs:
             return self._copy(pick(st.sampled_from(self.devs)), pick(st.sampled_from(self.devs)))
         return None
@@ -634,18 +639,25 @@ class FerryMachine(RuleBasedStateMachine):
         self._step()
         p = self.pending[data.draw(st.integers(0, len(self.pending) - 1))]
         if p.fate == "ok":
-            ready = p.handle.is_ready()
-            assert ready in (True, False)
-            p.complete_seen = p.complete_seen or ready
+            assert p.handle.is_ready() in (True, False)  # never raises, never blocks
             return
-        try:
-            ready = p.handle.is_ready()
-        except ferry.TransferFailedError:
-            self._failed(p)  # settled now: the objects are abandoned at once
-            return
-        if ready:
-            assert p.fate == "maybe", "a transfer that must fail reported success"
-            p.complete_seen = True
+        # a failure is settled (its objects abandoned) by the is_ready() that sees it: poll until
+        # the outcome shows, so that the model does not depend on how fast the device was
+        self._resolve(p)
+
+    def _resolve(self, p: Pending) -> None:
+        """Poll ``is_ready()`` until the transfer completed or its failure showed (no hold is open)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if p.handle.is_ready():
+                    assert p.fate != "fail", "a transfer that must fail reported success"
+                    return
+            except ferry.TransferFailedError:
+                self._failed(p)
+                return
+            time.sleep(0.0002)
+        raise AssertionError(f"a {p.kind} ({p.route}) never completed")
 
     @precondition(
         lambda self: not self.closed and any(p.kind.startswith("up") for p in self.pending)
@@ -679,6 +691,9 @@ class FerryMachine(RuleBasedStateMachine):
             p.dev = Dev(dest, None)
             self.devs.append(p.dev)
         assert dest is p.dev.obj
+        if p.dev.abandoned:  # a failed hand-off upstream abandoned it already: nothing to hand
+            assert dest.state == "abandoned"
+            return
         if not p.handed:
             assert dest.state == "owned"  # usable at once
             p.handed = True
@@ -841,15 +856,15 @@ class FerryMachine(RuleBasedStateMachine):
         self._step()
         self._settle()
 
-    @precondition(
-        lambda self: not self.closed
-        and not self.fault_armed
-        and not any(p.route == "staged" and not (p.complete_seen or p.failure_seen) for p in self.pending)
-    )
+    @precondition(lambda self: not self.closed and not self.fault_armed)
     @rule()
     def inject_fault(self) -> None:
-        """The next copy enqueued fails (no staged job may still be enqueueing chunks)."""
+        """The next copy enqueued fails. No staged job may still be enqueueing chunks (it would take
+        the fault): the pending ones are polled to completion, the dropped ones retired, first."""
         self._step()
+        for p in self.pending:
+            if p.route == "staged" and not p.failure_seen:
+                self._resolve(p)
         if self.staged_may_run:
             self._settle()
         testing.fail_next_copy(self.rt)
@@ -995,7 +1010,6 @@ class FerryMachine(RuleBasedStateMachine):
         self.bufs.clear()
         self.devs.clear()
         self.hosts.clear()
-        gc.collect()
         s = self.rt.stats()
         assert s.in_flight == 0 and s.retiring == 0
         assert s.submitted == s.completed + s.failed
@@ -1007,7 +1021,9 @@ class FerryMachine(RuleBasedStateMachine):
             assert host_allocs == 0  # every pinned block too
         if s.failed == 0:
             # KNOWN BUG (see test_a_failed_handle_is_not_kept_alive): a failed handle stays alive
-            assert testing.live_objects(self.rt)["handles"] == 0  # no handle leaked
+            if any(ref() is not None for ref in self.handles):
+                gc.collect()  # (a full collection only when reference counting left one)
+            assert all(ref() is None for ref in self.handles)  # no handle leaked
 
 
 def _merge(head: bytes | None, old: bytes | None, total: int) -> bytes | None:
@@ -1027,9 +1043,10 @@ SETTINGS = settings(
 )
 
 
+@pytest.mark.slow
 def test_the_state_machine_runs_ten_thousand_steps_without_a_violation() -> None:
     FerryMachine.steps = 0
-    run_state_machine_as_test(FerryMachine, settings=SETTINGS)
+    run_state_machine_as_test(FerryMachine, settings=SETTINGS)  # type: ignore[no-untyped-call]
     assert FerryMachine.steps >= MIN_STEPS, f"only {FerryMachine.steps} steps ran"
 
 
