@@ -12,8 +12,8 @@ What needs a GPU is declared, never probed by hand in a test:
 - the ``machine`` fixture's ``"cuda"`` parameter (two GPUs; ``pair`` builds on it);
 - ``@pytest.mark.cuda`` (one GPU) or ``@pytest.mark.cuda(devices=2)``.
 
-Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``), ``lint``
-(runs ruff or mypy), ``cuda``.
+Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
+(ruff, mypy), registered in ``pyproject.toml``; ``cuda``, registered here.
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ def require_gpus(devices: int = 1) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # registered here too so that the markers exist whatever pyproject.toml says (duplicates are harmless)
-    config.addinivalue_line("markers", "slow: slow tests (deselect with -m 'not slow' for the quick loop)")
-    config.addinivalue_line("markers", "lint: runs a linter or type checker (ruff, mypy)")
+    # slow and lint are registered in pyproject.toml; cuda belongs to this file's setup hook
     config.addinivalue_line("markers", "cuda(devices=1): needs that many usable GPUs; skipped otherwise")
 
 
