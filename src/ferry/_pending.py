@@ -17,19 +17,31 @@ import sys
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
+
 from ._errors import FerryError
 
 if TYPE_CHECKING:
     from ._completion import CompletionPort, Record
     from ._device_array import DeviceArray  # noqa: F401
 
-__all__ = ["PendingUpload", "PendingDownload", "PendingCopy"]
+__all__ = ["Pending", "PendingUpload", "PendingDownload", "PendingCopy"]
 
 
-_Result = TypeVar("_Result")
+Result = TypeVar("Result")
+Host = TypeVar("Host")
+Device = TypeVar("Device")
+Source = TypeVar("Source")
+HostArray = TypeVar("HostArray", bound="np.ndarray[Any, Any]")  # the NumPy array a pageable transfer hands back
 
 
-class _Pending(Generic[_Result]):
+class Pending(Generic[Result]):
+    """The base of every transfer handle: ``wait()`` returns a ``Result``.
+
+    Use it in annotations (``list[ferry.Pending[Any]]``); handles come from
+    the runtime's submissions, never from this constructor.
+    """
+
     __slots__ = ("__weakref__", "_claimed", "_future", "_port", "_record", "_waited")
 
     def __init__(self, port: CompletionPort, record: Record) -> None:
@@ -63,7 +75,7 @@ class _Pending(Generic[_Result]):
             return True
         return self._port.poll(self._record)
 
-    def wait(self, timeout: float | None = None) -> _Result:
+    def wait(self, timeout: float | None = None) -> Result:
         """Block until the copy completed, then hand back what was handed in.
 
         Guarantee: when it returns, the copy is complete (the destination holds
@@ -102,7 +114,7 @@ class _Pending(Generic[_Result]):
         self._waited = self._claimed = True
         return result  # type: ignore[return-value]
 
-    def future(self) -> concurrent.futures.Future[_Result]:
+    def future(self) -> concurrent.futures.Future[Result]:
         """A :class:`concurrent.futures.Future` resolved with what ``wait()`` returns.
 
         The runtime's watcher (one per runtime, sleeping until the device
@@ -121,7 +133,7 @@ class _Pending(Generic[_Result]):
             future = self._future = self._port.watch(self)
         return future  # type: ignore[no-any-return]
 
-    def add_done_callback(self, fn: Callable[[_Pending[_Result]], object]) -> None:
+    def add_done_callback(self, fn: Callable[[Pending[Result]], object]) -> None:
         """Call ``fn(handle)`` once the transfer completed or failed.
 
         The callback runs on the watcher's thread (or at once, if the transfer
@@ -131,7 +143,7 @@ class _Pending(Generic[_Result]):
         """
         self._port.watch(self).add_done_callback(lambda _future: fn(self))
 
-    def __await__(self) -> Generator[Any, None, _Result]:
+    def __await__(self) -> Generator[Any, None, Result]:
         """``await handle`` in asyncio: the result of ``wait()``, without blocking the loop.
 
         Each ``await`` has a future of its own, so a cancelled task (or an
@@ -153,7 +165,10 @@ class _Pending(Generic[_Result]):
         return f"<{type(self).__name__} {status}>"
 
 
-class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
+_Pending = Pending  # the name the rest of ferry uses
+
+
+class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
     """A host-to-device copy in flight.
 
     ``wait()`` returns ``(buffer, destination)``: the host side (the pinned
@@ -164,7 +179,7 @@ class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
 
     __slots__ = ()
 
-    def hand_off(self, stream: Any = None) -> Any:
+    def hand_off(self, stream: Any = None) -> Device:
         """Hand the destination to GPU work before the copy is known complete, with no host wait.
 
         With ``stream`` (an int handle, a ``torch.cuda.Stream``, a
@@ -183,10 +198,11 @@ class PendingUpload(_Pending["tuple[Any, DeviceArray]"]):
         runs it (the stream waits for every chunk's stream); with the
         pure-Python engine it raises :class:`~ferry.FerryError`: wait for it.
         """
-        return self._port.hand_off(self, stream)
+        destination: Device = self._port.hand_off(self, stream)
+        return destination
 
 
-class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):
+class PendingDownload(Pending[tuple[Source, Host]], Generic[Source, Host]):
     """A device-to-host copy in flight.
 
     ``wait()`` returns ``(source, buffer)``: the device array that was read
@@ -198,7 +214,7 @@ class PendingDownload(_Pending["tuple[DeviceArray, Any]"]):
     __slots__ = ()
 
 
-class PendingCopy(_Pending["tuple[DeviceArray, DeviceArray]"]):
+class PendingCopy(Pending["tuple[DeviceArray, DeviceArray]"]):
     """A device-to-device copy in flight (see :meth:`~ferry.Runtime.copy_pending`).
 
     ``wait()`` returns ``(source, destination)``: the source was read-leased,

@@ -40,15 +40,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._backends._base import DeviceError
 
 if TYPE_CHECKING:
     from ._completion import Completion, Record
-    from ._pending import _Pending
+    from ._pending import Pending, _Pending
 
 __all__ = ["wait_all", "as_completed"]
+
+Result = TypeVar("Result")
+Handle = TypeVar("Handle", bound="Pending[Any]")
 
 _SLICE = 0.05  # s: sleeping waits wake this often, so a signal delivered to another thread is seen
 _local = threading.local()
@@ -241,7 +244,7 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def wait_all(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> list[Any]:
+def wait_all(handles: Iterable[Pending[Result]], timeout: float | None = None) -> list[Result]:
     """Wait for every handle; return their ``wait()`` results in the order given.
 
     Each handle is waited as by ``wait()`` (it is then waited: a second
@@ -280,7 +283,7 @@ def wait_all(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> 
             handle._port.attend(handle._record, -1)
 
 
-def as_completed(handles: Iterable[_Pending[Any]], timeout: float | None = None) -> Iterator[_Pending[Any]]:
+def as_completed(handles: Iterable[Handle], timeout: float | None = None) -> Iterator[Handle]:
     """Yield the handles as their transfers complete or fail (``wait()`` on each then returns at once).
 
     Each handle is yielded once, whatever became of its futures. Raises the
@@ -290,11 +293,11 @@ def as_completed(handles: Iterable[_Pending[Any]], timeout: float | None = None)
     """
     unique = list({id(h): h for h in handles}.values())
     deadline = _deadline(timeout)
-    arrived: deque[_Pending[Any]] = deque()
+    arrived: deque[Handle] = deque()
     cond = threading.Condition()
-    listeners: list[tuple[_Pending[Any], Callable[[], object]]] = []
+    listeners: list[tuple[Handle, Callable[[], object]]] = []
 
-    def listener(handle: _Pending[Any]) -> Callable[[], object]:
+    def listener(handle: Handle) -> Callable[[], object]:
         def fire() -> None:
             with cond:
                 arrived.append(handle)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._backends._base import Backend, DeviceError
-from .._errors import BufferMovedError, FerryError
+from .._errors import BufferMovedError, FerryError, TransferSubmitError
 
 if TYPE_CHECKING:
     from .._lifecycle import Health
@@ -110,7 +110,11 @@ class Registrations:
         return sum(r._nbytes for r in self.active)
 
     def register(self, array: np.ndarray[Any, Any]) -> Registration:
-        """Pin ``array`` (C-contiguous, non-empty, checked by the caller) in place."""
+        """Pin ``array`` in place; refuses anything but a non-empty C-contiguous array of bytes."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
+            raise TypeError("register needs a non-empty C-contiguous NumPy array")
+        if array.dtype.hasobject or array.dtype.itemsize == 0:
+            raise TransferSubmitError(f"register: dtype {array.dtype} is not a fixed-size byte layout ferry copies")
         ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
         with self.lock:
             for other in self.active:
