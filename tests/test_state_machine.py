@@ -1058,7 +1058,6 @@ def test_the_state_machine_runs_ten_thousand_steps_without_a_violation() -> None
 # marker (and the KNOWN BUG guard in the machine) should go.
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: DeviceArray.close() frees a handed-off array under its upload")
 def test_closing_a_handed_off_array_never_frees_it_under_its_upload() -> None:
     rt = ferry.Runtime("emulated", emulated_bandwidth=1e8)  # 1 MiB takes ~10 ms
     try:
@@ -1092,7 +1091,6 @@ def test_a_failed_hand_off_does_not_fail_a_later_staged_transfer() -> None:
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: close() of an abandoned download source raises")
 def test_closing_an_abandoned_download_source_is_a_no_op() -> None:
     rt = ferry.Runtime("emulated")
     try:

@@ -11,13 +11,14 @@ from that module's ``__all__``.
 
 from __future__ import annotations
 
-from . import _buffer, _device_array, _errors, _pending, _runtime, _stats, _waiting
+from . import _buffer, _device_array, _errors, _pending, _prefetch, _runtime, _stats, _waiting
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
 from ._memory import _register
 from ._memory._register import *  # noqa: F403
 from ._pending import *  # noqa: F403
+from ._prefetch import *  # noqa: F403
 from ._routes import _peer, _staged
 from ._routes._peer import *  # noqa: F403
 from ._routes._staged import *  # noqa: F403
@@ -38,3 +39,4 @@ __all__ += _staged.__all__
 __all__ += _register.__all__
 __all__ += _waiting.__all__
 __all__ += _peer.__all__
+__all__ += _prefetch.__all__

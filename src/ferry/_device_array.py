@@ -217,13 +217,25 @@ class DeviceArray:
         """Free the device memory now.
 
         Idempotent once closed; a no-op when abandoned (never freed). Raises
-        :class:`~ferry.BufferMovedError` while in flight or read-leased.
+        :class:`~ferry.BufferMovedError` while in flight or read-leased, and
+        while an upload that handed it off has not been waited (the copy may
+        still write it; dropping the array instead frees it once the upload
+        completes). The memory goes back to the pool after every stream that
+        may still use it (see :meth:`record_stream`).
         """
-        if self._state is OWNED and not self._leases:
-            self._state = CLOSED
-            self._memory.free(self._ptr, self._nbytes)
-        elif self._state is IN_FLIGHT or self._leases:
+        state = self._state
+        if state is CLOSED or state is ABANDONED:  # (an abandoned read source keeps its lease count)
+            return
+        if state is IN_FLIGHT or self._leases:
             raise BufferMovedError(f"cannot close a device array that is {self.state}; wait() for it first")
+        ready = self._ready
+        if ready is not None and not ready.done:
+            raise BufferMovedError(
+                "cannot close a device array while the upload that handed it off may still write it; "
+                "wait() for that upload first (or drop the array: it is freed once the upload completes)"
+            )
+        self._state = CLOSED
+        self._memory.free(self._ptr, self._nbytes)
 
     def __del__(self) -> None:
         # never calls the backend: the address is freed by the runtime's next call

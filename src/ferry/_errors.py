@@ -21,6 +21,7 @@ __all__ = [
     "BufferMovedError",
     "DeviceUnavailableError",
     "RuntimeClosedError",
+    "PrefetchError",
 ]
 
 
@@ -64,3 +65,19 @@ class RuntimeClosedError(TransferSubmitError):
     too, so a refused submission is caught by either name, and, like every
     refused submission, it changed nothing.
     """
+
+
+class PrefetchError(FerryError):
+    """A batch given to :func:`ferry.prefetch` could not be uploaded, or its upload failed.
+
+    ``index`` is the batch's position in the iterable (0 for the first);
+    ``__cause__`` is the error itself (a :class:`TransferSubmitError` for a
+    leaf ferry cannot copy, a :class:`TransferFailedError` for a copy the
+    device failed, a ``TypeError`` for a leaf that is not a host array, a
+    ``MemoryError``). The batches before it were yielded; the prefetch is
+    closed.
+    """
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index

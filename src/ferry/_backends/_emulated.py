@@ -134,25 +134,31 @@ class _Pool:
         self.threshold = threshold  # reserved bytes kept at synchronization points (None: all)
         self.reserved = 0
         self.used = 0
-        self.free: list[tuple[int, Any]] = []  # (size, storage) whose free has run
+        # freed blocks: [size, storage, uid of the stream whose free has not run yet, or 0]
+        self.free: list[list[Any]] = []
         self.destroyed = False
 
-    def take(self, size: int) -> Any:
-        """The smallest free block that fits ``size`` without wasting more than it, or None."""
+    def take(self, size: int, stream_uid: int) -> tuple[int, Any] | None:
+        """The smallest freed block that fits ``size`` without wasting more than it, or None. A block
+        whose free has not run is taken only by the stream it was freed on (stream order)."""
         best = -1
-        for i, (have, _) in enumerate(self.free):
+        for i, (have, _, pending) in enumerate(self.free):
+            if pending and pending != stream_uid:
+                continue
             if size <= have <= 2 * size + _POOL_GRANULE and (best < 0 or have < self.free[best][0]):
                 best = i
         if best < 0:
             return None
-        return self.free.pop(best)
+        have, storage, _ = self.free.pop(best)
+        return have, storage
 
     def shrink_to(self, keep: int) -> int:
-        """Drop free blocks (largest first) until at most ``keep`` bytes stay reserved; the bytes dropped."""
+        """Drop freed blocks whose free ran (largest first) until at most ``keep`` bytes stay
+        reserved; the bytes dropped."""
         dropped = 0
-        self.free.sort(key=lambda block: block[0])
-        while self.free and self.reserved > keep:
-            size, _ = self.free.pop()
+        self.free.sort(key=lambda block: (not block[2], block[0]))
+        while self.free and not self.free[-1][2] and self.reserved > keep:
+            size, _, _ = self.free.pop()
             self.reserved -= size
             dropped += size
         return dropped
@@ -383,8 +389,8 @@ class EmulatedBackend:
 
     def mem_pool_destroy(self, pool: _Pool) -> None:
         with self._lock:
+            self._held -= pool.shrink_to(0)  # the blocks whose free has run; the others when it runs
             pool.destroyed = True
-            self._held -= pool.shrink_to(0)
             if pool in self._pools:
                 self._pools.remove(pool)
 
@@ -394,7 +400,7 @@ class EmulatedBackend:
         with self._lock:
             if pool.destroyed:
                 raise DeviceError("invalid memory pool (destroyed)", code=1)
-            block = pool.take(size)
+            block = pool.take(size, stream.uid)
         if block is None:  # grow: outside the lock, the pages are touched here
             self._reserve(size)
             try:
@@ -451,16 +457,23 @@ class EmulatedBackend:
                         "before the free: it could race the free"
                     )
             alloc.freed = True
-            size, storage = alloc.size, alloc.storage
+            size = alloc.size
+            block = [size, alloc.storage, stream.uid]  # reusable on this stream at once, elsewhere once run
+            if not pool.destroyed:
+                pool.free.append(block)
 
             def run() -> None:
                 with self._lock:
+                    if alloc.busy:  # users the clocks do not see (the native engine's copies) still run
+                        self._violation(
+                            f"pool memory at {ptr:#x} ({alloc.nbytes} bytes) freed on stream {stream.handle:#x} "
+                            f"while {alloc.busy} queued operation(s) still touch it"
+                        )
                     pool.used -= size
+                    block[2] = 0
                     if pool.destroyed:
                         self._held -= size
                         pool.reserved -= size
-                    else:
-                        pool.free.append((size, storage))
 
             stream.submit(run)
 
