@@ -1120,7 +1120,6 @@ def test_a_failed_handle_is_not_kept_alive() -> None:
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a second hand_off() takes the array from a later transfer")
 def test_a_second_hand_off_does_not_take_the_array_from_a_later_transfer() -> None:
     rt = ferry.Runtime("emulated")
     try:

@@ -886,7 +886,10 @@ class Completion:
                 except DeviceError as exc:
                     self.health.note(exc)
                     raise FerryError(f"could not make the stream wait for the upload: {exc}") from exc
-            if isinstance(destination, DeviceArray) and destination._state is IN_FLIGHT:
+            if (
+                isinstance(destination, DeviceArray) and destination._state is IN_FLIGHT
+                and any(o is destination for o in record.moved)  # a second hand_off: already handed
+            ):
                 destination._state = OWNED
                 destination._ready = record
                 record.moved = tuple(o for o in record.moved if o is not destination)
