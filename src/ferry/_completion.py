@@ -155,6 +155,8 @@ class Extras:
 
     __slots__ = ("batch", "cleanups", "export_stream", "finish", "handed", "job", "order_after", "shared")
 
+    own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
+
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None
         self.cleanups: list[Callable[[bool], None]] = []
@@ -177,21 +179,41 @@ class SharedEvent:
         self.done = False  # proven complete once: the other records need not ask again
 
 
+class Segment:
+    """One copy stream's open part of a batch: its records and their copies, not yet enqueued."""
+
+    __slots__ = ("ops", "records", "stream")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.records: list[Record] = []
+        self.ops: list[tuple[Callable[[int, int, int, Any, Any], None], int, int, int]] = []  # copy, dst, src, n
+
+
 class Batch:
     """Transfers submitted inside ``with rt.batch():`` on one thread.
 
-    Their copies are enqueued at once, but no per-transfer event is recorded:
-    each copy stream's records wait in a *segment*, and one event is recorded
-    for the whole segment when the block exits, or earlier when one of its
-    records is polled or waited (the segment is then closed and later
-    submissions start a new one). A shared event proves completion of every
-    copy enqueued before it on that stream, which is all its records.
+    A submission inside the block does its checks and moves ownership at
+    once, but its copy is not enqueued yet: each copy stream's records and
+    copies wait in a *segment*. A segment is *flushed* when the block exits,
+    or earlier when one of its records is polled, waited or handed off: its
+    copies are enqueued together (``Backend.copy_batch``: one
+    ``cuMemcpyBatchAsync`` per run of same-direction copies on CUDA) and one
+    event is recorded behind them, shared by the segment's records; later
+    submissions start a new segment. The copies start then, not at submission.
+    A shared event proves completion of every copy enqueued before it on that
+    stream, which is all its records. Copies of one segment may run in any
+    order among themselves: ferry's ownership rules keep two pending copies
+    from touching the same bytes where one writes (a destination is in flight
+    until waited), and a destination address that repeats in a segment (two
+    views of foreign memory) starts a new device batch, which is ordered
+    after the previous one.
     """
 
     __slots__ = ("depth", "segments")
 
     def __init__(self) -> None:
-        self.segments: dict[int, tuple[Any, list[Record]]] = {}
+        self.segments: dict[int, Segment] = {}
         self.depth = 0
 
 
@@ -373,16 +395,16 @@ class Completion:
         leased: tuple[Any, ...],
         result: tuple[Any, ...],
     ) -> Record:
-        try:
-            copy(dst, src, nbytes, stream, None)  # no event of its own: the batch records one
-        except DeviceError as exc:
-            self.health.note(exc)
-            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        # nothing is enqueued yet: the segment's copies go to the device together when it is flushed
         self.seq += 1
         record = Record(self.seq, None, stream, moved, leased, result, nbytes)
-        record.extra = Extras()
-        record.extra.batch = batch
-        batch.segments.setdefault(id(stream), (stream, []))[1].append(record)
+        extra = record.extra = Extras()
+        extra.batch = batch
+        segment = batch.segments.get(id(stream))
+        if segment is None:
+            segment = batch.segments[id(stream)] = Segment(stream)
+        segment.records.append(record)
+        segment.ops.append((copy, dst, src, nbytes))
         self.submitted += 1
         self.live.add(record)
         return record
@@ -430,19 +452,25 @@ class Completion:
                         self._flush_segment(batch, key)
 
     def _flush_segment(self, batch: Batch, key: int) -> None:
-        """Record the shared event of one stream's open segment. Lock held."""
-        entry = batch.segments.pop(key, None)
-        if entry is None:
+        """Enqueue one stream's open segment and record its shared event. Lock held.
+
+        A device error fails every record of the segment (its copies may have
+        been queued in part: nothing they touch is ever reused).
+        """
+        segment = batch.segments.pop(key, None)
+        if segment is None:
             return
-        stream, records = entry
-        records = [r for r in records if r.error is None]
+        records = [r for r in segment.records if r.error is None]
         if not records:
             return
+        event = None
         try:
             event = self.take_event()
-            self.backend.event_record(event, stream)
+            self._enqueue_ops(segment.stream, segment.ops, event)
         except DeviceError as exc:
             self.health.note(exc)
+            if event is not None:
+                self.events.append(event)  # never recorded: reusable
             for record in records:
                 self.fail(record, exc)
             return
@@ -452,6 +480,34 @@ class Completion:
             assert record.extra is not None
             record.extra.batch = None
             record.extra.shared = shared
+
+    def _enqueue_ops(self, stream: Any, ops: list[tuple[Any, int, int, int]], event: Any) -> None:
+        """A segment's copies in order, runs of host<->device copies as device batches, then ``event``."""
+        backend = self.backend
+        up, down = backend.htod_record, backend.dtoh_record
+        i, count = 0, len(ops)
+        while i < count:
+            copy = ops[i][0]
+            upload = copy == up
+            if not (upload or copy == down):  # another kind of copy (peer, device to device): on its own
+                _, dst, src, nbytes = ops[i]
+                i += 1
+                copy(dst, src, nbytes, stream, event if i == count else None)
+                continue
+            dsts: list[int] = []
+            srcs: list[int] = []
+            sizes: list[int] = []
+            seen: set[int] = set()
+            while i < count and ops[i][0] == copy and ops[i][1] not in seen:
+                _, dst, src, nbytes = ops[i]
+                seen.add(dst)
+                dsts.append(dst)
+                srcs.append(src)
+                sizes.append(nbytes)
+                i += 1
+            backend.copy_batch(upload, dsts, srcs, sizes, stream, event if i == count else None)
+        if not count:
+            backend.event_record(event, stream)
 
     def flush_for(self, record: Record) -> None:
         """Make sure a batched record has its shared event recorded."""
@@ -491,9 +547,15 @@ class Completion:
         """
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
+            extra = record.extra
+            if extra is not None and extra.shared is not None and extra.shared.done:
+                record.done = True  # a batch-mate proved the shared event (anyone asleep: the watcher wakes)
             if not record.done and record.error is None and self.health.refusal is None:
                 event = record.event
-                if timeout is None and record.extra is None and event is not None and not record.spun:
+                if (
+                    timeout is None and (extra is None or extra.own_event) and event is not None
+                    and not record.spun
+                ):
                     # the common case, inline: a pinned copy's own event, no bound (see ready()); a
                     # small copy completes within SPIN_BASE, so the rest of its budget is reckoned later
                     try:
@@ -946,6 +1008,8 @@ class Completion:
     def _retired_done(self, record: Record) -> bool:
         if record.done or record.error is not None:
             return True
+        if record.extra is not None and record.extra.batch is not None:
+            return False  # not even enqueued: its batch flushes it (a full queue's wait does too)
         try:
             ready = self.query(record)
         except DeviceError as exc:

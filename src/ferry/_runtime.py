@@ -36,8 +36,7 @@ from ._interop._foreign import DEVICE, expect
 from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
-from ._pending import PendingCopy, PendingDownload, PendingUpload
-from ._routes._host import check_copyable
+from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
 from ._routes._peer import copy_between
 from ._routes._pinned import submit_pinned
 from ._routes._staged import StagingConfig, engine_status
@@ -134,6 +133,7 @@ class Runtime:
         self._memory = parts.memory
         self._h2d = parts.h2d
         self._d2h = parts.d2h
+        self._small = parts.host.small  # small NumPy arrays: tried first by upload() and download()
         _lifecycle.register(parts)
         finalizer = weakref.finalize(self, _lifecycle.collected_unclosed, parts, repr(self))
         finalizer.atexit = False  # at exit the lifecycle closes every open runtime, quietly
@@ -236,7 +236,9 @@ class Runtime:
         return new_device_array(self, self._memory, ptr, dims, dt, nbytes)
 
     # -- pinned submissions -------------------------------------------------------------------------
-    def upload_pending(self, buffer: PinnedHostBuffer, destination: DeviceArray) -> PendingUpload:
+    def upload_pending(
+        self, buffer: PinnedHostBuffer, destination: DeviceArray
+    ) -> PendingUpload[PinnedHostBuffer, DeviceArray]:
         """Copy ``destination.nbytes`` bytes from the start of ``buffer`` into ``destination``.
 
         Both objects move into the transfer: until ``wait()`` hands them back
@@ -279,7 +281,9 @@ class Runtime:
             destination._state = IN_FLIGHT
         return PendingUpload(completion, record)
 
-    def download_pending(self, source: DeviceArray, buffer: PinnedHostBuffer) -> PendingDownload:
+    def download_pending(
+        self, source: DeviceArray, buffer: PinnedHostBuffer
+    ) -> PendingDownload[DeviceArray, PinnedHostBuffer]:
         """Copy ``source.nbytes`` bytes from ``source`` into the start of ``buffer``.
 
         The buffer moves into the transfer; the source is read-leased: it may
@@ -320,22 +324,24 @@ class Runtime:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Share one completion event among the transfers submitted inside the block.
+        """Submit the copies made inside the block together, behind one completion event per stream.
 
-        Inside ``with rt.batch():`` (on this thread) each copy is enqueued at
-        once but records no event of its own; one event per copy stream is
-        recorded when the block exits, or earlier when one of the batch's
-        handles is polled or waited. Use it for many small transfers that are
-        waited together: it saves an event record per transfer. Handles keep
-        their full contract (each is waited, dropped or fails on its own).
-        Nested blocks join the outer one.
+        Inside ``with rt.batch():`` (on this thread) each submission is checked
+        and takes ownership at once, but its copy starts only when the block
+        exits, or earlier when one of the batch's handles is polled, waited or
+        handed off: then each copy stream's copies go to the device as one
+        batch (``cuMemcpyBatchAsync`` on CUDA 12.8+) with one shared event; a
+        batch the device refuses fails its transfers. The way to move many
+        small pieces; handles keep their contract. Nested blocks join the outer.
         """
         self._health.check_open()
         with self._completion.batch():
             yield
 
     # -- pageable routes ----------------------------------------------------------------------------
-    def upload(self, source: np.ndarray[Any, Any], destination: DeviceArray | None = None) -> PendingUpload:
+    def upload(
+        self, source: HostArray, destination: DeviceArray | None = None
+    ) -> PendingUpload[HostArray, DeviceArray]:
         """Copy a NumPy array (pageable or registered) to the device without blocking.
 
         ``destination`` must have the source's shape and dtype; when ``None`` a
@@ -343,10 +349,10 @@ class Runtime:
         destination)``. Non-contiguous sources are accepted and copied once.
 
         Routes: a registered source (:meth:`register`) is copied by one DMA
-        with no host copy; a payload up to ``StagingConfig.direct_bytes`` goes
-        through one pooled pinned block; anything larger is staged in chunks
-        through the staging workers' pinned slots, host copies and DMAs
-        overlapped.
+        with no host copy; a C-contiguous one up to 64 KiB through a pinned
+        slot of a ring, one up to ``StagingConfig.direct_bytes`` through one
+        pooled pinned block; anything larger is staged in chunks through the
+        staging workers' pinned slots, host copies and DMAs overlapped.
 
         While pending, ``source`` is flagged read-only (restored by ``wait()``).
         That guards this array object only: other views of the same memory,
@@ -358,9 +364,14 @@ class Runtime:
             Nothing was enqueued; the arguments are unchanged (and a
             destination ferry allocated for this call is freed again).
         """
-        return PendingUpload(self._completion, self._parts.host.upload(self, source, destination, self.empty))
+        record = self._small.upload(self, source, destination, self.empty)
+        if record is None:
+            record = self._parts.host.upload(self, source, destination, self.empty)
+        return PendingUpload(self._completion, record)
 
-    def download(self, source: DeviceArray, out: np.ndarray[Any, Any] | None = None) -> PendingDownload:
+    def download(
+        self, source: DeviceArray, out: np.ndarray[Any, Any] | None = None
+    ) -> PendingDownload[DeviceArray, np.ndarray[Any, Any]]:
         """Copy a device array into a NumPy array without blocking.
 
         ``out`` must be a writable array of the source's shape and dtype
@@ -377,7 +388,10 @@ class Runtime:
         TransferSubmitError
             Nothing was enqueued; the arguments are unchanged.
         """
-        return PendingDownload(self._completion, self._parts.host.download(self, source, out))
+        record = self._small.download(self, source, out)
+        if record is None:
+            record = self._parts.host.download(self, source, out)
+        return PendingDownload(self._completion, record)
 
     def register(self, array: np.ndarray[Any, Any]) -> Registration:
         """Pin a C-contiguous NumPy array in place for repeated transfers.
@@ -389,28 +403,23 @@ class Runtime:
         that are transferred many times.
         """
         self._health.check_open()
-        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.nbytes == 0:
-            raise TypeError("register needs a non-empty C-contiguous NumPy array")
-        check_copyable(array, "register")
         return self._parts.registrations.register(array)
 
     # -- blocking conveniences --------------------------------------------------------------------
-    def to_device(self, array: np.ndarray[Any, Any]) -> DeviceArray:
+    def to_device(self, array: HostArray) -> DeviceArray:
         """Copy a NumPy array to a new device array and wait: ``upload(array).wait()[1]``.
 
         Like every transfer call it takes a NumPy array (convert other
         sequences with ``numpy.asarray`` first) and refuses anything else with
         :class:`~ferry.TransferSubmitError`.
         """
-        _, destination = self.upload(array).wait()
-        return destination
+        return self.upload(array).wait()[1]
 
     def to_host(self, array: DeviceArray) -> np.ndarray[Any, Any]:
         """Copy a device array into a new NumPy array and wait: ``download(array).wait()[1]``.
 
         Like :meth:`to_device`, it waits as ``wait()`` does: Ctrl-C interrupts it."""
-        _, out = self.download(array).wait()
-        result: np.ndarray[Any, Any] = out
+        result = self.download(array).wait()[1]
         return result
 
     # -- several devices ----------------------------------------------------------------------
@@ -464,7 +473,7 @@ class Runtime:
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Give the device pool's unused memory back to the device (``cuMemPoolTrimTo``), keeping at
-        most ``keep_bytes`` reserved. Memory in use, or freed after work that still runs, stays."""
+        most ``keep_bytes`` reserved. Memory in use, or whose free waits for work still running, stays."""
         self._health.check_open()
         with self._lock:
             self._completion.maintain()

@@ -33,6 +33,7 @@ __all__ = [
     "ForeignArray",
     "backend_of",
     "abandoned_objects",
+    "fast_path_counts",
 ]
 
 _DIRECTIONS = ("upload", "download", "both")
@@ -97,6 +98,30 @@ def fail_next_copy(runtime: Runtime, *, sticky: bool = False, after: int = 0) ->
 def backend_of(runtime: Runtime) -> Any:
     """The runtime's device backend (the ``Backend`` protocol object), for tests and probes."""
     return parts_of(runtime).backend
+
+
+def fast_path_counts(runtime: Runtime) -> dict[str, int]:
+    """How often the small-transfer fast paths ran, for tests and probes.
+
+    ``small_uploads``/``small_downloads``: transfers the small pageable route
+    carried; ``small_upload_slots``/``small_download_slots``: its pinned slots
+    now. ``batches``/``batched_copies``: device batch submissions of
+    ``rt.batch()`` segments and the copies they carried (the emulated device
+    counts every ``copy_batch``; CUDA counts ``cuMemcpyBatchAsync`` calls).
+    With CUDA's compiled path also ``copies`` (copies enqueued one call each)
+    and ``waits`` (event waits).
+    """
+    parts = parts_of(runtime)
+    counts = dict(parts.host.small.counts())
+    backend = parts.backend
+    native = getattr(backend, "fast_path_counts", None)
+    extra = native() if native is not None else {}
+    counts["batches"] = int(extra.get("batches", getattr(backend, "batches", 0)))
+    counts["batched_copies"] = int(extra.get("batched_copies", getattr(backend, "batched_copies", 0)))
+    for key in ("copies", "waits"):
+        if key in extra:
+            counts[key] = int(extra[key])
+    return counts
 
 
 def abandoned_objects(runtime: Runtime) -> list[Any]:

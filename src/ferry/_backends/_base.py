@@ -205,6 +205,21 @@ class Backend(Protocol):
         """The device-to-host twin of :meth:`htod_record`."""
         ...
 
+    def copy_batch(
+        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: Any, event: Any
+    ) -> None:
+        """Enqueue many copies of one direction on ``stream``, then record ``event`` (unless ``None``).
+
+        The copies run after everything queued on the stream before, and the
+        event completes after all of them; among themselves they may run in
+        any order (the caller never batches two copies where one writes bytes
+        the other touches). CUDA submits them in one ``cuMemcpyBatchAsync``
+        where the driver has it (12.8+), else one copy call each. A failure
+        raises :class:`DeviceError` with ``enqueued=True`` when some of the
+        copies may have been queued.
+        """
+        ...
+
     # -- several devices -------------------------------------------------------
     def device_count(self) -> int:
         """How many devices of this kind the machine has."""

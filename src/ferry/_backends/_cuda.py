@@ -12,6 +12,21 @@ synchronize) skip that check: they call the driver at once and, only if it
 answers that no usable context is current, bind and call again, so the
 common case costs exactly one driver call.
 
+The compiled fast path. Where the extension is built (and ``FERRY_NATIVE`` is
+not ``0``), the hot calls are not the methods below but the bound methods of
+a compiled ``Calls`` object (``ferry._native``), set on the instance at
+construction: ``htod_record``/``dtoh_record`` (copy and event record in one C
+call), ``event_record``, ``event_query``, ``event_wait`` (polls with the GIL
+released, back in Python every 2 ms for signals), ``event_synchronize`` and
+``copy_batch`` (one ``cuMemcpyBatchAsync`` where the driver has it). They call
+the driver entry points directly, with no ``cuda.bindings`` wrapper; streams
+and events are then plain ``int`` handles (the raw ``CUstream``/``CUevent``
+values, which ``cuda.bindings`` accepts too). A failed compiled call comes
+back through :meth:`CudaBackend._native_failed`, which binds the context and
+retries once or raises :class:`DeviceError`, as the Python path does. Without
+the extension the methods below run: the same contract through
+``cuda.bindings``.
+
 Probe: :func:`probe` is the narrow "is a GPU usable" test. Importing the
 bindings works without a driver; the first call (``cuInit``) raises
 ``cuda.pathfinder.DynamicLibNotFoundError`` when ``libcuda`` is missing, and
@@ -22,9 +37,11 @@ returns an error code when there is a driver but no usable device. Both become
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 from .._errors import DeviceUnavailableError
@@ -59,6 +76,23 @@ def _driver() -> Any:
             "(pip install 'ferry[cuda13]' or 'ferry[cuda12]')"
         ) from exc
     return driver
+
+
+def _code_text(driver: Any, code: int) -> str:
+    """The driver's name and text for a CUresult given as an int."""
+    try:
+        err = driver.CUresult(code)
+    except ValueError:
+        return f"CUresult {code}"
+    return _error_text(driver, err)
+
+
+def _calls_failed(ref: Any, op: str, code: int, stage: int, args: tuple[Any, ...]) -> Any:
+    """``on_error`` of the compiled calls: the backend's :meth:`CudaBackend._native_failed`."""
+    backend = ref()
+    if backend is None:
+        raise DeviceError(f"CUresult {code}", code=code, sticky=code in _STICKY, enqueued=stage > 0)
+    return backend._native_failed(op, code, stage, args)
 
 
 def _error_text(driver: Any, err: Any) -> str:
@@ -149,7 +183,7 @@ class CudaBackend:
         d = _driver()
         self._d = d
         self.device = device
-        self.sync_calls = 0  # host waits (event/stream synchronize), for tests
+        self._syncs = 0  # host waits through cuda.bindings (see sync_calls)
         self._pid = os.getpid()
         err, self._dev = d.cuDeviceGet(device)
         self._check(err)
@@ -168,12 +202,61 @@ class CudaBackend:
         self._gates: list[_Gate] = []
         self._pools: list[Any] = []  # this backend's memory pools (peers are granted access to them)
         self._closed = False
+        self._calls: Any = None  # the compiled fast path, when it runs
+        self._retrying = threading.local()
+        self.fast_path = self._use_native(d)
+
+    def _use_native(self, d: Any) -> str:
+        """Put the compiled calls in place of the hot methods when the extension runs; say which path runs."""
+        from .. import _native
+
+        if _native.load() is None:
+            return f"cuda.bindings ({_native.status()})"
+        try:
+            calls = _native.cuda_calls(d, functools.partial(_calls_failed, weakref.ref(self)))
+        except RuntimeError as exc:
+            return f"cuda.bindings ({exc})"
+        self._calls = calls
+        for name in _NATIVE_CALLS:
+            setattr(self, name, getattr(calls, name))
+        abi = calls.batch_abi
+        if abi:
+            return f"native (batches: cuMemcpyBatchAsync, CUDA {abi // 1000}.{abi % 1000 // 10} ABI)"
+        return "native (batches: a loop of copies; no cuMemcpyBatchAsync here)"
+
+    @property
+    def sync_calls(self) -> int:
+        """Host waits so far (event and stream synchronizations, event waits), for tests."""
+        return self._syncs + (int(self._calls.waits) if self._calls is not None else 0)
+
+    def fast_path_counts(self) -> dict[str, int]:
+        """The compiled path's counters (waits, single copies, batches, batched copies); empty without it."""
+        return dict(self._calls.counts()) if self._calls is not None else {}
 
     # -- plumbing -----------------------------------------------------------------
     def _check(self, err: Any) -> None:
         if err:
             code = int(err)
             raise DeviceError(_error_text(self._d, err), code=code, sticky=code in _STICKY)
+
+    def _native_failed(self, op: str, code: int, stage: int, args: tuple[Any, ...]) -> Any:
+        """A compiled call returned ``code`` (``stage``: see ``_engine.c``): retry once with the context
+        bound when it was not current, else raise :class:`DeviceError` (``enqueued`` past stage 0)."""
+        local = self._retrying
+        if code in _REBIND and stage < 2 and not getattr(local, "active", False):
+            local.active = True
+            try:
+                with self._current:
+                    if stage == 0:
+                        return getattr(self._calls, op)(*args)
+                    self._calls.event_record(args[-1], args[-2])  # the copies are queued: record again
+                    return None
+            except DeviceError as exc:
+                exc.enqueued = exc.enqueued or stage > 0
+                raise
+            finally:
+                local.active = False
+        raise DeviceError(_code_text(self._d, code), code=code, sticky=code in _STICKY, enqueued=stage > 0)
 
     def _retry(self, err: Any, fn: Any, *args: Any) -> None:
         """A hot call failed: if for want of this context being current, call once more inside it."""
@@ -216,6 +299,7 @@ class CudaBackend:
                 "pci_bus_id": bus_id,
                 "link": _pcie_link(bus_id),
                 "copy_engines": engines,
+                "fast_path": self.fast_path,
             }
 
     def _attribute(self, attribute: Any) -> int:
@@ -336,7 +420,7 @@ class CudaBackend:
         with self._current:
             err, stream = self._d.cuStreamCreate(self._d.CUstream_flags.CU_STREAM_NON_BLOCKING)
             self._check(err)
-            return stream
+            return int(stream) if self._calls is not None else stream
 
     def stream_destroy(self, stream: Any) -> None:
         with self._current:
@@ -347,11 +431,11 @@ class CudaBackend:
         return int(stream)
 
     def stream_from_handle(self, handle: int) -> Any:
-        return self._d.CUstream(handle)
+        return int(handle) if self._calls is not None else self._d.CUstream(handle)
 
     def stream_synchronize(self, stream: Any) -> None:
         with self._current:
-            self.sync_calls += 1
+            self._syncs += 1
             (err,) = self._d.cuStreamSynchronize(stream)
             self._check(err)
 
@@ -366,7 +450,7 @@ class CudaBackend:
             mask = int(flags.CU_EVENT_DISABLE_TIMING) | (int(flags.CU_EVENT_BLOCKING_SYNC) if blocking else 0)
             err, event = self._d.cuEventCreate(mask)
             self._check(err)
-            return event
+            return int(event) if self._calls is not None else event
 
     def event_destroy(self, event: Any) -> None:
         with self._current:
@@ -395,7 +479,7 @@ class CudaBackend:
         return False  # unreachable: _check raised
 
     def event_synchronize(self, event: Any) -> None:
-        self.sync_calls += 1
+        self._syncs += 1
         (err,) = self._cuEventSynchronize(event)
         if err:
             self._retry(err, self._cuEventSynchronize, event)
@@ -403,7 +487,7 @@ class CudaBackend:
     def event_wait(self, event: Any, timeout: float) -> bool:
         # cuEventSynchronize cannot be interrupted: poll instead. Python runs between the
         # queries (each releases the GIL), so a signal handler's exception propagates at once.
-        self.sync_calls += 1
+        self._syncs += 1
         query = self._cuEventQuery
         (err,) = query(event)
         if not err:
@@ -459,6 +543,26 @@ class CudaBackend:
         (err,) = self._cuEventRecord(event, stream)
         if err:
             self._record_failed(err, event, stream)
+
+    def copy_batch(
+        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: Any, event: Any
+    ) -> None:
+        # the bindings path: a loop of single copies (the compiled path uses cuMemcpyBatchAsync)
+        copy = self._cuMemcpyHtoDAsync if upload else self._cuMemcpyDtoHAsync
+        for i, (dst, src, nbytes) in enumerate(zip(dsts, srcs, sizes, strict=True)):
+            if not nbytes:
+                continue
+            (err,) = copy(dst, src, nbytes, stream)
+            if err:
+                try:
+                    self._retry(err, copy, dst, src, nbytes, stream)
+                except DeviceError as exc:
+                    exc.enqueued = i > 0
+                    raise
+        if event is not None:
+            (err,) = self._cuEventRecord(event, stream)
+            if err:
+                self._record_failed(err, event, stream)
 
     def _record_failed(self, err: Any, event: Any, stream: Any) -> None:
         try:
@@ -576,6 +680,11 @@ class CudaBackend:
                 self._d.cuMemFreeHost(gate.host)
             self._gates.clear()
             self._d.cuDevicePrimaryCtxRelease(self._dev)
+
+
+_NATIVE_CALLS = (
+    "htod_record", "dtoh_record", "event_record", "event_query", "event_wait", "event_synchronize", "copy_batch"
+)
 
 
 def _kernel_driver_version() -> str:

@@ -300,6 +300,8 @@ class EmulatedBackend:
         self.latency = float(latency)
         self.violations: list[str] = []
         self.sync_calls = 0  # host waits (event/stream synchronize), for tests
+        self.batches = 0  # copy_batch calls and the copies they carried, for tests
+        self.batched_copies = 0
         self._lock = _SYSTEM_LOCK
         self._device_map = _AddressMap()
         self._host_map = _AddressMap()
@@ -823,6 +825,22 @@ class EmulatedBackend:
     def dtoh_record(self, dst: int, src: int, nbytes: int, stream: _Stream, event: _Event | None) -> None:
         if nbytes:
             self.memcpy_dtoh(dst, src, nbytes, stream)
+        self._record_after_copy(event, stream)
+
+    def copy_batch(
+        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: _Stream, event: _Event | None
+    ) -> None:
+        """One stream operation per copy, in order (a device has no batch API to model), then the event."""
+        copy = self.memcpy_htod if upload else self.memcpy_dtoh
+        for i, (dst, src, nbytes) in enumerate(zip(dsts, srcs, sizes, strict=True)):
+            if nbytes:
+                try:
+                    copy(dst, src, nbytes, stream)
+                except DeviceError as exc:
+                    exc.enqueued = i > 0
+                    raise
+        self.batches += 1
+        self.batched_copies += len(dsts)
         self._record_after_copy(event, stream)
 
     def _record_after_copy(self, event: _Event | None, stream: _Stream) -> None:

@@ -6,8 +6,9 @@
 ``large``        256 MiB both ways: pageable fresh / reused output / pinned
 ``overlap``      copy alone, host work alone, serial, overlapped (8 and 256 MiB)
 ``both``         both directions at once
-``latency``      small-transfer round trip
-``many_small``   1000 transfers of 4 KiB, with and without a shared event
+``latency``      small-transfer round trip (16 and 64 B), against the raw driver, PyTorch and CuPy
+``many_small``   1000 uploads of 4 KiB: one event each, and in ``rt.batch()``; the raw driver's loop
+                 with one event per copy and with one event for all
 ``pinned_alloc`` a pinned buffer fresh versus from the pool
 ``handoff``      submitting a download right after a ~10 ms producer kernel
 ``peer``         device to device, peer against staged (two devices or more)
@@ -35,8 +36,9 @@ from ._protocol import Budget, Result, measure, payload, poison
 __all__: list[str] = []
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-FULL_SIZES = [16, 64, 32 * KiB, 1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
-QUICK_SIZES = [16, 32 * KiB, 1 * MiB, 8 * MiB, 64 * MiB]
+FULL_SIZES = [16, 64, 4 * KiB, 32 * KiB, 64 * KiB, 1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB, 1 * GiB]
+QUICK_SIZES = [16, 4 * KiB, 32 * KiB, 64 * KiB, 1 * MiB, 8 * MiB, 64 * MiB]
+SMALL_PAGEABLE = 64 * KiB  # up to here the pageable route is checked against the driver's own pageable copy
 
 
 @dataclass
@@ -483,6 +485,20 @@ def group_many_small(ctx: Context) -> None:
     rt = ctx.rt
     count, n = 1000, 4 * KiB
     data = payload(count * n, 29).reshape(count, n)
+    for case in ferry_many_small(rt, data):
+        ctx.run("many_small", case)
+    if "raw" in ctx.peers:
+        for case in raw_many_small(ctx.peers["raw"], data):
+            ctx.run("many_small", case)
+        _free_peers(ctx)
+    if "torch" in ctx.peers:
+        _torch_many_small(ctx, data)
+
+
+def ferry_many_small(rt: Any, data: np.ndarray[Any, Any]) -> list[Case]:
+    """ferry's uploads of ``data``'s rows from pooled pinned buffers, each with its own event and
+    inside ``rt.batch()`` (the second case's close gives the buffers back)."""
+    count, n = data.shape
     box: dict[str, Any] = {
         "bufs": [rt.pinned(n) for _ in range(count)],
         "devs": [rt.empty(n, np.uint8) for _ in range(count)],
@@ -510,52 +526,96 @@ def group_many_small(ctx: Context) -> None:
 
         return check
 
-    for batched in (False, True):
-        op = each(batched)
-        route = "shared_event" if batched else "event_each"
-        ctx.run("many_small", Case("ferry", route, "h2d", count * n, op, checker(op)))
-    for b in box["bufs"]:
-        b.close()
-    if "raw" in ctx.peers:
-        raw = ctx.peers["raw"]
-        host = raw.pinned(count * n)
-        host[:] = data.reshape(-1)
-        devs = [raw.device(n) for _ in range(count)]
-        d = raw.d
+    def close() -> None:
+        for b in box["bufs"]:
+            b.close()
 
-        def raw_op() -> None:
-            base = int(host.ctypes.data)
-            for i, dev in enumerate(devs):
-                d.cuMemcpyHtoDAsync(dev, base + i * n, n, raw.streams[0])
-            d.cuEventRecord(raw.events[0], raw.streams[0])
-            raw.sync()
+    each_op, batch_op = each(False), each(True)
+    return [
+        Case("ferry", "event_each", "h2d", count * n, each_op, checker(each_op)),
+        Case("ferry", "batch", "h2d", count * n, batch_op, checker(batch_op), close=close),
+    ]
 
-        def raw_check() -> bool:
-            raw_op()
+
+def _torch_many_small(ctx: Context, data: np.ndarray[Any, Any]) -> None:
+    count, n = data.shape
+    torch = ctx.peers["torch"].torch
+    hosts = [torch.from_numpy(row.copy()).pin_memory() for row in data]
+    tdevs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(count)]
+
+    def torch_op() -> None:
+        for h, t in zip(hosts, tdevs, strict=True):
+            t.copy_(h, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+
+    def torch_check() -> bool:
+        torch_op()
+        return all(np.array_equal(t.cpu().numpy(), row) for t, row in zip(tdevs, data, strict=True))
+
+    ctx.run("many_small", Case("torch", "pinned_non_blocking", "h2d", count * n, torch_op, torch_check))
+    hosts.clear()
+    tdevs.clear()
+    _free_peers(ctx)
+
+
+def raw_many_small(raw: Any, data: np.ndarray[Any, Any]) -> list[Case]:
+    """The raw driver's loops over ``data``'s rows (one pinned block, a device allocation per row):
+    ``event_each`` records an event after every copy and synchronizes each, as a loop of ferry's
+    handles waits each; ``shared_event`` records one event after the last copy."""
+    count, n = data.shape
+    host = raw.pinned(count * n)
+    host[:] = data.reshape(-1)
+    devs = [raw.device(n) for _ in range(count)]
+    d, stream = raw.d, raw.streams[0]
+    copy, record, synchronize = d.cuMemcpyHtoDAsync, d.cuEventRecord, d.cuEventSynchronize
+    srcs = [int(host.ctypes.data) + i * n for i in range(count)]
+    pairs = list(zip(devs, srcs, strict=True))
+    events = raw.new_events(count)
+    triples = list(zip(devs, srcs, events, strict=True))
+    last = raw.events[0]
+
+    def each_op() -> None:
+        for dev, src, event in triples:
+            (err,) = copy(dev, src, n, stream)
+            if err:
+                raise RuntimeError(f"copy: {err}")
+            (err,) = record(event, stream)
+            if err:
+                raise RuntimeError(f"cuEventRecord: {err}")
+        for event in events:
+            (err,) = synchronize(event)
+            if err:
+                raise RuntimeError(f"cuEventSynchronize: {err}")
+
+    def shared_op() -> None:
+        for dev, src in pairs:
+            (err,) = copy(dev, src, n, stream)
+            if err:
+                raise RuntimeError(f"copy: {err}")
+        (err,) = record(last, stream)
+        if not err:
+            (err,) = synchronize(last)
+        if err:
+            raise RuntimeError(f"cuEventRecord/cuEventSynchronize: {err}")
+
+    def checker(op: Callable[[], None]) -> Callable[[], bool]:
+        def check() -> bool:
+            op()
             back = np.empty(n, np.uint8)
-            raw.copy("d2h", back, devs[-1], n)
-            raw.sync()
-            return bool(np.array_equal(back, data[-1]))
+            for i in (0, count // 2, count - 1):
+                poison(back)
+                raw.copy("d2h", back, devs[i], n)
+                raw.sync()
+                if not np.array_equal(back, data[i]):
+                    return False
+            return True
 
-        ctx.run("many_small", Case("raw", "shared_event", "h2d", count * n, raw_op, raw_check))
-        _free_peers(ctx)
-    if "torch" in ctx.peers:
-        torch = ctx.peers["torch"].torch
-        hosts = [torch.from_numpy(row.copy()).pin_memory() for row in data]
-        tdevs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(count)]
+        return check
 
-        def torch_op() -> None:
-            for h, t in zip(hosts, tdevs, strict=True):
-                t.copy_(h, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-
-        def torch_check() -> bool:
-            torch_op()
-            return all(np.array_equal(t.cpu().numpy(), row) for t, row in zip(tdevs, data, strict=True))
-
-        ctx.run("many_small", Case("torch", "pinned_non_blocking", "h2d", count * n, torch_op, torch_check))
-        del hosts, tdevs
-        _free_peers(ctx)
+    return [
+        Case("raw", "event_each", "h2d", count * n, each_op, checker(each_op)),
+        Case("raw", "shared_event", "h2d", count * n, shared_op, checker(shared_op)),
+    ]
 
 
 def group_pinned_alloc(ctx: Context) -> None:
@@ -748,7 +808,7 @@ def case_count(group: str, ctx: Context) -> int:
         "overlap": 2 * 4,
         "both": 2 + has["raw"],
         "latency": 2 * 2 * (1 + pageable_peers),
-        "many_small": 2 + has["raw"] + has["torch"],
+        "many_small": 2 + 2 * has["raw"] + has["torch"],
         "pinned_alloc": 2 * 2,
         "handoff": 1,
         "pipeline": _pipeline.case_count(ctx.rt.backend == "emulated", ctx.quick),

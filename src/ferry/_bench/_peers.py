@@ -2,7 +2,9 @@
 
 * raw driver (``cuda.bindings.driver``): ``cuMemcpy*Async`` + ``cuEventRecord`` +
   ``cuEventSynchronize`` on a pinned (``cuMemHostAlloc``) or pageable buffer:
-  the physical ceiling.
+  the physical ceiling. Its streams and events are ``cuda.bindings`` objects and
+  every address is computed before timing, so a timed repeat is the three
+  driver calls (and their error checks) and nothing else.
 * PyTorch: ``Tensor.copy_`` with and without ``non_blocking``, from pinned
   (``pin_memory=True``) and pageable (``torch.from_numpy``) host tensors,
   followed by a stream synchronize where the copy is non-blocking.
@@ -55,10 +57,15 @@ class RawDriver:
 
         self.d = driver
         self.backend = testing.backend_of(rt)
-        self.streams = [self.backend.stream_create(), self.backend.stream_create()]
-        self.events = [self.backend.event_create(), self.backend.event_create()]
+        # made by ferry's backend (on ferry's context), used as the bindings' own objects
+        self.streams = [driver.CUstream(self.backend.stream_handle(self.backend.stream_create())) for _ in range(2)]
+        self.events = self.new_events(2)
         self._pinned: list[int] = []
         self._device: list[int] = []
+
+    def new_events(self, count: int) -> list[Any]:
+        """``count`` events (no timing), as ``cuda.bindings`` objects."""
+        return [self.d.CUevent(int(self.backend.event_create())) for _ in range(count)]
 
     def pinned(self, nbytes: int) -> np.ndarray[Any, Any]:
         err, ptr = self.d.cuMemHostAlloc(nbytes, 0)
@@ -106,10 +113,20 @@ class RawDriver:
         host = self.pinned(nbytes) if route == "pinned" else np.empty(nbytes, np.uint8)
         dev = self.device(nbytes)
         back = np.empty(nbytes, np.uint8)
+        d, stream, event, hptr = self.d, self.streams[0], self.events[0], int(host.ctypes.data)
+        copy, dst, src = (d.cuMemcpyHtoDAsync, dev, hptr) if direction == "h2d" else (d.cuMemcpyDtoHAsync, hptr, dev)
+        record, synchronize = d.cuEventRecord, d.cuEventSynchronize
 
         def op() -> None:
-            self.copy(direction, host, dev, nbytes)
-            self.sync()
+            (err,) = copy(dst, src, nbytes, stream)
+            if err:
+                raise RuntimeError(f"copy: {err}")
+            (err,) = record(event, stream)
+            if err:
+                raise RuntimeError(f"cuEventRecord: {err}")
+            (err,) = synchronize(event)
+            if err:
+                raise RuntimeError(f"cuEventSynchronize: {err}")
 
         if direction == "h2d":
             host[:] = data

@@ -1,30 +1,46 @@
-"""The compiled staging engine and the rules for choosing it.
+"""The compiled extension and the rules for choosing it.
 
 ``ferry._native._engine`` is a C extension (C11 + pthreads, Python's limited
-API, so one abi3 binary serves CPython 3.11-3.13) that runs the pageable
-staging lanes on native threads, without the GIL; its threading model and
-invariants are the essay at the top of ``_engine.c``. It is optional: a
-machine that could not build it runs the pure-Python engine in
-``ferry._staging``, and ``FERRY_NATIVE=0`` forces that one.
+API, so one abi3 binary serves CPython 3.11-3.13). It holds two things; its
+opening essay is the contract of both:
+
+* the staging engine, which runs the pageable staging lanes on native
+  threads, without the GIL;
+* the small-transfer fast path: ``Calls``, the driver calls of the pinned
+  routes (a copy and its event record, a query, a wait, a batch of copies
+  through ``cuMemcpyBatchAsync``) made straight from C, and the host copies of
+  the small pageable route (:func:`host_copies`).
+
+It is optional: a machine that could not build it runs the pure-Python
+staging engine and makes its driver calls through ``cuda.bindings``;
+``FERRY_NATIVE=0`` forces both fallbacks. ``FERRY_MEMCPY_BATCH=0`` keeps
+the fast path but submits a batch as a loop of single copies instead of one
+``cuMemcpyBatchAsync`` (to compare them).
 
 :func:`load` gives the extension module or ``None``; :func:`status` says which
 engine runs and why, in one line for ``python -m ferry info``;
 :func:`cuda_entry_points` resolves the driver entry points that a
-``mode="cuda"`` engine is built with (the extension links against no CUDA
-library: it receives function addresses from ``cuda.bindings``).
+``mode="cuda"`` engine is built with and :func:`cuda_calls` builds the fast
+path (the extension links against no CUDA library: it receives function
+addresses from ``cuda.bindings``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ENV_VAR", "cuda_entry_points", "load", "status"]
+__all__ = ["BATCH_ENV_VAR", "ENV_VAR", "cuda_calls", "cuda_entry_points", "host_copies", "load", "status"]
 
 ENV_VAR = "FERRY_NATIVE"
-"""Environment variable: ``0`` forces the pure-Python engine."""
+"""Environment variable: ``0`` forces the pure-Python engine and the ``cuda.bindings`` calls."""
+
+BATCH_ENV_VAR = "FERRY_MEMCPY_BATCH"
+"""Environment variable: ``0`` makes the fast path submit a batch as a loop of single copies."""
 
 # cuGetProcAddress resolves each name to the ABI of this CUDA version: 12.0 gives the _v2
 # entry points (cuMemcpyHtoDAsync_v2, cuStreamDestroy_v2, cuStreamWriteValue32_v2, ...).
@@ -120,3 +136,78 @@ def cuda_entry_points(driver: Any, version: int = _ABI_VERSION) -> dict[str, int
         elif name in required:
             raise RuntimeError(f"the CUDA driver has no entry point {name!r} for ABI version {version}")
     return found
+
+
+def batch_entry_point(driver: Any) -> tuple[int, int]:
+    """``cuMemcpyBatchAsync`` of this driver: ``(address, abi)``, or ``(0, 0)`` where it has none.
+
+    The ABI follows the driver: CUDA 12.8 and 12.9 drivers have the 12.8
+    signature (with ``failIdx``), CUDA 13 drivers also the 13.0 one (without),
+    which is taken there. ``FERRY_MEMCPY_BATCH=0`` gives ``(0, 0)``.
+    """
+    if os.environ.get(BATCH_ENV_VAR, "").strip() == "0":
+        return 0, 0
+    err, version = driver.cuDriverGetVersion()
+    if int(err) or version < 12080:
+        return 0, 0
+    abi = 13000 if version >= 13000 else 12080
+    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    result = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, flags)
+    if int(result[0]) or result[1] is None or not int(result[1]):
+        return 0, 0
+    return int(result[1]), abi
+
+
+def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]], Any]) -> Any:
+    """The compiled fast path (``_engine.Calls``) for this driver.
+
+    ``on_error(op, code, stage, args)`` is called with a failed call's CUresult
+    (see ``_engine.c``); what it returns or raises is the call's outcome.
+
+    Raises
+    ------
+    RuntimeError
+        The extension is not available or the driver lacks an entry point.
+    """
+    module, why = _import()
+    if module is None:
+        raise RuntimeError(f"the native engine is not available: {why}")
+    points = cuda_entry_points(driver)
+    address, abi = batch_entry_point(driver)
+    if address:
+        points["cuMemcpyBatchAsync"] = address
+    return module.Calls(points, on_error, batch_abi=abi)
+
+
+def _copy_in(dst: int, capacity: int, array: Any) -> int:
+    if not array.flags.c_contiguous or array.nbytes > capacity:
+        return -1
+    nbytes = int(array.nbytes)
+    ctypes.memmove(dst, array.ctypes.data, nbytes)
+    return nbytes
+
+
+def _address_of(array: Any, capacity: int) -> int:
+    flags = array.flags
+    if not (flags.c_contiguous and flags.writeable) or array.nbytes > capacity:
+        return 0
+    return int(array.ctypes.data)
+
+
+def _memcopy(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
+
+
+def host_copies() -> tuple[Callable[[int, int, Any], int], Callable[[Any, int], int], Callable[[int, int, int], None]]:
+    """``(copy_in, address_of, memcopy)`` for the small pageable route: the compiled ones, or Python's.
+
+    ``copy_in(dst, capacity, array)`` copies a C-contiguous NumPy array of at
+    most ``capacity`` bytes to ``dst`` and returns its size (``-1``: not
+    taken); ``address_of(array, capacity)`` is the address of a writable
+    C-contiguous array of at most ``capacity`` bytes (``0``: not taken);
+    ``memcopy(dst, src, nbytes)`` is ``memcpy``.
+    """
+    module = load()
+    if module is None:
+        return _copy_in, _address_of, _memcopy
+    return module.copy_in, module.address_of, module.memcopy

@@ -1,8 +1,22 @@
 /*
- * ferry._native._engine: the staging engine on native threads.
+ * ferry._native._engine: the staging engine on native threads, and the small-transfer fast path.
  *
- * What it does
- * ------------
+ * Two things live here. The staging engine (most of this essay and of the file) moves large
+ * pageable arrays on native threads. The fast path (the last sections: "the fast path" and "host
+ * copies for the small pageable route") makes the driver calls of ferry's pinned routes from the
+ * caller's thread without a Python wrapper per call: Calls holds the entry points, resolved once,
+ * and htod_record/dtoh_record (a copy and its event record in one call), event_record,
+ * event_query, event_wait (polls with the GIL released, back in Python every 2 ms so a signal
+ * handler's KeyboardInterrupt propagates), event_synchronize and copy_batch (a batch segment's
+ * copies in one cuMemcpyBatchAsync, 12.8 or 13.0 ABI, or a loop of copies) are its methods.
+ * Handles are raw integer CUstream/CUevent values; a failed call hands its CUresult and its stage
+ * (nothing enqueued / copies enqueued, record failed / part of a batch enqueued) to a Python
+ * callback, which binds the context and retries or raises. The fast path touches no ferry object:
+ * ownership checks and state changes stay in Python. copy_in / address_of / memcopy are the small
+ * pageable route's host copies (C-contiguous buffers through the buffer protocol).
+ *
+ * The staging engine: what it does
+ * --------------------------------
  * A pageable NumPy array cannot be the target of a DMA. The engine moves it
  * through a bounded ring of page-locked *slots*: the host copies a chunk of
  * the array into a slot, the copy engine moves the slot to the device (and
@@ -2176,6 +2190,425 @@ static PyType_Spec Job_spec = {
     Job_slots,
 };
 
+/* -- the fast path: one driver call sequence per Python call, on the caller's thread ---------------- */
+
+/*
+ * Calls holds the driver entry points of ferry's small-transfer path, resolved once, and calls them
+ * directly: a copy and its event record are one C call from Python (no cuda.bindings wrapper, no
+ * result tuple, no enum object per call). Handles are the raw integer CUstream / CUevent values.
+ * Nothing here touches ferry's Python objects: the ownership checks and state changes stay in
+ * Python. A non-zero CUresult is handed to on_error(op, code, stage, args), whose return value (or
+ * exception) becomes the call's: Python binds the context and retries, or raises DeviceError.
+ * stage: 0 nothing was enqueued; 1 the copies are enqueued, the event record failed; 2 some of a
+ * batch's copies were enqueued before one failed.
+ *
+ * Single copies keep the GIL (the driver returns in about a microsecond; handing the GIL over and
+ * back would cost as much and lets another thread delay the caller). A batch of many copies and
+ * every wait release it. event_wait polls cuEventQuery with the GIL released and comes back to
+ * Python every WAIT_SLICE_NS to run signal handlers (a KeyboardInterrupt raised there propagates).
+ */
+
+typedef CUresult (*fn_memcpy_batch_13000)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t,
+                                          CUstream);
+typedef CUresult (*fn_memcpy_batch_12080)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t,
+                                          size_t *, CUstream);
+
+#define CU_MEMCPY_SRC_ACCESS_ORDER_STREAM 1
+#define MEMCPY_ATTR_BYTES 64   /* CUmemcpyAttributes is 24-28 bytes in CUDA 12.8-13.x: zeroed room to spare */
+#define BATCH_FREE_GIL 32      /* batches of at least this many copies release the GIL in the driver */
+#define WAIT_SLICE_NS 2000000LL /* event_wait checks Python signals at least this often */
+
+static PyTypeObject *CallsType;
+
+typedef struct {
+    PyObject_HEAD
+    fn_memcpy_htod_async htod;
+    fn_memcpy_dtoh_async dtoh;
+    fn_event_record record;
+    fn_event_query query;
+    fn_event_synchronize synchronize;
+    void *batch;   /* cuMemcpyBatchAsync, or NULL: a batch is a loop of single copies */
+    int batch_abi; /* 12080 (with failIdx) or 13000 (without), when batch is set */
+    PyObject *on_error;
+    long long waits, copies, batches, batched; /* touched with the GIL held */
+} CallsObject;
+
+/* An address or handle: a Python int in [0, 2**64) (None for an absent event when none_ok). */
+static int int_arg(PyObject *obj, unsigned long long *out, int none_ok) {
+    if (none_ok && obj == Py_None) {
+        *out = 0;
+        return 0;
+    }
+    *out = PyLong_AsUnsignedLongLong(obj);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+    return -1;
+}
+
+static PyObject *calls_failed(CallsObject *self, const char *op, int code, int stage, PyObject *const *args,
+                              Py_ssize_t nargs) {
+    PyObject *tuple = PyTuple_New(nargs);
+    if (!tuple) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SetItem(tuple, i, args[i]);
+    }
+    PyObject *result = PyObject_CallFunction(self->on_error, "siiO", op, code, stage, tuple);
+    Py_DECREF(tuple);
+    return result;
+}
+
+static int entry(PyObject *mapping, const char *name, void **out, int required) {
+    PyObject *v = PyMapping_GetItemString(mapping, name);
+    if (!v) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError)) return -1;
+        PyErr_Clear();
+        if (required) {
+            PyErr_Format(PyExc_ValueError, "entry_points lacks %s", name);
+            return -1;
+        }
+        *out = NULL;
+        return 0;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (PyErr_Occurred()) return -1;
+    if (!addr && required) {
+        PyErr_Format(PyExc_ValueError, "entry point %s is NULL", name);
+        return -1;
+    }
+    *out = (void *)(uintptr_t)addr;
+    return 0;
+}
+
+static PyObject *Calls_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"entry_points", "on_error", "batch_abi", NULL};
+    PyObject *points, *on_error;
+    int batch_abi = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|i", kwlist, &points, &on_error, &batch_abi)) return NULL;
+    if (!PyCallable_Check(on_error)) {
+        PyErr_SetString(PyExc_TypeError, "on_error must be callable");
+        return NULL;
+    }
+    if (batch_abi != 0 && batch_abi != 12080 && batch_abi != 13000) {
+        PyErr_SetString(PyExc_ValueError, "batch_abi must be 0, 12080 or 13000");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CallsObject *self = (CallsObject *)alloc(type, 0);
+    if (!self) return NULL;
+    void *batch = NULL;
+    if (entry(points, "cuMemcpyHtoDAsync", (void **)&self->htod, 1) ||
+        entry(points, "cuMemcpyDtoHAsync", (void **)&self->dtoh, 1) ||
+        entry(points, "cuEventRecord", (void **)&self->record, 1) ||
+        entry(points, "cuEventQuery", (void **)&self->query, 1) ||
+        entry(points, "cuEventSynchronize", (void **)&self->synchronize, 1) ||
+        entry(points, "cuMemcpyBatchAsync", &batch, 0)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->batch = batch_abi ? batch : NULL;
+    self->batch_abi = self->batch ? batch_abi : 0;
+    Py_INCREF(on_error);
+    self->on_error = on_error;
+    return (PyObject *)self;
+}
+
+static void Calls_dealloc(PyObject *obj) {
+    CallsObject *self = (CallsObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    Py_CLEAR(self->on_error);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* One copy (skipped when n is 0), then the event record (skipped when event is 0). */
+static CUresult calls_copy_record(CallsObject *self, int upload, unsigned long long dst, unsigned long long src,
+                                  size_t n, CUstream stream, CUevent event, int *stage) {
+    CUresult rc = 0;
+    *stage = 0;
+    if (n) {
+        rc = upload ? self->htod((CUdeviceptr)dst, (const void *)(uintptr_t)src, n, stream)
+                    : self->dtoh((void *)(uintptr_t)dst, (CUdeviceptr)src, n, stream);
+        if (rc) return rc;
+        self->copies++;
+    }
+    if (event) {
+        *stage = 1;
+        rc = self->record(event, stream);
+    }
+    return rc;
+}
+
+static PyObject *calls_copy(CallsObject *self, PyObject *const *args, Py_ssize_t nargs, int upload) {
+    const char *op = upload ? "htod_record" : "dtoh_record";
+    unsigned long long dst, src, n, stream, event;
+    if (nargs_is(nargs, 5, op) || int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) ||
+        int_arg(args[2], &n, 0) || int_arg(args[3], &stream, 0) || int_arg(args[4], &event, 1))
+        return NULL;
+    int stage;
+    CUresult rc = calls_copy_record(self, upload, dst, src, (size_t)n, (CUstream)(uintptr_t)stream,
+                                    (CUevent)(uintptr_t)event, &stage);
+    if (rc) return calls_failed(self, op, rc, stage, args, nargs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Calls_htod_record(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    return calls_copy((CallsObject *)obj, args, nargs, 1);
+}
+
+static PyObject *Calls_dtoh_record(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    return calls_copy((CallsObject *)obj, args, nargs, 0);
+}
+
+static PyObject *Calls_event_record(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long event, stream;
+    if (nargs_is(nargs, 2, "event_record") || int_arg(args[0], &event, 0) || int_arg(args[1], &stream, 0))
+        return NULL;
+    CUresult rc = self->record((CUevent)(uintptr_t)event, (CUstream)(uintptr_t)stream);
+    if (rc) return calls_failed(self, "event_record", rc, 0, args, nargs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Calls_event_query(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long event;
+    if (nargs_is(nargs, 1, "event_query") || int_arg(args[0], &event, 0)) return NULL;
+    CUresult rc = self->query((CUevent)(uintptr_t)event);
+    if (!rc) Py_RETURN_TRUE;
+    if (rc == ERR_NOT_READY) Py_RETURN_FALSE;
+    return calls_failed(self, "event_query", rc, 0, args, nargs);
+}
+
+/* event_wait(event, timeout): poll until complete or timeout seconds passed; whether it completed. */
+static PyObject *Calls_event_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long event;
+    if (nargs_is(nargs, 2, "event_wait") || int_arg(args[0], &event, 0)) return NULL;
+    double timeout = PyFloat_AsDouble(args[1]);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    CUevent ev = (CUevent)(uintptr_t)event;
+    self->waits++;
+    CUresult rc = self->query(ev);
+    if (rc == ERR_NOT_READY && timeout > 0) {
+        int64_t deadline = timeout > 1e9 ? INT64_MAX : now_ns() + (int64_t)(timeout * 1e9);
+        for (;;) {
+            int64_t slice_end = now_ns() + WAIT_SLICE_NS;
+            if (slice_end > deadline) slice_end = deadline;
+            Py_BEGIN_ALLOW_THREADS
+            while ((rc = self->query(ev)) == ERR_NOT_READY && now_ns() < slice_end) cpu_relax();
+            Py_END_ALLOW_THREADS
+            if (rc != ERR_NOT_READY || now_ns() >= deadline) break;
+            if (PyErr_CheckSignals() < 0) return NULL;
+        }
+    }
+    if (!rc) Py_RETURN_TRUE;
+    if (rc == ERR_NOT_READY) Py_RETURN_FALSE;
+    return calls_failed(self, "event_wait", rc, 0, args, nargs);
+}
+
+static PyObject *Calls_event_synchronize(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long event;
+    if (nargs_is(nargs, 1, "event_synchronize") || int_arg(args[0], &event, 0)) return NULL;
+    self->waits++;
+    CUresult rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = self->synchronize((CUevent)(uintptr_t)event);
+    Py_END_ALLOW_THREADS
+    if (rc) return calls_failed(self, "event_synchronize", rc, 0, args, nargs);
+    Py_RETURN_NONE;
+}
+
+static int list_of_ints(PyObject *list, unsigned long long *out, Py_ssize_t n, const char *what) {
+    if (!PyList_Check(list) || PyList_Size(list) != n) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list as long as dsts", what);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (int_arg(PyList_GetItem(list, i), &out[i], 0)) return -1;
+    }
+    return 0;
+}
+
+/*
+ * copy_batch(upload, dsts, srcs, sizes, stream, event): every copy in list order on the stream (one
+ * cuMemcpyBatchAsync, source accessed in stream order, where the driver has it; else one copy call
+ * each), then the event record (unless event is None).
+ */
+static PyObject *Calls_copy_batch(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long stream_v, event_v;
+    if (nargs_is(nargs, 6, "copy_batch") || int_arg(args[4], &stream_v, 0) || int_arg(args[5], &event_v, 1))
+        return NULL;
+    int upload = PyObject_IsTrue(args[0]);
+    if (upload < 0) return NULL;
+    if (!PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "dsts must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(args[1]);
+    unsigned long long *mem = n ? PyMem_Malloc((size_t)n * 3 * sizeof(unsigned long long)) : NULL;
+    if (n && !mem) return PyErr_NoMemory();
+    unsigned long long *dsts = mem, *srcs = mem + n, *sizes = mem + 2 * n;
+    if (n && (list_of_ints(args[1], dsts, n, "dsts") || list_of_ints(args[2], srcs, n, "srcs") ||
+              list_of_ints(args[3], sizes, n, "sizes"))) {
+        PyMem_Free(mem);
+        return NULL;
+    }
+    CUstream stream = (CUstream)(uintptr_t)stream_v;
+    CUresult rc = 0;
+    int stage = 0;
+    if (self->batch && n > 1) {
+        unsigned char attrs[MEMCPY_ATTR_BYTES];
+        memset(attrs, 0, sizeof(attrs));
+        int order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        memcpy(attrs, &order, sizeof(order));
+        size_t first = 0, fail = (size_t)-1;
+        int free_gil = n >= BATCH_FREE_GIL;
+        PyThreadState *ts = free_gil ? PyEval_SaveThread() : NULL;
+        if (self->batch_abi == 13000)
+            rc = ((fn_memcpy_batch_13000)self->batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes,
+                                                      (size_t)n, attrs, &first, 1, stream);
+        else
+            rc = ((fn_memcpy_batch_12080)self->batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes,
+                                                      (size_t)n, attrs, &first, 1, &fail, stream);
+        if (ts) PyEval_RestoreThread(ts);
+        if (!rc) {
+            self->batches++;
+            self->batched += n;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n && !rc; i++) {
+            if (!sizes[i]) continue;
+            rc = upload ? self->htod((CUdeviceptr)dsts[i], (const void *)(uintptr_t)srcs[i], (size_t)sizes[i], stream)
+                        : self->dtoh((void *)(uintptr_t)dsts[i], (CUdeviceptr)srcs[i], (size_t)sizes[i], stream);
+            if (rc && i > 0) stage = 2;
+            if (!rc) self->copies++;
+        }
+    }
+    PyMem_Free(mem);
+    if (!rc && event_v) {
+        stage = 1;
+        rc = self->record((CUevent)(uintptr_t)event_v, stream);
+    }
+    if (rc) return calls_failed(self, "copy_batch", rc, stage, args, nargs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Calls_counts(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    CallsObject *self = (CallsObject *)obj;
+    return Py_BuildValue("{sLsLsLsL}", "waits", self->waits, "copies", self->copies, "batches", self->batches,
+                         "batched_copies", self->batched);
+}
+
+static PyObject *Calls_get_batch_abi(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CallsObject *)obj)->batch_abi);
+}
+
+static PyObject *Calls_get_waits(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLongLong(((CallsObject *)obj)->waits);
+}
+
+static PyMethodDef Calls_methods[] = {
+    {"htod_record", (PyCFunction)(void (*)(void))Calls_htod_record, METH_FASTCALL,
+     "htod_record(dst, src, nbytes, stream, event): cuMemcpyHtoDAsync (unless nbytes is 0), cuEventRecord "
+     "(unless event is None)"},
+    {"dtoh_record", (PyCFunction)(void (*)(void))Calls_dtoh_record, METH_FASTCALL,
+     "dtoh_record(dst, src, nbytes, stream, event): cuMemcpyDtoHAsync, then cuEventRecord"},
+    {"event_record", (PyCFunction)(void (*)(void))Calls_event_record, METH_FASTCALL,
+     "event_record(event, stream): cuEventRecord"},
+    {"event_query", (PyCFunction)(void (*)(void))Calls_event_query, METH_FASTCALL,
+     "event_query(event) -> bool: cuEventQuery (NOT_READY is False)"},
+    {"event_wait", (PyCFunction)(void (*)(void))Calls_event_wait, METH_FASTCALL,
+     "event_wait(event, timeout) -> bool: poll cuEventQuery (GIL released, signals checked every 2 ms) "
+     "until complete or timeout seconds passed"},
+    {"event_synchronize", (PyCFunction)(void (*)(void))Calls_event_synchronize, METH_FASTCALL,
+     "event_synchronize(event): cuEventSynchronize with the GIL released"},
+    {"copy_batch", (PyCFunction)(void (*)(void))Calls_copy_batch, METH_FASTCALL,
+     "copy_batch(upload, dsts, srcs, sizes, stream, event): the copies in one cuMemcpyBatchAsync (or a loop), "
+     "then cuEventRecord (unless event is None)"},
+    {"counts", Calls_counts, METH_NOARGS, "counts() -> dict: waits, copies, batches, batched_copies"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Calls_getset[] = {
+    {"batch_abi", Calls_get_batch_abi, NULL, "12080 or 13000: the cuMemcpyBatchAsync in use; 0: none", NULL},
+    {"waits", Calls_get_waits, NULL, "host waits so far (event_wait and event_synchronize calls)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Calls_slots[] = {
+    {Py_tp_new, Calls_new},
+    {Py_tp_dealloc, Calls_dealloc},
+    {Py_tp_methods, Calls_methods},
+    {Py_tp_getset, Calls_getset},
+    {Py_tp_doc, "Calls(entry_points, on_error, batch_abi=0): ferry's small-transfer driver calls, from C."},
+    {0, NULL},
+};
+
+static PyType_Spec Calls_spec = {
+    "ferry._native._engine.Calls",
+    sizeof(CallsObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    Calls_slots,
+};
+
+/* -- host copies for the small pageable route (any backend) -------------------------------------------- */
+
+/* A C-contiguous buffer (writable when asked) of at most capacity bytes; -1 (no error set) otherwise. */
+static int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, int writable) {
+    if (PyObject_GetBuffer(array, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if ((unsigned long long)view->len > capacity) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* copy_in(dst, capacity, array) -> bytes copied, or -1 (not a C-contiguous buffer, or too large). */
+static PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long dst, capacity;
+    if (nargs_is(nargs, 3, "copy_in") || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0)) return NULL;
+    Py_buffer view;
+    if (small_view(args[2], &view, capacity, 0)) return PyLong_FromLong(-1);
+    Py_ssize_t n = view.len;
+    memcpy((void *)(uintptr_t)dst, view.buf, (size_t)n);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
+/* address_of(array, capacity) -> the address of a writable C-contiguous buffer of at most capacity bytes, or 0. */
+static PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long capacity;
+    if (nargs_is(nargs, 2, "address_of") || int_arg(args[1], &capacity, 0)) return NULL;
+    Py_buffer view;
+    if (small_view(args[0], &view, capacity, 1)) return PyLong_FromLong(0);
+    void *address = view.buf;
+    PyBuffer_Release(&view);
+    return PyLong_FromVoidPtr(address);
+}
+
+/* memcopy(dst, src, nbytes): memcpy between two host addresses (the GIL kept: small copies). */
+static PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long dst, src, n;
+    if (nargs_is(nargs, 3, "memcopy") || int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) ||
+        int_arg(args[2], &n, 0))
+        return NULL;
+    memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
+    Py_RETURN_NONE;
+}
+
 /* -- module ---------------------------------------------------------------------------------------- */
 
 static PyObject *mod_is_sticky(PyObject *Py_UNUSED(mod), PyObject *arg) {
@@ -2239,6 +2672,11 @@ static PyMethodDef module_methods[] = {
     {"is_sticky", mod_is_sticky, METH_O, "is_sticky(code) -> whether a CUDA error code poisons the context"},
     {"entry_point_names", mod_entry_point_names, METH_NOARGS,
      "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},
+    {"copy_in", (PyCFunction)(void (*)(void))mod_copy_in, METH_FASTCALL,
+     "copy_in(dst, capacity, array) -> bytes copied from a C-contiguous array, or -1 (not taken)"},
+    {"address_of", (PyCFunction)(void (*)(void))mod_address_of, METH_FASTCALL,
+     "address_of(array, capacity) -> address of a writable C-contiguous array of at most capacity bytes, or 0"},
+    {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL, "memcopy(dst, src, nbytes): memcpy"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2276,6 +2714,13 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF((PyObject *)JobType);
     if (PyModule_AddObject(m, "Job", (PyObject *)JobType)) {
         Py_DECREF((PyObject *)JobType);
+        goto fail;
+    }
+    CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);
+    if (!CallsType) goto fail;
+    Py_INCREF((PyObject *)CallsType);
+    if (PyModule_AddObject(m, "Calls", (PyObject *)CallsType)) {
+        Py_DECREF((PyObject *)CallsType);
         goto fail;
     }
     if (PyModule_AddIntConstant(m, "MAX_LANES", MAX_LANES) || PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) ||

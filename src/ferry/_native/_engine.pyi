@@ -1,7 +1,7 @@
-"""Types of the compiled staging engine (``_engine.c``; its opening essay is the full contract)."""
+"""Types of the compiled extension (``_engine.c``; its opening essay is the full contract)."""
 
-from collections.abc import Mapping, Sequence
-from typing import Literal, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, final
 
 MAX_LANES: int
 MAX_SLOTS: int
@@ -22,6 +22,49 @@ def dlpack_capsule_destructor() -> int:
 
 def entry_point_names() -> tuple[str, ...]:
     """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
+
+def copy_in(dst: int, capacity: int, array: Any, /) -> int:
+    """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken)."""
+
+def address_of(array: Any, capacity: int, /) -> int:
+    """The address of a writable C-contiguous buffer of at most ``capacity`` bytes, or 0 (not taken)."""
+
+def memcopy(dst: int, src: int, nbytes: int, /) -> None:
+    """``memcpy`` between two host addresses."""
+
+@final
+class Calls:
+    """The small-transfer path's driver calls, made from C (see ``_engine.c``).
+
+    Handles are raw ``CUstream``/``CUevent`` values; a non-zero ``CUresult`` goes to
+    ``on_error(op, code, stage, args)``, whose result (or exception) becomes the call's.
+    """
+
+    def __init__(
+        self,
+        entry_points: Mapping[str, int],
+        on_error: Callable[[str, int, int, tuple[Any, ...]], Any],
+        batch_abi: int = 0,
+    ) -> None: ...
+    @property
+    def batch_abi(self) -> int:
+        """12080 or 13000: the ``cuMemcpyBatchAsync`` signature in use; 0: batches are loops."""
+    @property
+    def waits(self) -> int:
+        """Host waits so far (``event_wait`` and ``event_synchronize`` calls)."""
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
+    def event_record(self, event: int, stream: int, /) -> None: ...
+    def event_query(self, event: int, /) -> bool: ...
+    def event_wait(self, event: int, timeout: float, /) -> bool:
+        """Poll until complete (GIL released, signals checked every 2 ms) or ``timeout`` seconds passed."""
+    def event_synchronize(self, event: int, /) -> None: ...
+    def copy_batch(
+        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: int, event: int | None, /
+    ) -> None:
+        """The copies in one ``cuMemcpyBatchAsync`` (or a loop), then the event record."""
+    def counts(self) -> dict[str, int]:
+        """``waits``, ``copies`` (single copies), ``batches`` and ``batched_copies`` so far."""
 
 @final
 class Job:

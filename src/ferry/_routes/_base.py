@@ -71,18 +71,28 @@ class HostLeases:
 
     def lease(self, array: np.ndarray[Any, Any]) -> Callable[[bool], None]:
         """Flag ``array`` read-only for one flight; return the cleanup that restores it."""
-        entry = self._leases.get(id(array))
-        if entry is None:
-            self._leases[id(array)] = [array, 1, bool(array.flags.writeable)]
-            if array.flags.writeable:
-                array.flags.writeable = False
-        else:
-            entry[1] += 1
+        self.take(array)
 
         def cleanup(failed: bool) -> None:
             self._unlease(array)
 
         return cleanup
+
+    def take(self, array: np.ndarray[Any, Any]) -> None:
+        """Flag ``array`` read-only for one flight; :meth:`give` ends it (no closure: the small route's)."""
+        entry = self._leases.get(id(array))
+        if entry is None:
+            flags = array.flags
+            writeable = flags.writeable
+            self._leases[id(array)] = [array, 1, writeable]
+            if writeable:
+                flags.writeable = False
+        else:
+            entry[1] += 1
+
+    def give(self, array: np.ndarray[Any, Any]) -> None:
+        """End one flight's lease of ``array``; the last one restores its flag."""
+        self._unlease(array)
 
     def _unlease(self, array: np.ndarray[Any, Any]) -> None:
         entry = self._leases.get(id(array))

@@ -1,10 +1,12 @@
 """The host routes together: check a NumPy array <-> device array copy, pick its route, submit it.
 
-The choice, in order: a registered array (pinned in place) takes the
-registered route, one DMA and no host copy; a payload up to
-``StagingConfig.direct_bytes`` (or with elements larger than a slot) takes
-the direct route, one pooled pinned block on the calling thread; anything
-larger is staged in chunks by the staging engine.
+The choice, in order: a small C-contiguous array of the device array's shape
+and dtype (up to 64 KiB) takes the small route (``_small.py``), tried by the
+facade before anything here, with its own one-expression test; a registered
+array (pinned in place) takes the registered route, one DMA and no host copy;
+a payload up to ``StagingConfig.direct_bytes`` (or with elements larger than
+a slot) takes the direct route, one pooled pinned block on the calling
+thread; anything larger is staged in chunks by the staging engine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .._state import IN_FLIGHT, OWNED
 from ._base import HostCopy, HostLeases
 from ._direct import DirectRoute
 from ._registered import RegisteredRoute
+from ._small import SmallRoute
 from ._staged import StagedRoute, StagingConfig
 
 if TYPE_CHECKING:
@@ -66,6 +69,7 @@ class HostRoutes:
         self.direct = DirectRoute(completion, pool, leases)
         self.registered = RegisteredRoute(completion, leases)
         self.staged = StagedRoute(completion, pool, config, leases)
+        self.small = SmallRoute(completion, pool, leases, registrations, streams, config.direct_bytes)
 
     def upload(
         self, owner: object, source: Any, destination: Any, empty: Callable[[tuple[int, ...], Any], Any]
@@ -171,13 +175,14 @@ class HostRoutes:
     @property
     def host_copied(self) -> int:
         """Bytes the host copied for the pageable routes."""
-        return self.direct.host_copied + self.staged.host_copied
+        return self.direct.host_copied + self.staged.host_copied + self.small.host_copied
 
     @property
     def staging_bytes(self) -> int:
-        """Pinned bytes held for staging."""
-        return self.direct.held_bytes + self.staged.held_bytes
+        """Pinned bytes held for staging (the small route's rings included)."""
+        return self.direct.held_bytes + self.staged.held_bytes + self.small.held_bytes
 
     def close(self) -> None:
-        """Stop the staging workers."""
+        """Stop the staging workers; the small route's slots back to the pool."""
         self.staged.close()
+        self.small.close()

@@ -1,0 +1,200 @@
+/*
+ * A stand-in libcuda.so.1 for measuring ferry's own overhead on a machine without a GPU.
+ *
+ * Every call returns at once: "device" memory is host memory, copies are memcpy done inside the
+ * call, events are always complete, streams are tokens. cuda.bindings loads it like the real
+ * driver (LD_LIBRARY_PATH=<its folder>), so CudaBackend, the compiled fast path and the raw
+ * bindings loop all run, and what a timing loop measures is the Python and wrapper cost of each
+ * path, nothing of the device. benchmarks/probe_overhead.py builds it and runs the loops.
+ *
+ * Not a test double for semantics: nothing here is ever "not ready", gates do not hold, and
+ * memory pools are reported unsupported (ferry then allocates with cuMemAlloc).
+ *
+ * FAKECUDA_VERSION (default 13000) is what cuDriverGetVersion says; below 12080 there is no
+ * cuMemcpyBatchAsync, from 12080 to 12090 it has the 12.8 signature (with failIdx), from 13000 the
+ * 13.0 one. fake_counts() reports how many copies, batches and event calls were made.
+ *
+ *   gcc -O2 -shared -fPIC -o libcuda.so.1 fake_cuda.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+static __thread void *current_ctx;
+static char ctx_token, stream_tokens[4096];
+static int next_stream;
+static unsigned long long n_copies, n_batches, n_batched, n_records, n_queries;
+
+static int driver_version(void) {
+    const char *v = getenv("FAKECUDA_VERSION");
+    return v ? atoi(v) : 13000;
+}
+
+void fake_counts(unsigned long long out[5]) {
+    out[0] = n_copies;
+    out[1] = n_batches;
+    out[2] = n_batched;
+    out[3] = n_records;
+    out[4] = n_queries;
+}
+
+CUresult cuInit(unsigned int flags) { (void)flags; return 0; }
+CUresult cuDriverGetVersion(int *v) { *v = driver_version(); return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return ordinal == 0 ? 0 : 101; }
+CUresult cuDeviceGetName(char *name, int len, int dev) {
+    (void)dev;
+    strncpy(name, "fake device (benchmarks/fake_cuda.c)", (size_t)len);
+    return 0;
+}
+CUresult cuDeviceTotalMem(size_t *bytes, int dev) { (void)dev; *bytes = (size_t)80 << 30; return 0; }
+CUresult cuDeviceGetPCIBusId(char *bus, int len, int dev) {
+    (void)dev;
+    strncpy(bus, "0000:00:00.0", (size_t)len);
+    return 0;
+}
+CUresult cuDeviceGetAttribute(int *value, int attribute, int dev) {
+    (void)dev;
+    switch (attribute) {
+    case 40: *value = 2; break;  /* ASYNC_ENGINE_COUNT */
+    case 75: *value = 9; break;  /* COMPUTE_CAPABILITY_MAJOR */
+    default: *value = 0;         /* memory pools (115) and everything else: unsupported */
+    }
+    return 0;
+}
+CUresult cuDeviceCanAccessPeer(int *can, int a, int b) { (void)a; (void)b; *can = 0; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { (void)dev; *ctx = &ctx_token; return 0; }
+CUresult cuDevicePrimaryCtxRelease(int dev) { (void)dev; return 0; }
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current_ctx; return 0; }
+CUresult cuCtxSetCurrent(void *ctx) { current_ctx = ctx; return 0; }
+CUresult cuCtxSynchronize(void) { return 0; }
+CUresult cuCtxEnablePeerAccess(void *ctx, unsigned int flags) { (void)ctx; (void)flags; return 0; }
+
+CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
+    void *m = aligned_alloc(512, (n + 511) & ~(size_t)511);
+    if (!m) return 2;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return 0;
+}
+CUresult cuMemFree(CUdeviceptr p) { free((void *)(uintptr_t)p); return 0; }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
+    (void)flags;
+    *p = aligned_alloc(4096, (n + 4095) & ~(size_t)4095);
+    return *p ? 0 : 2;
+}
+CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+CUresult cuMemHostRegister(void *p, size_t n, unsigned int flags) { (void)p; (void)n; (void)flags; return 0; }
+CUresult cuMemHostUnregister(void *p) { (void)p; return 0; }
+CUresult cuMemHostGetDevicePointer(CUdeviceptr *d, void *p, unsigned int flags) {
+    (void)flags;
+    *d = (CUdeviceptr)(uintptr_t)p;
+    return 0;
+}
+
+CUresult cuStreamCreate(void **s, unsigned int flags) {
+    (void)flags;
+    *s = &stream_tokens[next_stream++ % 4096];
+    return 0;
+}
+CUresult cuStreamDestroy(void *s) { (void)s; return 0; }
+CUresult cuStreamSynchronize(void *s) { (void)s; return 0; }
+CUresult cuStreamQuery(void *s) { (void)s; return 0; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned int f) { (void)s; (void)e; (void)f; return 0; }
+CUresult cuStreamWaitValue32(void *s, CUdeviceptr a, uint32_t v, unsigned int f) {
+    (void)s; (void)a; (void)v; (void)f;
+    return 0;
+}
+CUresult cuStreamWriteValue32(void *s, CUdeviceptr a, uint32_t v, unsigned int f) {
+    (void)s; (void)f;
+    *(volatile uint32_t *)(uintptr_t)a = v;
+    return 0;
+}
+
+CUresult cuEventCreate(void **e, unsigned int flags) {
+    (void)flags;
+    *e = malloc(16);
+    return *e ? 0 : 2;
+}
+CUresult cuEventDestroy(void *e) { free(e); return 0; }
+CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; n_records++; return 0; }
+CUresult cuEventQuery(void *e) { (void)e; n_queries++; return 0; }
+CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
+
+CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
+    (void)s;
+    memcpy((void *)(uintptr_t)d, h, n);
+    n_copies++;
+    return 0;
+}
+CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
+    (void)s;
+    memcpy(h, (const void *)(uintptr_t)d, n);
+    n_copies++;
+    return 0;
+}
+CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s_, size_t n, void *s) {
+    (void)s;
+    memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s_, n);
+    n_copies++;
+    return 0;
+}
+
+static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, const void *attrs,
+                      size_t *idxs, size_t nattrs) {
+    if (!count || !attrs || !idxs || !nattrs || idxs[0] != 0 || *(const int *)attrs != 1) return 1;
+    for (size_t i = 0; i < count; i++) memcpy((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
+    n_batches++;
+    n_batched += count;
+    return 0;
+}
+CUresult fake_batch_v12080(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, void *attrs,
+                           size_t *idxs, size_t nattrs, size_t *fail, void *s) {
+    (void)s;
+    *fail = SIZE_MAX;
+    return batch(dsts, srcs, sizes, count, attrs, idxs, nattrs);
+}
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, void *attrs,
+                            size_t *idxs, size_t nattrs, void *s) {
+    (void)s;
+    return batch(dsts, srcs, sizes, count, attrs, idxs, nattrs);
+}
+
+CUresult cuGetErrorName(CUresult e, const char **s) { (void)e; *s = "CUDA_ERROR_FAKE"; return 0; }
+CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "an error of the fake driver"; return 0; }
+
+static void *self_handle(void) { /* this library, however it was loaded (RTLD_LOCAL included) */
+    static void *handle;
+    if (!handle) {
+        Dl_info info;
+        if (dladdr((void *)cuInit, &info)) handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    }
+    return handle;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags, int *status) {
+    (void)flags;
+    *pfn = NULL;
+    if (strcmp(symbol, "cuMemcpyBatchAsync") == 0) {
+        int driver = driver_version();
+        if (driver >= 13000 && version >= 13000)
+            *pfn = (void *)cuMemcpyBatchAsync;
+        else if (driver >= 12080 && version >= 12080)
+            *pfn = (void *)fake_batch_v12080;
+    } else if (strcmp(symbol, "cuGetProcAddress") == 0) {
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+    } else if (strncmp(symbol, "fake_", 5) != 0) {
+        *pfn = dlsym(self_handle(), symbol);
+    }
+    if (status) *status = *pfn ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / SYMBOL_NOT_FOUND */
+    return *pfn ? 0 : 500;              /* CUDA_ERROR_NOT_FOUND */
+}
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}

@@ -1,0 +1,270 @@
+"""The compiled fast path (``_engine.Calls`` and the small route's host copies), on any machine.
+
+The driver entry points are stand-ins made with ctypes: C function pointers
+that record their arguments and answer what the test says. So the C code that
+CUDA runs (argument passing, the event record after a copy, the batch call of
+either ABI, the loop without one, error stages, the interruptible wait) is
+exercised without a GPU; tests/test_small.py runs it on one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ferry import _native
+
+engine = _native.load()
+pytestmark = pytest.mark.skipif(engine is None, reason="the compiled extension is not built here")
+
+NOT_READY = 600
+CU = ctypes.c_int
+PTR = ctypes.c_void_p
+U64 = ctypes.c_uint64
+SIZE = ctypes.c_size_t
+
+COPY = ctypes.CFUNCTYPE(CU, U64, U64, SIZE, PTR)  # both directions: (dst, src, n, stream) as integers
+RECORD = ctypes.CFUNCTYPE(CU, PTR, PTR)
+ONE = ctypes.CFUNCTYPE(CU, PTR)
+BATCH_13000 = ctypes.CFUNCTYPE(
+    CU, ctypes.POINTER(U64), ctypes.POINTER(U64), ctypes.POINTER(SIZE), SIZE, PTR, ctypes.POINTER(SIZE), SIZE, PTR
+)
+BATCH_12080 = ctypes.CFUNCTYPE(
+    CU, ctypes.POINTER(U64), ctypes.POINTER(U64), ctypes.POINTER(SIZE), SIZE, PTR, ctypes.POINTER(SIZE), SIZE,
+    ctypes.POINTER(SIZE), PTR,
+)
+
+
+class Driver:
+    """Stand-in entry points: every call is logged; ``answers[name]`` gives the codes to return
+    (then ``otherwise[name]``, default 0)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.answers: dict[str, list[int]] = {}
+        self.otherwise: dict[str, int] = {}
+        self.batch_seen: list[dict[str, Any]] = []
+
+        def answer(name: str) -> int:
+            queue = self.answers.get(name)
+            return queue.pop(0) if queue else self.otherwise.get(name, 0)
+
+        def copy(name: str) -> Any:
+            def fn(dst: int, src: int, n: int, stream: int) -> int:
+                self.log.append((name, dst, src, n, stream))
+                return answer(name)
+
+            return COPY(fn)
+
+        def record(event: int, stream: int) -> int:
+            self.log.append(("record", event, stream))
+            return answer("record")
+
+        def one(name: str) -> Any:
+            def fn(event: int) -> int:
+                self.log.append((name, event))
+                return answer(name)
+
+            return ONE(fn)
+
+        def batch_seen(dsts: Any, srcs: Any, sizes: Any, count: int, attrs: int, idxs: Any, nattrs: int,
+                       stream: int, fail: Any = None) -> int:
+            first = ctypes.c_int.from_address(attrs).value
+            tail = bytes((ctypes.c_ubyte * 24).from_address(attrs + 4))
+            self.batch_seen.append({
+                "dsts": [dsts[i] for i in range(count)], "srcs": [srcs[i] for i in range(count)],
+                "sizes": [sizes[i] for i in range(count)], "order": first, "rest_zero": not any(tail),
+                "idxs": [idxs[i] for i in range(nattrs)], "stream": stream, "fail_ptr": fail is not None,
+            })
+            self.log.append(("batch", count, stream))
+            return answer("batch")
+
+        self.keep = {
+            "cuMemcpyHtoDAsync": copy("htod"),
+            "cuMemcpyDtoHAsync": copy("dtoh"),
+            "cuEventRecord": RECORD(record),
+            "cuEventQuery": one("query"),
+            "cuEventSynchronize": one("sync"),
+            "b13000": BATCH_13000(batch_seen),
+            "b12080": BATCH_12080(lambda d, s, z, c, a, i, n, f, st: batch_seen(d, s, z, c, a, i, n, st, f)),
+        }
+
+    def points(self, abi: int = 0) -> dict[str, int]:
+        points = {name: ctypes.cast(fn, PTR).value or 0 for name, fn in self.keep.items() if name.startswith("cu")}
+        if abi:
+            points["cuMemcpyBatchAsync"] = ctypes.cast(self.keep[f"b{abi}"], PTR).value or 0
+        return points
+
+
+class Failures:
+    """``on_error``: logs each call and answers with ``result`` (or raises ``error``)."""
+
+    def __init__(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.calls: list[tuple[str, int, int, tuple[Any, ...]]] = []
+        self.result = result
+        self.error = error
+
+    def __call__(self, op: str, code: int, stage: int, args: tuple[Any, ...]) -> Any:
+        self.calls.append((op, code, stage, args))
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def driver() -> Iterator[Driver]:
+    yield Driver()
+
+
+def make(driver: Driver, on_error: Callable[..., Any] | None = None, abi: int = 0) -> Any:
+    assert engine is not None
+    return engine.Calls(driver.points(abi), on_error or Failures(), batch_abi=abi)
+
+
+def test_a_copy_and_its_event_record_are_one_call(driver: Driver) -> None:
+    calls = make(driver)
+    calls.htod_record(0x1000, 0x2000, 16, 0x30, 0x40)
+    calls.dtoh_record(0x2000, 0x1000, 8, 0x31, None)  # no event: a batch records one later
+    calls.htod_record(0x1000, 0x2000, 0, 0x30, 0x41)  # nothing to copy: the record only
+    assert driver.log == [
+        ("htod", 0x1000, 0x2000, 16, 0x30), ("record", 0x40, 0x30),
+        ("dtoh", 0x2000, 0x1000, 8, 0x31),
+        ("record", 0x41, 0x30),
+    ]
+    assert calls.counts()["copies"] == 2
+
+
+def test_a_failure_goes_to_on_error_with_its_stage(driver: Driver) -> None:
+    failures = Failures(result="answered")
+    calls = make(driver, failures)
+    driver.answers["htod"] = [201]
+    assert calls.htod_record(1, 2, 3, 4, 5) == "answered"  # on_error's result is the call's
+    assert failures.calls[-1] == ("htod_record", 201, 0, (1, 2, 3, 4, 5))
+    assert driver.log[-1][0] == "htod"  # nothing recorded after a refused copy
+    driver.answers["record"] = [700]
+    calls.dtoh_record(1, 2, 3, 4, 5)
+    assert failures.calls[-1] == ("dtoh_record", 700, 1, (1, 2, 3, 4, 5))  # the copy is queued
+    driver.answers["query"] = [999]
+    calls.event_query(9)
+    assert failures.calls[-1][:3] == ("event_query", 999, 0)
+    boom = make(driver, Failures(error=ValueError("raised by on_error")))
+    driver.answers["record"] = [1]
+    with pytest.raises(ValueError, match="raised by on_error"):
+        boom.event_record(1, 2)
+
+
+def test_event_query_and_a_bounded_wait(driver: Driver) -> None:
+    calls = make(driver)
+    driver.answers["query"] = [NOT_READY]
+    assert calls.event_query(7) is False
+    assert calls.event_query(7) is True
+    driver.answers["query"] = [NOT_READY] * 5
+    assert calls.event_wait(7, 1.0) is True  # polled until complete
+    assert sum(1 for entry in driver.log if entry[0] == "query") == 2 + 6
+    driver.otherwise["query"] = NOT_READY
+    start = time.perf_counter()
+    assert calls.event_wait(7, 0.02) is False
+    assert 0.015 < time.perf_counter() - start < 1.0
+    assert calls.event_wait(7, 0) is False  # timeout 0: one query
+    assert calls.waits == 3
+    calls.event_synchronize(7)
+    assert driver.log[-1] == ("sync", 7) and calls.waits == 4
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_wait_is_interrupted_by_ctrl_c_within_milliseconds(driver: Driver) -> None:
+    # cuEventQuery is libc's abs() here: no Python runs inside the poll, as with the driver; the
+    # "event" 600 answers 600 (CUDA_ERROR_NOT_READY) forever, the "event" 0 is complete
+    points = driver.points()
+    points["cuEventQuery"] = ctypes.cast(ctypes.CDLL(None).abs, PTR).value or 0
+    assert engine is not None
+    calls = engine.Calls(points, Failures())
+    assert calls.event_wait(0, 1.0) is True and calls.event_query(600) is False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            calls.event_wait(600, 30.0)
+        assert time.perf_counter() - start < 0.5  # the handler ran within a slice (2 ms), not after 30 s
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("abi", [13000, 12080])
+def test_a_batch_is_one_driver_call_of_either_abi(driver: Driver, abi: int) -> None:
+    calls = make(driver, abi=abi)
+    assert calls.batch_abi == abi
+    dsts, srcs, sizes = [0x100, 0x300, 0x200], [0x10, 0x20, 0x30], [16, 4096, 1]
+    calls.copy_batch(True, dsts, srcs, sizes, 0x77, 0x88)
+    (seen,) = driver.batch_seen
+    assert (seen["dsts"], seen["srcs"], seen["sizes"]) == (dsts, srcs, sizes)  # in submission order
+    assert seen["order"] == 1 and seen["rest_zero"]  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, no hints, no flags
+    assert seen["idxs"] == [0] and seen["stream"] == 0x77 and seen["fail_ptr"] == (abi == 12080)
+    assert driver.log == [("batch", 3, 0x77), ("record", 0x88, 0x77)]
+    assert calls.counts()["batches"] == 1 and calls.counts()["batched_copies"] == 3
+    calls.copy_batch(True, [5], [6], [7], 0x77, None)  # one copy: a plain copy call
+    assert driver.log[-1] == ("htod", 5, 6, 7, 0x77)
+
+
+def test_without_a_batch_entry_point_a_batch_is_a_loop(driver: Driver) -> None:
+    failures = Failures()
+    calls = make(driver, failures)
+    assert calls.batch_abi == 0
+    calls.copy_batch(False, [1, 2, 3], [10, 20, 30], [4, 0, 6], 0x5, 0x6)
+    assert driver.log == [("dtoh", 1, 10, 4, 0x5), ("dtoh", 3, 30, 6, 0x5), ("record", 0x6, 0x5)]
+    driver.answers["dtoh"] = [0, 2]  # the second copy fails: the first is queued
+    calls.copy_batch(False, [1, 2, 3], [10, 20, 30], [4, 5, 6], 0x5, 0x6)
+    assert failures.calls[-1][:3] == ("copy_batch", 2, 2)
+    driver.answers["dtoh"] = [2]
+    calls.copy_batch(False, [1], [10], [4], 0x5, 0x6)
+    assert failures.calls[-1][:3] == ("copy_batch", 2, 0)
+    with pytest.raises(TypeError):
+        calls.copy_batch(True, [1, 2], [3], [4, 5], 0x5, None)
+
+
+def test_host_copies_take_only_small_contiguous_arrays() -> None:
+    assert engine is not None
+    copy_in, address_of, memcopy = _native.host_copies()
+    slot = np.zeros(64, np.uint8)
+    ptr = int(slot.ctypes.data)
+    data = np.arange(16, dtype=np.float32)
+    assert copy_in(ptr, 64, data) == 64 and np.array_equal(slot.view(np.float32), data)
+    assert copy_in(ptr, 63, data) == -1  # larger than the slot
+    assert copy_in(ptr, 64, data[::2]) == -1  # strided
+    out = np.zeros(16, np.float32)
+    assert address_of(out, 64) == int(out.ctypes.data)
+    out.flags.writeable = False
+    assert address_of(out, 64) == 0  # read-only (or the output of a pending download)
+    assert address_of(np.zeros((4, 4), np.float32).T, 64) == 0
+    target = np.zeros(16, np.float32)
+    memcopy(int(target.ctypes.data), ptr, 64)
+    assert np.array_equal(target, data)
+
+
+def test_the_python_fallbacks_behave_like_the_compiled_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_native.ENV_VAR, "0")
+    copy_in, address_of, memcopy = _native.host_copies()
+    assert copy_in is not getattr(engine, "copy_in", None)
+    slot = np.zeros(64, np.uint8)
+    data = np.arange(16, dtype=np.float32)
+    assert copy_in(int(slot.ctypes.data), 64, data) == 64 and np.array_equal(slot.view(np.float32), data)
+    assert copy_in(int(slot.ctypes.data), 64, data[::2]) == -1
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    assert address_of(ro, 64) == 0 and address_of(np.zeros(32, np.float32), 64) == 0
+    out = np.zeros(16, np.float32)
+    memcopy(int(out.ctypes.data), int(slot.ctypes.data), 64)
+    assert np.array_equal(out, data)
