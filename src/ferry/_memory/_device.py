@@ -159,8 +159,14 @@ class DeviceMemory:
         return ptr
 
     def trim(self, keep_bytes: int) -> None:
-        """Give unused pool memory back to the device, keeping at most ``keep_bytes`` reserved. Lock held."""
+        """Give unused pool memory back to the device, keeping at most ``keep_bytes`` reserved. Lock held.
+
+        The allocation stream is synchronized first (it holds only frees of memory nothing
+        uses, so this returns at once) so that those frees count as complete; memory whose
+        free waits for a consumer's work stays reserved until that work is done.
+        """
         if self.pool is not None and self.health.device_usable:
+            self.backend.stream_synchronize(self.alloc_stream)
             self.backend.mem_pool_trim(self.pool, keep_bytes)
 
     def usage(self) -> tuple[int, int]:
