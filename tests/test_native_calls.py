@@ -268,3 +268,25 @@ def test_the_python_fallbacks_behave_like_the_compiled_copies(monkeypatch: pytes
     out = np.zeros(16, np.float32)
     memcopy(int(out.ctypes.data), int(slot.ctypes.data), 64)
     assert np.array_equal(out, data)
+
+
+def test_the_compiled_record_is_the_python_records_twin() -> None:
+    from ferry._completion import Record
+
+    assert engine is not None
+    args = (3, "event", "stream", ("moved",), ("leased",), ("result",), 16)
+    python, compiled = Record(*args), engine.new_record(*args)
+    names = set(Record.__slots__)
+    assert names == {n for n in dir(compiled) if not n.startswith("_")}
+    assert all(getattr(python, n) == getattr(compiled, n) for n in names)
+    assert type(engine.Record(*args)) is type(compiled)
+    for record in (python, compiled):
+        record.waiters += 1
+        record.done = True
+        with pytest.raises(AttributeError):
+            record.other = 1  # type: ignore[union-attr]
+    assert repr(python) == repr(compiled) == "<transfer record #3 16 bytes done>"
+    compiled.extra = compiled  # a cycle: collected (a GC type)
+    del compiled
+    with pytest.raises(TypeError):
+        engine.new_record(1, 2)

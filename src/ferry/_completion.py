@@ -50,9 +50,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from . import _waiting
+from . import _native, _waiting
 from ._backends._base import Backend, DeviceError
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._retire import RetirementQueue
@@ -87,12 +87,15 @@ class Record:
 
     ``moved`` objects are in flight; ``leased`` device arrays are read-leased;
     ``result`` is what ``wait()`` returns. The pinned routes need nothing
-    else; everything the other routes add lives in ``extra``.
+    else; everything the other routes add lives in ``extra``. A record
+    submitted inside ``rt.batch()`` has ``batch`` (its open :class:`Segment`)
+    until the segment is flushed, then ``shared`` (the segment's
+    :class:`SharedEvent`, also its ``event``).
     """
 
     __slots__ = (
-        "claimed", "done", "error", "event", "extra", "leased", "moved", "nbytes", "result", "seq", "settled",
-        "signal", "spun", "stream", "waiters",
+        "batch", "claimed", "done", "error", "event", "extra", "leased", "moved", "nbytes", "result", "seq",
+        "settled", "shared", "signal", "spun", "stream", "waiters",
     )
 
     def __init__(
@@ -120,10 +123,20 @@ class Record:
         self.waiters = 0  # wait() calls and unresolved futures attending the record
         self.spun = False  # a wait spun its full budget on it: later waits sleep at once
         self.signal: Signal | None = None  # created by the first wait that sleeps, or a future
+        self.batch: Segment | None = None  # the open batch segment it waits in (no copy enqueued yet)
+        self.shared: SharedEvent | None = None  # its flushed segment's event
 
     def __repr__(self) -> str:
         status = "failed" if self.error else "done" if self.done else "pending"
         return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
+
+
+_engine = _native.load()
+new_record: Callable[[int, Any, Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], int], Record] = (
+    cast(Any, _engine).new_record if _engine is not None else Record
+)
+"""Make a :class:`Record`: the compiled twin where the extension runs (an allocation instead of a Python
+``__init__`` per transfer: same fields, same defaults), else the class above."""
 
 
 class Job(Protocol):
@@ -148,21 +161,22 @@ class Extras:
     ``failed`` telling how: a route gives pool blocks back (or abandons them),
     restores the caller's array flags, ends registration uses, releases
     consumed DLPack capsules. ``job`` is a staged job whose workers prove
-    completion (the record then has no event). ``batch``/``shared``: see
-    :class:`Batch`. ``handed`` is the destination an upload handed off before
-    completing.
+    completion (the record then has no event). ``handed`` is the destination
+    an upload handed off before completing.
     """
 
-    __slots__ = ("batch", "cleanups", "export_stream", "finish", "handed", "job", "order_after", "shared")
+    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after")
 
     own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
+
+    def release(self, failed: bool) -> None:
+        """What an ``own_event`` subclass does when its record leaves flight (its ``cleanups`` in one call)."""
+        raise NotImplementedError
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None
         self.cleanups: list[Callable[[bool], None]] = []
         self.job: Job | None = None
-        self.batch: Batch | None = None
-        self.shared: SharedEvent | None = None
         self.handed: Any = None
         self.order_after: Callable[[Any], None] | None = None  # a job's: make a stream wait for all of it
         self.export_stream: Any = None  # a job's: the stream an export names once it waited for the job
@@ -179,15 +193,37 @@ class SharedEvent:
         self.done = False  # proven complete once: the other records need not ask again
 
 
+class Run:
+    """Consecutive copies of one kind in a segment, no destination twice: one device batch at the flush."""
+
+    __slots__ = ("copy", "dsts", "seen", "sizes", "srcs")
+
+    def __init__(self, copy: Callable[[int, int, int, Any, Any], None]) -> None:
+        self.copy = copy
+        self.dsts: list[int] = []
+        self.srcs: list[int] = []
+        self.sizes: list[int] = []
+        self.seen: set[int] = set()
+
+
 class Segment:
-    """One copy stream's open part of a batch: its records and their copies, not yet enqueued."""
+    """One copy stream's open part of a batch: its records and their copies (in runs), not yet enqueued."""
 
-    __slots__ = ("ops", "records", "stream")
+    __slots__ = ("batch", "key", "last", "records", "runs", "stream")
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, batch: Batch, stream: Any) -> None:
+        self.batch = batch
+        self.key = id(stream)
         self.stream = stream
         self.records: list[Record] = []
-        self.ops: list[tuple[Callable[[int, int, int, Any, Any], None], int, int, int]] = []  # copy, dst, src, n
+        self.runs: list[Run] = []
+        self.last: Run | None = None
+
+    def new_run(self, copy: Callable[[int, int, int, Any, Any], None]) -> Run:
+        """Start a run (another kind of copy, or a destination this run already writes)."""
+        run = self.last = Run(copy)
+        self.runs.append(run)
+        return run
 
 
 class Batch:
@@ -349,11 +385,14 @@ class Completion:
         """Enqueue one copy and its event; the caller holds the lock and moves states after.
 
         ``copy`` is the backend's ``htod_record`` or ``dtoh_record`` (or one of
-        the same shape). Raises :class:`~ferry.TransferSubmitError` with nothing
-        enqueued, or :class:`~ferry.TransferFailedError` when the copy was
-        queued but can be neither tracked nor proven complete (its objects are
-        then abandoned).
+        the same shape). The maintenance a submission owes runs first. Raises
+        :class:`~ferry.TransferSubmitError` with nothing enqueued, or
+        :class:`~ferry.TransferFailedError` when the copy was queued but can be
+        neither tracked nor proven complete (its objects are then abandoned).
         """
+        retiring = self.retiring
+        if retiring._count or retiring._incoming or self.memory.deferred or self.pool._doomed:
+            self.maintain()  # maintenance_due(), inline: this is every pinned submission's path
         if self.batches:
             batch = self.batches.get(threading.get_ident())
             if batch is not None:
@@ -361,7 +400,7 @@ class Completion:
         events = self.events
         event = events.pop() if events else self._new_event_for_submit()
         self.seq += 1
-        record = Record(self.seq, event, stream, moved, leased, result, nbytes)
+        record = new_record(self.seq, event, stream, moved, leased, result, nbytes)
         try:
             copy(dst, src, nbytes, stream, event)
         except DeviceError as exc:
@@ -397,14 +436,19 @@ class Completion:
     ) -> Record:
         # nothing is enqueued yet: the segment's copies go to the device together when it is flushed
         self.seq += 1
-        record = Record(self.seq, None, stream, moved, leased, result, nbytes)
-        extra = record.extra = Extras()
-        extra.batch = batch
+        record = new_record(self.seq, None, stream, moved, leased, result, nbytes)
         segment = batch.segments.get(id(stream))
         if segment is None:
-            segment = batch.segments[id(stream)] = Segment(stream)
+            segment = batch.segments[id(stream)] = Segment(batch, stream)
+        record.batch = segment
         segment.records.append(record)
-        segment.ops.append((copy, dst, src, nbytes))
+        run = segment.last
+        if run is None or (run.copy is not copy and run.copy != copy) or dst in run.seen:
+            run = segment.new_run(copy)
+        run.seen.add(dst)
+        run.dsts.append(dst)
+        run.srcs.append(src)
+        run.sizes.append(nbytes)
         self.submitted += 1
         self.live.add(record)
         return record
@@ -418,7 +462,7 @@ class Completion:
         Lock held.
         """
         self.seq += 1
-        record = Record(self.seq, None, key, moved, leased, result, nbytes)
+        record = new_record(self.seq, None, key, moved, leased, result, nbytes)
         record.extra = extra if extra is not None else Extras()
         record.extra.job = job
         self.submitted += 1
@@ -454,67 +498,62 @@ class Completion:
     def _flush_segment(self, batch: Batch, key: int) -> None:
         """Enqueue one stream's open segment and record its shared event. Lock held.
 
-        A device error fails every record of the segment (its copies may have
-        been queued in part: nothing they touch is ever reused).
+        A device error (or anything raised meanwhile, re-raised after) fails
+        every record of the segment: its copies may have been queued in part,
+        and nothing they touch is ever reused.
         """
         segment = batch.segments.pop(key, None)
         if segment is None:
             return
+        for record in segment.records:
+            record.batch = None
         records = [r for r in segment.records if r.error is None]
         if not records:
             return
         event = None
         try:
             event = self.take_event()
-            self._enqueue_ops(segment.stream, segment.ops, event)
-        except DeviceError as exc:
-            self.health.note(exc)
+            self._enqueue_runs(segment.stream, segment.runs, event)
+        except BaseException as exc:
+            error = exc if isinstance(exc, DeviceError) else DeviceError(f"the batch was not submitted: {exc!r}")
+            self.health.note(error)
             if event is not None:
                 self.events.append(event)  # never recorded: reusable
             for record in records:
-                self.fail(record, exc)
+                self.fail(record, error)
+            if error is not exc:
+                raise
             return
         shared = SharedEvent(event, len(records))
         for record in records:
             record.event = event
-            assert record.extra is not None
-            record.extra.batch = None
-            record.extra.shared = shared
+            record.shared = shared
 
-    def _enqueue_ops(self, stream: Any, ops: list[tuple[Any, int, int, int]], event: Any) -> None:
-        """A segment's copies in order, runs of host<->device copies as device batches, then ``event``."""
+    def _enqueue_runs(self, stream: Any, runs: list[Run], event: Any) -> None:
+        """A segment's copies in order: a run of host<->device copies as one device batch
+        (``Backend.copy_batch``), another kind one call each; ``event`` recorded after the last."""
         backend = self.backend
         up, down = backend.htod_record, backend.dtoh_record
-        i, count = 0, len(ops)
-        while i < count:
-            copy = ops[i][0]
+        last = len(runs) - 1
+        for i, run in enumerate(runs):
+            tail = event if i == last else None
+            copy = run.copy
             upload = copy == up
-            if not (upload or copy == down):  # another kind of copy (peer, device to device): on its own
-                _, dst, src, nbytes = ops[i]
-                i += 1
-                copy(dst, src, nbytes, stream, event if i == count else None)
+            if upload or copy == down:
+                backend.copy_batch(upload, run.dsts, run.srcs, run.sizes, stream, tail)
                 continue
-            dsts: list[int] = []
-            srcs: list[int] = []
-            sizes: list[int] = []
-            seen: set[int] = set()
-            while i < count and ops[i][0] == copy and ops[i][1] not in seen:
-                _, dst, src, nbytes = ops[i]
-                seen.add(dst)
-                dsts.append(dst)
-                srcs.append(src)
-                sizes.append(nbytes)
-                i += 1
-            backend.copy_batch(upload, dsts, srcs, sizes, stream, event if i == count else None)
-        if not count:
+            final = len(run.dsts) - 1  # a peer or device-to-device copy: on its own
+            for j, (dst, src, nbytes) in enumerate(zip(run.dsts, run.srcs, run.sizes, strict=True)):
+                copy(dst, src, nbytes, stream, tail if j == final else None)
+        if not runs:
             backend.event_record(event, stream)
 
     def flush_for(self, record: Record) -> None:
-        """Make sure a batched record has its shared event recorded."""
+        """Make sure a batched record's segment is enqueued and its shared event recorded."""
         with self.lock:
-            extra = record.extra
-            if extra is not None and extra.batch is not None:
-                self._flush_segment(extra.batch, id(record.stream))
+            segment = record.batch
+            if segment is not None:
+                self._flush_segment(segment.batch, segment.key)
 
     # -- polling and waiting (CompletionPort) ------------------------------------------------------
     def owns(self, record: Record) -> bool:
@@ -547,11 +586,12 @@ class Completion:
         """
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
-            extra = record.extra
-            if extra is not None and extra.shared is not None and extra.shared.done:
+            shared = record.shared
+            if shared is not None and shared.done:
                 record.done = True  # a batch-mate proved the shared event (anyone asleep: the watcher wakes)
             if not record.done and record.error is None and self.health.refusal is None:
                 event = record.event
+                extra = record.extra
                 if (
                     timeout is None and (extra is None or extra.own_event) and event is not None
                     and not record.spun
@@ -566,6 +606,8 @@ class Completion:
                         ready = True
                     if ready:
                         record.done = True  # anyone asleep on it is woken by the watcher
+                        if shared is not None and record.error is None:
+                            shared.done = True  # its batch-mates need not ask again
                     else:
                         record.spun = True
                         self._sleep(record, None)
@@ -575,14 +617,28 @@ class Completion:
                         "still pending: wait() again, poll is_ready(), or drop the handle (it retires once "
                         "complete)"
                     )
-            with self.lock:
+            lock = self.lock
+            lock.acquire()  # not ``with``: this is every wait's path (the statement costs twice the calls)
+            try:
                 if record.done and not record.settled and record.error is None and record in self.live:
                     self.live.remove(record)  # the common case, inline
-                    self.settle(record)
+                    if record.extra is None and record.shared is None:  # settle(), inline: a pinned copy
+                        record.settled = True
+                        self.events.append(record.event)
+                        record.event = None
+                        for obj in record.moved:
+                            obj._state = OWNED
+                        for array in record.leased:
+                            array._leases -= 1
+                        self.completed += 1
+                    else:
+                        self.settle(record)
                     record.claimed = True
                     result = record.result
                 else:
                     result = self._claim(record)
+            finally:
+                lock.release()
         finally:
             record.waiters -= 1
         if self.cross_returns:
@@ -688,15 +744,12 @@ class Completion:
 
     def _spin(self, record: Record, seconds: float) -> bool:
         """Wait up to ``seconds`` on the record's event (backend ``event_wait``); whether it is resolved."""
-        extra = record.extra
-        shared = None
-        if extra is not None:
-            if extra.batch is not None:
-                self.flush_for(record)
-            shared = extra.shared
-            if shared is not None and shared.done:
-                self.mark_done(record)
-                return True
+        if record.batch is not None:
+            self.flush_for(record)
+        shared = record.shared
+        if shared is not None and shared.done:
+            self.mark_done(record)
+            return True
         event = record.event
         if event is None:  # settled, released or failed meanwhile (its event went back to the pool)
             return record.done or record.error is not None
@@ -796,13 +849,15 @@ class Completion:
                 if job.error is not None:
                     raise job.error
                 return True
-            if extra.batch is not None:
-                self.flush_for(record)
-            shared = extra.shared
-            if shared is not None:
-                if not shared.done:
-                    shared.done = bool(self.backend.event_query(record.event))
-                return shared.done
+        if record.batch is not None:
+            self.flush_for(record)
+            if record.error is not None:  # the device refused the segment
+                raise record.error
+        shared = record.shared
+        if shared is not None:
+            if not shared.done:
+                shared.done = bool(self.backend.event_query(record.event))
+            return shared.done
         if record.event is None:  # settled or released: proven before its event went back
             return record.done
         return bool(self.backend.event_query(record.event))
@@ -834,12 +889,26 @@ class Completion:
         record.settled = True
         extra = record.extra
         if extra is None:
+            shared = record.shared
+            if shared is None:
+                self.events.append(record.event)
+            else:  # a batched copy: the shared event goes back after its last user
+                record.shared = None
+                shared.users -= 1
+                if shared.users == 0:
+                    self.events.append(shared.event)
+            record.event = None
+        elif extra is not None and extra.own_event and extra.handed is None:  # a small-route slot: one call
+            if extra.finish is not None:
+                extra.finish()
+            extra.release(False)
             self.events.append(record.event)
             record.event = None
         else:
-            if extra.finish is not None:
-                extra.finish()
-            self._release_extras(record, failed=False)
+            if extra is not None:
+                if extra.finish is not None:
+                    extra.finish()
+                self._release_extras(record, failed=False)
             self._recycle_event(record)
         for obj in record.moved:
             obj._state = OWNED
@@ -849,14 +918,12 @@ class Completion:
 
     def _recycle_event(self, record: Record) -> None:
         """The record's event back to the pool (a shared one after its last user)."""
-        extra = record.extra
-        if extra is not None and (extra.shared is not None or extra.batch is not None):
-            shared = extra.shared
-            extra.shared = None
-            if shared is not None:
-                shared.users -= 1
-                if shared.users == 0:
-                    self.events.append(shared.event)
+        shared = record.shared
+        if shared is not None:
+            record.shared = None
+            shared.users -= 1
+            if shared.users == 0:
+                self.events.append(shared.event)
         elif record.event is not None:
             self.events.append(record.event)
         record.event = None
@@ -927,9 +994,10 @@ class Completion:
                 raise failed_error(record)
             if record not in self.live:
                 raise FerryError("this upload is no longer pending")
+            segment = record.batch
+            if segment is not None:
+                self._flush_segment(segment.batch, segment.key)
             extra = record.extra
-            if extra is not None and extra.batch is not None:
-                self._flush_segment(extra.batch, id(record.stream))
             if extra is not None and extra.job is not None and extra.order_after is None:
                 raise FerryError(
                     "this staged upload cannot be handed off: the pure-Python staging engine has no "
@@ -1008,7 +1076,7 @@ class Completion:
     def _retired_done(self, record: Record) -> bool:
         if record.done or record.error is not None:
             return True
-        if record.extra is not None and record.extra.batch is not None:
+        if record.batch is not None:
             return False  # not even enqueued: its batch flushes it (a full queue's wait does too)
         try:
             ready = self.query(record)

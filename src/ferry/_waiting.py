@@ -182,7 +182,7 @@ class _StreamWatch:
             with completion.lock:  # the event cannot go back to the pool (and be reused) meanwhile
                 if record.done or record.error is not None:
                     return True
-                if extra is not None and extra.batch is not None:
+                if record.batch is not None:
                     completion.flush_for(record)
                 event = record.event
                 if event is None:

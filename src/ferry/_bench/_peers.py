@@ -117,7 +117,7 @@ class RawDriver:
         copy, dst, src = (d.cuMemcpyHtoDAsync, dev, hptr) if direction == "h2d" else (d.cuMemcpyDtoHAsync, hptr, dev)
         record, synchronize = d.cuEventRecord, d.cuEventSynchronize
 
-        def op() -> None:
+        def op(_keep: Any = host) -> None:  # the default keeps the host array (its address is src/dst) alive
             (err,) = copy(dst, src, nbytes, stream)
             if err:
                 raise RuntimeError(f"copy: {err}")

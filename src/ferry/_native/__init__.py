@@ -34,7 +34,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["BATCH_ENV_VAR", "ENV_VAR", "cuda_calls", "cuda_entry_points", "host_copies", "load", "status"]
+__all__ = [
+    "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "load", "status",
+    "writeable_flags",
+]
 
 ENV_VAR = "FERRY_NATIVE"
 """Environment variable: ``0`` forces the pure-Python engine and the ``cuda.bindings`` calls."""
@@ -179,7 +182,7 @@ def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]],
     return module.Calls(points, on_error, batch_abi=abi)
 
 
-def _copy_in(dst: int, capacity: int, array: Any) -> int:
+def _copy_in(dst: int, capacity: int, array: Any, nbytes: int = -1) -> int:
     if not array.flags.c_contiguous or array.nbytes > capacity:
         return -1
     nbytes = int(array.nbytes)
@@ -187,7 +190,7 @@ def _copy_in(dst: int, capacity: int, array: Any) -> int:
     return nbytes
 
 
-def _address_of(array: Any, capacity: int) -> int:
+def _address_of(array: Any, capacity: int, nbytes: int = -1) -> int:
     flags = array.flags
     if not (flags.c_contiguous and flags.writeable) or array.nbytes > capacity:
         return 0
@@ -198,16 +201,83 @@ def _memcopy(dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
 
 
-def host_copies() -> tuple[Callable[[int, int, Any], int], Callable[[Any, int], int], Callable[[int, int, int], None]]:
+def host_copies() -> tuple[
+    Callable[[int, int, Any, int], int], Callable[[Any, int, int], int], Callable[[int, int, int], None]
+]:
     """``(copy_in, address_of, memcopy)`` for the small pageable route: the compiled ones, or Python's.
 
-    ``copy_in(dst, capacity, array)`` copies a C-contiguous NumPy array of at
-    most ``capacity`` bytes to ``dst`` and returns its size (``-1``: not
-    taken); ``address_of(array, capacity)`` is the address of a writable
-    C-contiguous array of at most ``capacity`` bytes (``0``: not taken);
-    ``memcopy(dst, src, nbytes)`` is ``memcpy``.
+    ``copy_in(dst, capacity, array, nbytes)`` copies a C-contiguous NumPy
+    array of at most ``capacity`` bytes to ``dst`` and returns its size
+    (``-1``: not taken); ``address_of(array, capacity, nbytes)`` is the
+    address of a writable C-contiguous array of at most ``capacity`` bytes
+    (``0``: not taken); ``memcopy(dst, src, nbytes)`` is ``memcpy``. With
+    ``nbytes >= 0`` the caller vouches that ``array`` is an exact
+    ``numpy.ndarray`` of that size: the compiled copies then read NumPy's
+    array struct directly where :func:`array_layout` verified it.
     """
     module = load()
     if module is None:
         return _copy_in, _address_of, _memcopy
+    array_layout()
     return module.copy_in, module.address_of, module.memcopy
+
+
+def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | None:
+    """``(clear, restore)`` of an exact ``numpy.ndarray``'s writeable flag, compiled: ``clear(array)``
+    says whether it was writeable and clears it, ``restore(array)`` sets it (for an array that owns
+    its data); ``None`` where the extension or a verified array layout is missing."""
+    module = load()
+    if module is None or not array_layout():
+        return None
+    return module.clear_writeable, module.set_writeable
+
+
+@functools.cache
+def array_layout() -> bool:
+    """Enable the compiled reads of NumPy's array struct (data pointer, flags) once they are verified.
+
+    NumPy's ``PyArrayObject_fields`` keeps ``data`` at offset 16 and
+    ``flags`` at offset 64 on 64-bit platforms (its ABI, read directly by
+    every compiled extension). They are used only after NumPy's own answers
+    for a few arrays (owned, viewed, strided, read-only, empty) match what
+    is read there, and toggling the writeable flag through NumPy shows at
+    the flags offset; otherwise the buffer protocol and NumPy's API serve.
+    """
+    module = _import()[0]
+    if module is None or ctypes.sizeof(ctypes.c_void_p) != 8 or not _layout_matches(_DATA_AT, _FLAGS_AT):
+        return False
+    import numpy as np
+
+    module.set_array_layout(_DATA_AT, _FLAGS_AT)
+    probe = np.zeros(3)
+    cleared = module.clear_writeable(probe) and not probe.flags.writeable
+    module.set_writeable(probe)
+    if not (cleared and probe.flags.writeable):  # the compiled flips must agree with NumPy as well
+        module.set_array_layout(-1, -1)
+        return False
+    return True
+
+
+# PyArrayObject_fields: data right after PyObject_HEAD; flags after data, nd, dimensions, strides, base, descr
+_DATA_AT, _FLAGS_AT = 16, 64
+
+
+def _layout_matches(data_at: int, flags_at: int) -> bool:
+    """Whether NumPy's answers for a few arrays match what is read at those offsets."""
+    import numpy as np
+
+    try:
+        samples: list[Any] = [np.zeros(7, np.float32), np.zeros((3, 4))[:, 1], np.frombuffer(b"abcd", np.uint8),
+                              np.zeros(0), np.arange(10)[2:]]
+        for array in samples:
+            data = ctypes.c_void_p.from_address(id(array) + data_at).value
+            flags = ctypes.c_int.from_address(id(array) + flags_at).value
+            if data != array.ctypes.data or flags != array.flags.num:
+                return False
+        probe = np.zeros(3)
+        before = ctypes.c_int.from_address(id(probe) + flags_at).value
+        probe.setflags(write=False)
+        after = ctypes.c_int.from_address(id(probe) + flags_at).value
+    except Exception:
+        return False
+    return bool(before & 0x0400) and not after & 0x0400 and probe.flags.num == after

@@ -147,6 +147,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX (Record's members) */
 
 #include <errno.h>
 #include <pthread.h>
@@ -2561,6 +2562,144 @@ static PyType_Spec Calls_spec = {
     Calls_slots,
 };
 
+/* -- Record: a transfer's record, made in C ----------------------------------------------------------- */
+
+/*
+ * The completion part's Record (ferry/_completion.py holds the contract and the Python twin that runs
+ * without this extension): the same fields, all plain attributes, made in one C call. A Python class
+ * with __slots__ costs a Python __init__ and seventeen attribute stores per transfer; this costs an
+ * allocation. The fields and their defaults must match the Python class (tests/test_native_calls.py
+ * checks that they do). It is a GC type: a record can sit in a cycle (its signal's listeners hold a
+ * future that holds the handle that holds the record).
+ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *seq, *event, *stream, *moved, *leased, *result, *nbytes;
+    PyObject *done, *error, *extra, *settled, *claimed, *waiters, *spun, *signal, *batch, *shared;
+} RecordObject;
+
+#define RECORD_FIELDS 17
+
+static PyTypeObject *RecordType;
+
+static PyObject **record_fields(RecordObject *self) { return &self->seq; }
+
+static allocfunc record_alloc;
+
+static PyObject *record_make(PyObject *const *args) {
+    RecordObject *self = (RecordObject *)record_alloc(RecordType, 0);
+    if (!self) return NULL;
+    PyObject **f = record_fields(self);
+    for (int i = 0; i < 7; i++) {
+        f[i] = args[i];
+        Py_INCREF(f[i]);
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    if (!zero) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->done = Py_False;
+    self->error = Py_None;
+    self->extra = Py_None;
+    self->settled = Py_False;
+    self->claimed = Py_False;
+    self->waiters = zero; /* the reference from PyLong_FromLong */
+    self->spun = Py_False;
+    self->signal = Py_None;
+    self->batch = Py_None;
+    self->shared = Py_None;
+    Py_INCREF(Py_False);
+    Py_INCREF(Py_False);
+    Py_INCREF(Py_False);
+    Py_INCREF(Py_False);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    Py_INCREF(Py_None);
+    return (PyObject *)self;
+}
+
+static PyObject *Record_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if ((kwds && PyDict_Size(kwds)) || PyTuple_Size(args) != 7 || type != RecordType) {
+        PyErr_SetString(PyExc_TypeError, "Record(seq, event, stream, moved, leased, result, nbytes)");
+        return NULL;
+    }
+    PyObject *items[7];
+    for (int i = 0; i < 7; i++) items[i] = PyTuple_GetItem(args, i);
+    return record_make(items);
+}
+
+/* new_record(seq, event, stream, moved, leased, result, nbytes): Record(...) without the type call. */
+static PyObject *mod_new_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 7, "new_record")) return NULL;
+    return record_make(args);
+}
+
+static int Record_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PyObject **f = record_fields((RecordObject *)obj);
+    for (int i = 0; i < RECORD_FIELDS; i++) Py_VISIT(f[i]);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Record_clear(PyObject *obj) {
+    PyObject **f = record_fields((RecordObject *)obj);
+    for (int i = 0; i < RECORD_FIELDS; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void Record_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Record_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static PyObject *Record_repr(PyObject *obj) {
+    RecordObject *self = (RecordObject *)obj;
+    int failed = self->error ? PyObject_IsTrue(self->error) : 0;
+    int done = self->done ? PyObject_IsTrue(self->done) : 0;
+    if (failed < 0 || done < 0) return NULL;
+    const char *status = failed ? "failed" : done ? "done" : "pending";
+    return PyUnicode_FromFormat("<transfer record #%R %R bytes %s>", self->seq ? self->seq : Py_None,
+                                self->nbytes ? self->nbytes : Py_None, status);
+}
+
+#define RECORD_MEMBER(name) {#name, T_OBJECT_EX, offsetof(RecordObject, name), 0, NULL}
+
+static PyMemberDef Record_members[] = {
+    RECORD_MEMBER(seq),     RECORD_MEMBER(event),  RECORD_MEMBER(stream),  RECORD_MEMBER(moved),
+    RECORD_MEMBER(leased),  RECORD_MEMBER(result), RECORD_MEMBER(nbytes),  RECORD_MEMBER(done),
+    RECORD_MEMBER(error),   RECORD_MEMBER(extra),  RECORD_MEMBER(settled), RECORD_MEMBER(claimed),
+    RECORD_MEMBER(waiters), RECORD_MEMBER(spun),   RECORD_MEMBER(signal),  RECORD_MEMBER(batch),
+    RECORD_MEMBER(shared),  {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot Record_slots[] = {
+    {Py_tp_new, Record_new},
+    {Py_tp_dealloc, Record_dealloc},
+    {Py_tp_traverse, Record_traverse},
+    {Py_tp_clear, Record_clear},
+    {Py_tp_repr, Record_repr},
+    {Py_tp_members, Record_members},
+    {Py_tp_doc, "Record(seq, event, stream, moved, leased, result, nbytes): a transfer's record "
+                "(see ferry/_completion.py)."},
+    {0, NULL},
+};
+
+static PyType_Spec Record_spec = {
+    "ferry._native._engine.Record",
+    sizeof(RecordObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Record_slots,
+};
+
 /* -- host copies for the small pageable route (any backend) -------------------------------------------- */
 
 /* A C-contiguous buffer (writable when asked) of at most capacity bytes; -1 (no error set) otherwise. */
@@ -2576,10 +2715,69 @@ static int small_view(PyObject *array, Py_buffer *view, unsigned long long capac
     return 0;
 }
 
-/* copy_in(dst, capacity, array) -> bytes copied, or -1 (not a C-contiguous buffer, or too large). */
+/*
+ * NumPy's array struct (PyArrayObject_fields) keeps the data pointer and the flags at fixed offsets
+ * (16 and 64 on 64-bit platforms): NumPy's ABI, which every extension compiled against it reads
+ * directly (PyArray_DATA, PyArray_FLAGS). Python checks both offsets against NumPy's own answers for
+ * a few arrays before it enables them here (set_array_layout); until then, and for any caller that
+ * does not vouch for an exact numpy.ndarray of a known size, the buffer protocol serves. Read that
+ * way a small array costs tens of nanoseconds instead of a buffer export.
+ */
+#define NPY_C_CONTIGUOUS_FLAG 0x0001
+#define NPY_WRITEABLE_FLAG 0x0400
+
+static Py_ssize_t array_data_offset = -1, array_flags_offset = -1;
+
+static inline char *array_data(PyObject *a) { return *(char **)((char *)a + array_data_offset); }
+static inline int *array_flags(PyObject *a) { return (int *)((char *)a + array_flags_offset); }
+
+static PyObject *mod_set_array_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 2, "set_array_layout")) return NULL;
+    Py_ssize_t data = PyLong_AsSsize_t(args[0]), flags = PyLong_AsSsize_t(args[1]);
+    if ((data == -1 || flags == -1) && PyErr_Occurred()) return NULL;
+    array_data_offset = data;
+    array_flags_offset = flags;
+    Py_RETURN_NONE;
+}
+
+/* clear_writeable(array) -> whether the array was writeable; it is not now. Layout set; ndarray only. */
+static PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
+    if (array_flags_offset < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
+        return NULL;
+    }
+    int *flags = array_flags(array);
+    int was = *flags & NPY_WRITEABLE_FLAG;
+    *flags &= ~NPY_WRITEABLE_FLAG;
+    return PyBool_FromLong(was);
+}
+
+/* set_writeable(array): the writeable flag back (an array that owns its data). Layout set; ndarray only. */
+static PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
+    if (array_flags_offset < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
+        return NULL;
+    }
+    *array_flags(array) |= NPY_WRITEABLE_FLAG;
+    Py_RETURN_NONE;
+}
+
+/* copy_in(dst, capacity, array[, nbytes]) -> bytes copied, or -1 (not a C-contiguous buffer, or too large).
+ * nbytes >= 0: the caller vouches that array is a numpy.ndarray of that size (the layout path). */
 static PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long dst, capacity;
-    if (nargs_is(nargs, 3, "copy_in") || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0)) return NULL;
+    if ((nargs != 3 && nargs_is(nargs, 4, "copy_in")) || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0))
+        return NULL;
+    if (nargs == 4 && array_data_offset >= 0) {
+        Py_ssize_t n = PyLong_AsSsize_t(args[3]);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        if (n >= 0) {
+            if (!(*array_flags(args[2]) & NPY_C_CONTIGUOUS_FLAG) || (unsigned long long)n > capacity)
+                return PyLong_FromLong(-1);
+            memcpy((void *)(uintptr_t)dst, array_data(args[2]), (size_t)n);
+            return PyLong_FromSsize_t(n);
+        }
+    }
     Py_buffer view;
     if (small_view(args[2], &view, capacity, 0)) return PyLong_FromLong(-1);
     Py_ssize_t n = view.len;
@@ -2588,10 +2786,21 @@ static PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py
     return PyLong_FromSsize_t(n);
 }
 
-/* address_of(array, capacity) -> the address of a writable C-contiguous buffer of at most capacity bytes, or 0. */
+/* address_of(array, capacity[, nbytes]) -> the address of a writable C-contiguous buffer of at most
+ * capacity bytes, or 0. nbytes >= 0: as for copy_in. */
 static PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long capacity;
-    if (nargs_is(nargs, 2, "address_of") || int_arg(args[1], &capacity, 0)) return NULL;
+    if ((nargs != 2 && nargs_is(nargs, 3, "address_of")) || int_arg(args[1], &capacity, 0)) return NULL;
+    if (nargs == 3 && array_data_offset >= 0) {
+        Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        if (n >= 0) {
+            int flags = *array_flags(args[0]);
+            int wanted = NPY_C_CONTIGUOUS_FLAG | NPY_WRITEABLE_FLAG;
+            if ((flags & wanted) != wanted || (unsigned long long)n > capacity) return PyLong_FromLong(0);
+            return PyLong_FromVoidPtr(array_data(args[0]));
+        }
+    }
     Py_buffer view;
     if (small_view(args[0], &view, capacity, 1)) return PyLong_FromLong(0);
     void *address = view.buf;
@@ -2673,10 +2882,18 @@ static PyMethodDef module_methods[] = {
     {"entry_point_names", mod_entry_point_names, METH_NOARGS,
      "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},
     {"copy_in", (PyCFunction)(void (*)(void))mod_copy_in, METH_FASTCALL,
-     "copy_in(dst, capacity, array) -> bytes copied from a C-contiguous array, or -1 (not taken)"},
+     "copy_in(dst, capacity, array[, nbytes]) -> bytes copied from a C-contiguous array, or -1 (not taken)"},
     {"address_of", (PyCFunction)(void (*)(void))mod_address_of, METH_FASTCALL,
-     "address_of(array, capacity) -> address of a writable C-contiguous array of at most capacity bytes, or 0"},
+     "address_of(array, capacity[, nbytes]) -> address of a writable C-contiguous array of at most capacity "
+     "bytes, or 0"},
+    {"set_array_layout", (PyCFunction)(void (*)(void))mod_set_array_layout, METH_FASTCALL,
+     "set_array_layout(data_offset, flags_offset): NumPy's array struct offsets, verified by the caller (-1: off)"},
+    {"clear_writeable", mod_clear_writeable, METH_O,
+     "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
+    {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL, "memcopy(dst, src, nbytes): memcpy"},
+    {"new_record", (PyCFunction)(void (*)(void))mod_new_record, METH_FASTCALL,
+     "new_record(seq, event, stream, moved, leased, result, nbytes) -> Record, without the type call"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2714,6 +2931,14 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF((PyObject *)JobType);
     if (PyModule_AddObject(m, "Job", (PyObject *)JobType)) {
         Py_DECREF((PyObject *)JobType);
+        goto fail;
+    }
+    RecordType = (PyTypeObject *)PyType_FromSpec(&Record_spec);
+    if (!RecordType) goto fail;
+    record_alloc = (allocfunc)PyType_GetSlot(RecordType, Py_tp_alloc);
+    Py_INCREF((PyObject *)RecordType);
+    if (PyModule_AddObject(m, "Record", (PyObject *)RecordType)) {
+        Py_DECREF((PyObject *)RecordType);
         goto fail;
     }
     CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);

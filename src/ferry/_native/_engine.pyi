@@ -23,14 +23,56 @@ def dlpack_capsule_destructor() -> int:
 def entry_point_names() -> tuple[str, ...]:
     """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
 
-def copy_in(dst: int, capacity: int, array: Any, /) -> int:
-    """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken)."""
+def copy_in(dst: int, capacity: int, array: Any, nbytes: int = -1, /) -> int:
+    """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken).
+    ``nbytes >= 0``: the caller vouches for an exact ``numpy.ndarray`` of that size (struct reads)."""
 
-def address_of(array: Any, capacity: int, /) -> int:
+def address_of(array: Any, capacity: int, nbytes: int = -1, /) -> int:
     """The address of a writable C-contiguous buffer of at most ``capacity`` bytes, or 0 (not taken)."""
+
+def set_array_layout(data_offset: int, flags_offset: int, /) -> None:
+    """NumPy's array struct offsets of the data pointer and the flags, verified by the caller (-1: off)."""
+
+def clear_writeable(array: Any, /) -> bool:
+    """Whether the ``numpy.ndarray`` was writeable; it is not now (needs :func:`set_array_layout`)."""
+
+def set_writeable(array: Any, /) -> None:
+    """The ``numpy.ndarray``'s writeable flag back (needs :func:`set_array_layout`)."""
 
 def memcopy(dst: int, src: int, nbytes: int, /) -> None:
     """``memcpy`` between two host addresses."""
+
+@final
+class Record:
+    """A transfer's record: the compiled twin of ``ferry._completion.Record`` (same fields, same defaults)."""
+
+    seq: int
+    event: Any
+    stream: Any
+    moved: tuple[Any, ...]
+    leased: tuple[Any, ...]
+    result: tuple[Any, ...]
+    nbytes: int
+    done: bool
+    error: Any
+    extra: Any
+    settled: bool
+    claimed: bool
+    waiters: int
+    spun: bool
+    signal: Any
+    batch: Any
+    shared: Any
+    def __init__(
+        self, seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...],
+        result: tuple[Any, ...], nbytes: int, /,
+    ) -> None: ...
+
+def new_record(
+    seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...], result: tuple[Any, ...],
+    nbytes: int, /,
+) -> Record:
+    """``Record(...)`` without the type call."""
 
 @final
 class Calls:

@@ -11,12 +11,13 @@ which route ran.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from .._native import writeable_flags
 
 if TYPE_CHECKING:
     from .._completion import Extras, Record
@@ -64,10 +65,20 @@ class HostRoute(Protocol):
 
 
 class HostLeases:
-    """The caller's NumPy arrays flagged read-only while a transfer uses them (counted, restored)."""
+    """The caller's NumPy arrays flagged read-only while a transfer uses them (counted, restored).
+
+    An exact ``numpy.ndarray`` has its flag flipped by the compiled helpers
+    where they run (:func:`ferry._native.writeable_flags`: tens of
+    nanoseconds, where NumPy's ``setflags`` costs hundreds); a restore that
+    NumPy might refuse (an array that does not own its data) goes through
+    ``setflags``.
+    """
 
     def __init__(self) -> None:
         self._leases: dict[int, list[Any]] = {}
+        flags = writeable_flags()
+        self._clear: Callable[[Any], bool] | None = flags[0] if flags is not None else None
+        self._restore: Callable[[Any], None] | None = flags[1] if flags is not None else None
 
     def lease(self, array: np.ndarray[Any, Any]) -> Callable[[bool], None]:
         """Flag ``array`` read-only for one flight; return the cleanup that restores it."""
@@ -78,32 +89,44 @@ class HostLeases:
 
         return cleanup
 
-    def take(self, array: np.ndarray[Any, Any]) -> None:
-        """Flag ``array`` read-only for one flight; :meth:`give` ends it (no closure: the small route's)."""
-        entry = self._leases.get(id(array))
+    def take(self, array: np.ndarray[Any, Any], writeable: bool | None = None) -> None:
+        """Flag ``array`` read-only for one flight (``writeable``: its flag, when the caller knows it);
+        :meth:`give` ends it. No closure: the small route's."""
+        key = id(array)
+        entry = self._leases.get(key)
         if entry is None:
-            flags = array.flags
-            writeable = flags.writeable
-            self._leases[id(array)] = [array, 1, writeable]
-            if writeable:
-                flags.writeable = False
+            clear = self._clear
+            if clear is not None and type(array) is np.ndarray:
+                writeable = clear(array)
+            else:
+                if writeable is None:
+                    writeable = bool(array.flags.writeable)
+                if writeable:
+                    array.setflags(write=False)
+            self._leases[key] = [array, 1, writeable]
         else:
             entry[1] += 1
 
     def give(self, array: np.ndarray[Any, Any]) -> None:
         """End one flight's lease of ``array``; the last one restores its flag."""
-        self._unlease(array)
-
-    def _unlease(self, array: np.ndarray[Any, Any]) -> None:
-        entry = self._leases.get(id(array))
+        key = id(array)
+        entry = self._leases.get(key)
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
-            del self._leases[id(array)]
+            del self._leases[key]
             if entry[2]:
-                with contextlib.suppress(ValueError):
-                    array.flags.writeable = True
+                restore = self._restore
+                if restore is not None and type(array) is np.ndarray and array.base is None:
+                    restore(array)  # it owns its data: NumPy would allow it
+                    return
+                try:
+                    array.setflags(write=True)
+                except ValueError:  # its base became read-only meanwhile: it stays so
+                    return  # (try/except, not contextlib.suppress: that one builds an object per call)
+
+    _unlease = give
 
 
 def array_ptr(array: np.ndarray[Any, Any]) -> int:

@@ -163,10 +163,7 @@ class HostRoutes:
             completion.health.note(exc)
             raise TransferSubmitError(f"could not order the copy after the array's producer: {exc}") from exc
         record: Record = route.submit(request, registration) if registration is not None else route.submit(request)
-        extra = request.extra
-        if record.extra is not None and record.extra is not extra:  # enqueued inside rt.batch()
-            extra.batch = record.extra.batch
-        record.extra = extra
+        extra = record.extra = request.extra
         cleanup = release_import(device)
         if cleanup is not None:
             extra.cleanups.append(cleanup)

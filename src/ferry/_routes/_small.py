@@ -100,7 +100,7 @@ class Slot(Extras):
     def release(self, failed: bool) -> None:
         """The transfer left flight: restore the array's flag; back to the ring, or abandoned."""
         ring = self.ring
-        ring.leases.give(self.host)
+        ring.give(self.host)
         self.host = None
         record = self.record
         if record is not None:
@@ -120,7 +120,7 @@ class Ring:
         self.upload = upload
         self.limit = limit
         self.completion = route.completion
-        self.leases = route.leases
+        self.give = route.leases.give
         self.memcopy = route.memcopy
         self.pool = route.pool
         self.free: list[Slot] = []
@@ -128,11 +128,8 @@ class Ring:
         self.transfers = 0  # transfers this ring carried
         self.host_copied = 0
 
-    def take(self) -> Slot | None:
-        """A free slot, a new one while the ring may grow, else ``None``. Lock held."""
-        free = self.free
-        if free:
-            return free.pop()
+    def grow(self) -> Slot | None:
+        """A new slot while the ring may grow, else ``None`` (the caller found none free). Lock held."""
         if self.count >= MAX_SLOTS or self.limit <= 0:
             return None
         try:
@@ -142,6 +139,15 @@ class Ring:
         slot = Slot(self, block)
         self.count += 1
         return slot
+
+    def lost(self, slot: Slot, exc: BaseException) -> None:
+        """The enqueue of a transfer through ``slot`` raised ``exc``: the slot back, or abandoned
+        where the copy may have been queued (its objects are abandoned too)."""
+        if isinstance(exc, TransferSubmitError):
+            self.free.append(slot)  # nothing was enqueued
+        else:
+            self.count -= 1
+            self.completion.abandoned_bytes += slot.block.capacity
 
     @property
     def held_bytes(self) -> int:
@@ -163,37 +169,26 @@ class SmallRoute:
         self.registrations = registrations
         self.h2d, self.d2h = streams
         self.copy_in, self.address_of, self.memcopy = host_copies()
+        backend = completion.backend
+        self.htod, self.dtoh = backend.htod_record, backend.dtoh_record
         limit = min(SLOT_BYTES, direct_bytes)
         self.up = Ring(self, True, limit)
         self.down = Ring(self, False, limit)
 
-    def upload(
-        self, owner: object, source: Any, destination: Any, empty: Callable[[tuple[int, ...], Any], Any]
-    ) -> Record | None:
+    def upload(self, owner: Any, source: Any, destination: Any) -> Record | None:
         """Submit ``source`` -> ``destination`` on this route, or ``None`` (nothing done): take the full path.
 
-        ``destination=None`` allocates one with ``empty`` (closed again if the
-        route is not taken after all). Raises :class:`~ferry.TransferSubmitError`
-        (nothing enqueued, nothing changed) when the device refuses the copy.
+        ``destination=None`` allocates one with ``owner.empty`` (closed again
+        if the route is not taken after all). Raises
+        :class:`~ferry.TransferSubmitError` (nothing enqueued, nothing
+        changed) when the device refuses the copy.
         """
         if destination is None:
-            dtype = getattr(source, "dtype", None)
-            if not (
-                type(source) is np.ndarray and dtype is not None and not dtype.hasobject and dtype.itemsize
-                and source.nbytes <= self.up.limit and source.flags.c_contiguous
-            ):
-                return None
-            created = empty(source.shape, dtype)
-            try:
-                record = self.upload(owner, source, created, empty)
-            except BaseException:
-                created.close()
-                raise
-            if record is None:
-                created.close()
-            return record
+            return self._upload_new(owner, source)
         completion = self.completion
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # not ``with``: on the hot path the statement costs twice the two calls
+        try:
             if not (
                 type(source) is np.ndarray
                 and type(destination) is DeviceArray
@@ -208,27 +203,54 @@ class SmallRoute:
                 and (source.dtype is destination._dtype or source.dtype == destination._dtype)
             ):
                 return None
-            if completion.maintenance_due():
-                completion.maintain()
             ring = self.up
-            slot = ring.take()
+            free = ring.free
+            slot = free.pop() if free else ring.grow()
             if slot is None:
                 return None
-            nbytes = self.copy_in(slot.ptr, slot.capacity, source)
+            nbytes = self.copy_in(slot.ptr, slot.capacity, source, destination._nbytes)  # same shape and dtype
             if nbytes < 0:  # not C-contiguous, or larger than a slot
-                ring.free.append(slot)
+                free.append(slot)
                 return None
-            record = self._enqueue(
-                ring, slot, self.h2d, completion.backend.htod_record, destination._ptr, slot.ptr, nbytes,
-                (destination,), (), (source, destination),
-            )
+            try:  # the pinned path's own enqueue (it runs the maintenance a submission owes first)
+                record = completion.enqueue(
+                    self.h2d, self.htod, destination._ptr, slot.ptr, nbytes, (destination,), (), (source, destination)
+                )
+            except BaseException as exc:
+                ring.lost(slot, exc)
+                raise
+            record.extra = slot
+            slot.record = record
+            slot.nbytes = nbytes
+            slot.cleanups = slot.own
             slot.host = source
             self.leases.take(source)
             destination._state = IN_FLIGHT
+            ring.transfers += 1
             ring.host_copied += nbytes
             return record
+        finally:
+            lock.release()
 
-    def download(self, owner: object, source: Any, out: Any) -> Record | None:
+    def _upload_new(self, owner: Any, source: Any) -> Record | None:
+        """An upload into a new device array: allocated once the array looks small enough."""
+        dtype = getattr(source, "dtype", None)
+        if not (
+            type(source) is np.ndarray and dtype is not None and not dtype.hasobject and dtype.itemsize
+            and source.nbytes <= self.up.limit and source.flags.c_contiguous
+        ):
+            return None
+        created = owner.empty(source.shape, dtype)
+        try:
+            record = self.upload(owner, source, created)
+        except BaseException:
+            created.close()
+            raise
+        if record is None:
+            created.close()
+        return record
+
+    def download(self, owner: Any, source: Any, out: Any) -> Record | None:
         """Submit ``source`` -> ``out`` on this route, or ``None`` (nothing done): take the full path.
 
         ``out=None`` makes a new array (``numpy.empty``, as the full path does at these sizes).
@@ -238,7 +260,9 @@ class SmallRoute:
                 return None
             out = np.empty(source._shape, source._dtype)
         completion = self.completion
-        with self.lock:
+        lock = self.lock
+        lock.acquire()
+        try:
             if not (
                 type(out) is np.ndarray
                 and type(source) is DeviceArray
@@ -252,47 +276,35 @@ class SmallRoute:
                 and (out.dtype is source._dtype or out.dtype == source._dtype)
             ):
                 return None
-            if completion.maintenance_due():
-                completion.maintain()
             ring = self.down
-            slot = ring.take()
+            free = ring.free
+            slot = free.pop() if free else ring.grow()
             if slot is None:
                 return None
-            address = self.address_of(out, slot.capacity)
+            address = self.address_of(out, slot.capacity, source._nbytes)  # same shape and dtype
             if not address:  # not C-contiguous, read-only (or pending), or larger than a slot
-                ring.free.append(slot)
+                free.append(slot)
                 return None
             nbytes = source._nbytes
-            record = self._enqueue(
-                ring, slot, self.d2h, completion.backend.dtoh_record, slot.ptr, source._ptr, nbytes,
-                (), (source,), (source, out),
-            )
+            try:
+                record = completion.enqueue(
+                    self.d2h, self.dtoh, slot.ptr, source._ptr, nbytes, (), (source,), (source, out)
+                )
+            except BaseException as exc:
+                ring.lost(slot, exc)
+                raise
+            record.extra = slot
+            slot.record = record
+            slot.nbytes = nbytes
+            slot.cleanups = slot.own
             slot.host = out
             slot.address = address
-            self.leases.take(out)
+            self.leases.take(out, True)
             source._leases += 1
+            ring.transfers += 1
             return record
-
-    def _enqueue(
-        self, ring: Ring, slot: Slot, stream: Any, copy: Any, dst: int, src: int, nbytes: int,
-        moved: tuple[Any, ...], leased: tuple[Any, ...], result: tuple[Any, ...],
-    ) -> Record:
-        """The pinned path's enqueue with the slot as the record's extras. Lock held."""
-        try:
-            record = self.completion.enqueue(stream, copy, dst, src, nbytes, moved, leased, result)
-        except TransferSubmitError:
-            ring.free.append(slot)  # nothing was enqueued
-            raise
-        except BaseException:  # queued but untracked (its objects are abandoned): so is the slot
-            ring.count -= 1
-            self.completion.abandoned_bytes += slot.block.capacity
-            raise
-        record.extra = slot
-        slot.record = record
-        slot.nbytes = nbytes
-        slot.cleanups = slot.own
-        ring.transfers += 1
-        return record
+        finally:
+            lock.release()
 
     # -- stats and lifetime ---------------------------------------------------------------------------
     @property
