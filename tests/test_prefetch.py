@@ -310,6 +310,22 @@ def test_a_copy_that_fails_on_the_device_raises_with_its_index(emu: ferry.Runtim
     assert len(seen) == 3 or seen[3].state == "abandoned"
 
 
+def test_a_failed_copy_found_while_the_host_waits_for_it_names_its_batch() -> None:
+    """Slow copies: the host runs ahead until backpressure waits for an older batch's upload, and
+    that is where batch 1's failure is found; whichever step finds it, the index is batch 1's."""
+    for _ in range(5):
+        rt = ferry.Runtime("emulated", emulated_bandwidth=2e6)  # 4 KiB takes 2 ms
+        try:
+            rt.to_device(np.zeros(16, np.uint8))
+            testing.fail_next_copy(rt, after=1)
+            with pytest.raises(ferry.PrefetchError) as info:
+                for _dev in ferry.prefetch(numbered(12), depth=1, runtime=rt):
+                    pass
+            assert info.value.index == 1
+        finally:
+            rt.close()
+
+
 def test_an_error_of_the_source_is_raised_unchanged_at_its_position(emu: ferry.Runtime) -> None:
     def batches() -> Iterator[np.ndarray[Any, Any]]:
         yield from numbered(2)

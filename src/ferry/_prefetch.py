@@ -491,14 +491,10 @@ class Prefetcher:
             flight = queue[0]
             while flight.handles:
                 handle = flight.handles[0]
-                try:
+                with _failure_of(flight):
                     if not handle.is_ready():
                         break
                     handle.wait()  # returns at once: the copy is complete
-                except TransferFailedError as exc:
-                    raise PrefetchError(
-                        f"batch {flight.index} failed on the device after it was yielded: its arrays are "
-                        f"abandoned ({exc})", flight.index) from exc
                 flight.handles.pop(0)
             if flight.handles:
                 break
@@ -533,7 +529,8 @@ class Prefetcher:
         while (overdue := self._overdue(stream)) is not None:
             kind, what = overdue
             if kind == "upload":
-                what.handles[0].wait()
+                with _failure_of(what):
+                    what.handles[0].wait()
                 what.handles.pop(0)
             else:
                 self._synchronize(what)
@@ -543,7 +540,8 @@ class Prefetcher:
         while (overdue := self._overdue(stream)) is not None:
             kind, what = overdue
             if kind == "upload":
-                await what.handles[0]
+                with _failure_of(what):
+                    await what.handles[0]
                 what.handles.pop(0)
             else:
                 await asyncio.to_thread(self._synchronize, what)
@@ -582,6 +580,17 @@ class Prefetcher:
             return self._library.dlpack.from_dlpack(array)
         assert callable(to)
         return to(array)
+
+@contextlib.contextmanager
+def _failure_of(flight: _Flight) -> Iterator[None]:
+    """A yielded batch's upload failed: say which batch."""
+    try:
+        yield
+    except TransferFailedError as exc:
+        raise PrefetchError(
+            f"batch {flight.index} failed on the device after it was yielded: its arrays are abandoned ({exc})",
+            flight.index) from exc
+
 
 class _EndError(Exception):
     """The iteration ended: the source is exhausted, or the runtime was closed."""

@@ -51,7 +51,9 @@ to :attr:`DeviceMemory.deferred` (a list append, atomic under the GIL), and
 the runtime's next ordinary call frees it as above. ``close()`` may block:
 after the runtime's copies are waited it synchronizes the device once if any
 memory with unknown users is left, frees everything in order, then destroys
-the pool (frees still pending on the device complete first).
+the pool (frees still pending on the device complete first). At interpreter
+exit it waits for no other library's work: memory with unknown users is left
+to the driver, which reclaims it with the process.
 """
 
 from __future__ import annotations
@@ -331,9 +333,13 @@ class DeviceMemory:
         """
         from .._state import OWNED
 
-        leftover = self.reaper.stop() if self.reaper is not None else []
-        self._closed = True
         usable = self.health.device_usable
+        # At interpreter exit (atexit runs after the main thread stopped) nothing waits for another
+        # library's kernels: memory with unknown users is left to the driver, which reclaims it with
+        # the process, and a reaper stuck in a device synchronization (a daemon) is not joined.
+        exiting = not threading.main_thread().is_alive()
+        leftover = self.reaper.stop(join=usable and not exiting) if self.reaper is not None else []
+        self._closed = True
         dying = list(self.deferred)
         self.deferred.clear()
         for array in list(self.arrays):
@@ -354,7 +360,7 @@ class DeviceMemory:
                 self._free_after(ptr, nbytes, users)
             else:
                 self._free_now(ptr, nbytes)
-        if idle and usable:
+        if idle and usable and not exiting:
             try:
                 self.backend.device_synchronize()
             except DeviceError as exc:
@@ -411,12 +417,12 @@ class _Reaper:
                 with self.cond:
                     self.pending_bytes -= sum(n for _, n in batch)
 
-    def stop(self) -> list[tuple[int, int]]:
+    def stop(self, *, join: bool = True) -> list[tuple[int, int]]:
         """Stop the thread (after the batch it is freeing); return what it had not started."""
         with self.cond:
             self.stopping = True
             self.cond.notify()
-        if self.thread is not None and self.thread is not threading.current_thread():
+        if join and self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
         with self.cond:
             left, self.queue = self.queue, []
