@@ -1073,7 +1073,6 @@ def test_closing_a_handed_off_array_never_frees_it_under_its_upload() -> None:
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a failed hand-off leaves its error on an idle staging lane")
 def test_a_failed_hand_off_does_not_fail_a_later_staged_transfer() -> None:
     # the pure-Python engine; 2 lanes, and 16 KiB is one chunk: one lane stays idle
     rt = ferry.Runtime("emulated", staging=dataclasses.replace(STAGING, engine="python"))
@@ -1106,7 +1105,6 @@ def test_closing_an_abandoned_download_source_is_a_no_op() -> None:
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the abandoned ledger keeps a failed handle alive")
 def test_a_failed_handle_is_not_kept_alive() -> None:
     rt = ferry.Runtime("emulated")
     try:

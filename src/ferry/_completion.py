@@ -936,7 +936,9 @@ class Completion:
         """
         if record.error is not None or record.done:
             return
-        record.error = exc
+        # kept forever in the ledger: a copy without the traceback, whose frames would keep the
+        # failed handle (and whatever else they reference) alive
+        record.error = DeviceError(str(exc), code=exc.code, sticky=exc.sticky, enqueued=exc.enqueued)
         signal = record.signal
         if signal is not None:
             signal.flag.set()

@@ -58,6 +58,12 @@ _DEVICE_BASE = 0x7E00_0000_0000  # fake device addresses live here, 2**40 apart 
 _SYSTEM_LOCK = threading.Lock()  # one lock for every emulated device: peer copies touch two
 
 
+def _fresh(error: DeviceError) -> DeviceError:
+    """A new exception for a stored failure: raising the stored one again and again would chain
+    every raise's frames onto its traceback, and keep whatever those frames reference alive."""
+    return DeviceError(str(error), code=error.code, sticky=error.sticky, enqueued=error.enqueued)
+
+
 def emulated_device_count() -> int:
     """Devices the emulated machine has: ``FERRY_EMULATED_DEVICES`` (default 2)."""
     import os
@@ -328,7 +334,7 @@ class EmulatedBackend:
 
     def _check(self) -> None:
         if self._poisoned is not None:
-            raise self._poisoned
+            raise _fresh(self._poisoned)
 
     def _violation(self, message: str) -> None:
         self.violations.append(message)
@@ -630,7 +636,7 @@ class EmulatedBackend:
         if event.done < event.recorded:
             return False
         if event.error is not None:
-            raise event.error
+            raise _fresh(event.error)
         return True
 
     def event_query(self, event: _Event) -> bool:

@@ -414,6 +414,14 @@ class StagingEngine:
             self._lanes = lanes
         return self._lanes
 
+    def streams_for(self, array: np.ndarray[Any, Any]) -> list[Any]:
+        """The streams of the lanes the next :meth:`submit` of ``array`` deals chunks to: a producer
+        is ordered before those alone (an idle lane ordered after a failed producer would carry its
+        error into an unrelated later transfer)."""
+        lanes = self._ensure_lanes()
+        count = len(plan_chunks(array, self.config.chunk_bytes(array.nbytes)))
+        return [lanes[(self._next + i) % len(lanes)].stream for i in range(min(count, len(lanes)))]
+
     def submit(self, array: np.ndarray[Any, Any], device_ptr: int) -> StagedJob:
         """Deal ``array``'s chunks to the lanes; return the job at once."""
         lanes = self._ensure_lanes()
@@ -516,6 +524,8 @@ class StagedRoute:
         engine = self.engine(request.upload)
         if getattr(engine, "cuda", True) is False:
             return [self._ordering_stream()]
+        if isinstance(engine, StagingEngine):
+            return engine.streams_for(request.host)
         streams: list[Any] = engine.streams()
         return streams
 
