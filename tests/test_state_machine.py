@@ -25,8 +25,9 @@ the device's speed can change (a failure seen by ``is_ready()``, a dropped
 handle's retirement) is polled or settled to its end before the model moves on,
 so hypothesis can replay and shrink what it finds.
 
-Five bugs this machine found are kept out of its moves (the ``KNOWN BUG``
-notes) and pinned down by the strict-xfail tests at the end of the file.
+Six bugs this machine found are pinned down, minimized, by the tests at the
+end of the file: five are fixed; the one still open is a strict xfail and is
+kept out of the machine's moves (its ``KNOWN BUG`` note).
 Set ``FERRY_STATE_MACHINE_TRACE=1`` to print every submission while debugging.
 """
 
@@ -36,6 +37,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -168,6 +170,7 @@ class FerryMachine(RuleBasedStateMachine):
         self.pending: list[Pending] = []
         self.graveyard: list[Any] = []  # objects the model stopped using, whose fate teardown counts
         self.handles: list[weakref.ref[Any]] = []  # every handle made, to prove none outlives its use
+        self.log: list[str] = []  # rules and submissions so far (shown when the device saw a violation)
         self.fault_armed = False
         self.staged_may_run = False  # a dropped staged transfer may still be enqueueing chunk copies
         self.closed = False
@@ -189,6 +192,7 @@ class FerryMachine(RuleBasedStateMachine):
     # -- helpers -----------------------------------------------------------------------------------
     def _step(self) -> None:
         FerryMachine.steps += 1
+        self.log.append(sys._getframe(1).f_code.co_name)  # what ran, for a failure that does not replay
 
     def _next_seed(self) -> int:
         self.seed += 1
@@ -231,9 +235,11 @@ class FerryMachine(RuleBasedStateMachine):
         if self.fault_armed:
             self.fault_armed = False
             p.took_fault = True
+        line = (f"  submitted #{len(self.pending)} {p.kind} {p.route} fate={p.fate} fault={p.took_fault} "
+                f"buf={p.buf} dev={p.dev} src={p.src} host={p.host}")
+        self.log.append(line)
         if _TRACE:
-            print(f"  submitted #{len(self.pending)} {p.kind} {p.route} fate={p.fate} fault={p.took_fault} "
-                  f"buf={p.buf} dev={p.dev} src={p.src} host={p.host}")
+            print(line)
         self.pending.append(p)
         self.handles.append(weakref.ref(p.handle))
         return p
@@ -312,19 +318,24 @@ class FerryMachine(RuleBasedStateMachine):
     def close_device(self, data: st.DataObject) -> None:
         self._step()
         dev = data.draw(st.sampled_from(self.devs))
-        if dev.upstream is not None:
-            # KNOWN BUG (see test_closing_a_handed_off_array_never_frees_it_under_its_upload): close() frees the
-            # memory at once while the upload still writes it
+        upstream = dev.upstream
+        if upstream is not None and not dev.abandoned:
+            # close() refuses while the upload that handed it off may still write it: let that upload
+            # finish (poll a pending one, retire a dropped one), so the outcome does not depend on timing
+            if upstream in self.pending:
+                self._resolve(upstream)
+            else:
+                self._settle()
+                dev.upstream = None
+        if dev.abandoned:  # a no-op, even while a later transfer still holds it: abandoned wins
+            dev.obj.close()
+            assert dev.obj.state == "abandoned"
+            self.devs.remove(dev)
+            self.graveyard.append(dev.obj)
             return
         if dev.mover is not None or dev.lessees:
             with pytest.raises(ferry.BufferMovedError):
                 dev.obj.close()
-            return
-        if dev.abandoned:
-            # KNOWN BUG (see test_closing_an_abandoned_download_source_is_a_no_op): close() of an
-            # abandoned array that was a download's source raises instead of doing nothing
-            self.devs.remove(dev)
-            self.graveyard.append(dev.obj)
             return
         if dev.maybe_leased:
             self._settle()
@@ -447,8 +458,6 @@ class FerryMachine(RuleBasedStateMachine):
             if not ok:
                 self._refused(lambda: self.rt.upload(host.arr, dev.obj), host, dev)
                 return None
-            if route == "staged" and self._tainted(dev) and self.engine == "python":
-                return None  # KNOWN BUG: see test_a_failed_hand_off_does_not_fail_a_later_staged_transfer
             if dev.maybe_leased:
                 self._settle()
         fate = self._fate(dev)
@@ -471,8 +480,6 @@ class FerryMachine(RuleBasedStateMachine):
             objs: list[Any] = [dev] if host is None else [dev, host]
             self._refused(lambda: self.rt.download(dev.obj, None if host is None else host.arr), *objs)
             return None
-        if route == "staged" and self._tainted(dev) and self.engine == "python":
-            return None  # KNOWN BUG: see test_a_failed_hand_off_does_not_fail_a_later_staged_transfer
         fate = self._fate(dev)
         handle = self.rt.download(dev.obj, None if host is None else host.arr)
         p = Pending(handle, "down_host", fate, route, host=host, dev=dev, expect=dev.data)
@@ -493,6 +500,10 @@ class FerryMachine(RuleBasedStateMachine):
         )
         if not ok:
             self._refused(lambda: self.rt.copy_pending(src.obj, dst.obj), src, dst)
+            return None
+        if src.upstream is not None or dst.upstream is not None:
+            # KNOWN BUG (see test_a_copy_is_ordered_after_the_upload_that_handed_its_array_off): the copy
+            # is not ordered after the upload
             return None
         if dst.maybe_leased:
             self._settle()
@@ -540,6 +551,10 @@ class FerryMachine(RuleBasedStateMachine):
     def batch(self, data: st.DataObject, kinds: list[str]) -> None:
         """Several submissions inside ``with rt.batch():`` (they share one event per stream)."""
         self._step()
+        if self.fault_armed:
+            # a batch enqueues its copies when it closes, so "the next copy" is not the first
+            # submission; a staged one takes the fault at once (or, on a lane, whenever): one only
+            kinds = kinds[:1]
         batch: list[Pending] = []
         with self.rt.batch():
             for kind in kinds:
@@ -599,7 +614,9 @@ class FerryMachine(RuleBasedStateMachine):
     # -- completion -------------------------------------------------------------------------------------
     def _pop(self, data: st.DataObject) -> Pending:
         # an index, not the object: hypothesis keeps what it draws, and a kept handle is never dropped
-        return self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        p = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        self.log.append(f"    on {p.kind} {p.route} fate={p.fate} dev={p.dev} src={p.src}")
+        return p
 
     @precondition(lambda self: not self.closed and bool(self.pending))
     @rule(data=st.data(), through_future=st.booleans())
@@ -672,10 +689,6 @@ class FerryMachine(RuleBasedStateMachine):
         if p.failure_seen:
             with pytest.raises(ferry.TransferFailedError):
                 p.handle.hand_off()
-            return
-        if p.handed and p.dev is not None and p.dev.mover is not None:
-            # KNOWN BUG (see test_a_second_hand_off_does_not_take_the_array_from_a_later_transfer): it
-            # flips the array, in flight in that later transfer, back to owned
             return
         if p.route == "staged" and self.engine == "python":
             with pytest.raises(ferry.FerryError, match="staged"):
@@ -993,7 +1006,8 @@ class FerryMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_device_saw_no_violation(self) -> None:
-        assert testing.violations(self.rt) == []
+        violations = testing.violations(self.rt)
+        assert violations == [], "\n".join([*violations, f"engine {self.engine}; steps:", *self.log[-60:]])
 
     def teardown(self) -> None:
         if self.rt is None:
@@ -1022,11 +1036,9 @@ class FerryMachine(RuleBasedStateMachine):
         assert device_allocs == len(abandoned)  # everything else was freed
         if s.failed == 0:
             assert host_allocs == 0  # every pinned block too
-        if s.failed == 0:
-            # KNOWN BUG (see test_a_failed_handle_is_not_kept_alive): a failed handle stays alive
-            if any(ref() is not None for ref in self.handles):
-                gc.collect()  # (a full collection only when reference counting left one)
-            assert all(ref() is None for ref in self.handles)  # no handle leaked
+        if any(ref() is not None for ref in self.handles):
+            gc.collect()  # (a full collection only when reference counting left one)
+        assert all(ref() is None for ref in self.handles)  # no handle leaked, failed ones included
 
 
 def _merge(head: bytes | None, old: bytes | None, total: int) -> bytes | None:
@@ -1054,8 +1066,8 @@ def test_the_state_machine_runs_ten_thousand_steps_without_a_violation() -> None
 
 
 # -- bugs the state machine found, minimized --------------------------------------------------------------
-# Strict xfails: each fails today; when the fix lands it passes, the xfail turns into a failure, and the
-# marker (and the KNOWN BUG guard in the machine) should go.
+# The fixed ones stay as regression tests. One still open is a strict xfail: when its fix lands the xfail
+# turns into a failure, and the marker (and the KNOWN BUG guard in the machine) should go.
 
 
 def test_closing_a_handed_off_array_never_frees_it_under_its_upload() -> None:
@@ -1128,5 +1140,34 @@ def test_a_second_hand_off_does_not_take_the_array_from_a_later_transfer() -> No
         assert dev.state == "in_flight"  # today: "owned", so dev.close() frees it under the second DMA
         second.wait()
         first.wait()
+    finally:
+        rt.close()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: copy_pending is not ordered after a hand-off")
+def test_a_copy_is_ordered_after_the_upload_that_handed_its_array_off() -> None:
+    rt = ferry.Runtime("emulated")
+    try:
+        buf = rt.pinned(4096)
+        buf.as_array()[:] = 7
+        handed_from = rt.to_device(np.zeros(4096, np.uint8))
+        other = rt.to_device(np.zeros(4096, np.uint8))
+        with testing.hold(rt, "upload"):  # the upload cannot run yet
+            upload = rt.upload_pending(buf, handed_from)
+            copy = rt.copy_pending(upload.hand_off(), other)  # ordered after the upload, like a download
+        copy.wait()
+        upload.wait()
+        assert np.all(rt.to_host(other) == 7)  # today: zeros, the copy ran before the upload
+
+        testing.fail_next_copy(rt)
+        upload = rt.upload_pending(buf, rt.empty(4096, np.uint8))
+        into = rt.copy_pending(other, upload.hand_off())  # a copy into the handed-off array, dropped
+        del into
+        deadline = time.monotonic() + 10
+        while rt.stats().retiring and time.monotonic() < deadline:
+            rt.poll()
+        with pytest.raises(ferry.TransferFailedError):
+            upload.wait()
+        assert testing.violations(rt) == []  # today: the retired copy freed the array under the failed upload
     finally:
         rt.close()
