@@ -20,6 +20,8 @@ from ferry._bench._peers import load_peers
 from ferry._bench._protocol import Budget, Result
 from ferry._bench._report import compute_checks, markdown, verdict
 
+pytestmark = pytest.mark.slow  # subprocesses or whole bench groups: the full run has them
+
 MiB = 1 << 20
 
 

@@ -178,6 +178,7 @@ def test_a_handle_is_waited_at_most_once(rt: ferry.Runtime) -> None:
 # -- completion -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_64_mib_is_not_ready_right_after_submission_then_bytes_arrive(
     rt: ferry.Runtime, direction: str

@@ -202,6 +202,7 @@ def test_record_stream_orders_the_free_after_each_stream(emu: ferry.Runtime) -> 
         emu.empty(4).record_stream("side")
 
 
+@pytest.mark.slow
 def test_an_export_with_no_known_stream_is_freed_only_after_the_device_was_idle(emu: ferry.Runtime) -> None:
     """The CUDA Array Interface names no consumer stream: the free waits for the whole device."""
     backend = testing.backend_of(emu)

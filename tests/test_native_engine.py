@@ -515,6 +515,7 @@ def test_a_forked_child_refuses_the_engine(up: Any) -> None:
     assert job.wait(30) and job.error is None
 
 
+@pytest.mark.slow
 def test_a_forked_child_drops_the_engine_without_touching_it() -> None:
     code = (
         "import os, gc, numpy as np\n"
@@ -595,6 +596,7 @@ def test_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _native.status() == "python: FERRY_NATIVE=0"
 
 
+@pytest.mark.slow
 def test_status_says_why_the_extension_is_missing() -> None:
     code = (
         "import sys\n"

@@ -195,6 +195,7 @@ def test_async_for_with_a_sync_and_an_async_source(staged: ferry.Runtime) -> Non
 # -- memory ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ten_thousand_batches_keep_device_memory_bounded(emu: ferry.Runtime) -> None:
     """Each batch returns to the pool after the consumer's read, so the pool's reserved bytes stay
     under a bound that does not grow with the number of batches. (On the emulated device the

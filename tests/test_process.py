@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses or whole bench groups: the full run has them
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -145,6 +145,7 @@ def test_as_completed_yields_in_completion_order(rt: ferry.Runtime) -> None:
         handle.wait()
 
 
+@pytest.mark.slow
 def test_a_hundred_pending_transfers_cost_no_cpu_while_they_wait(rt: ferry.Runtime) -> None:
     dev = rt.empty(4096, np.uint8)
     with testing.hold(rt, "download"):

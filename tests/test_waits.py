@@ -152,6 +152,7 @@ def test_a_staged_transfer_times_out_then_waits_again(rt: ferry.Runtime) -> None
     assert np.array_equal(rt.to_host(dev), data)
 
 
+@pytest.mark.slow
 def test_a_long_wait_sleeps(rt: ferry.Runtime) -> None:
     data = np.arange(4096, dtype=np.uint8)
     release = _held(rt, "download")
@@ -287,6 +288,7 @@ def _blocked_in_wait(thread: threading.Thread) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_wait_racing_close_always_gets_its_result(backend_name: str) -> None:
     """The rule: a wait() begun before close() commits returns the result (20 times out of 20)."""
     data = np.random.default_rng(5).integers(0, 255, 4096, dtype=np.uint8)
@@ -364,6 +366,7 @@ _HELD_AT_EXIT = """
 """
 
 
+@pytest.mark.slow
 def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None:
     result, ended = _run(_HELD_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0.5")
     assert result.returncode == 0, result.stderr
@@ -376,6 +379,7 @@ def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_exit_timeout_zero_gives_up_at_once(backend_name: str) -> None:
     result, ended = _run(_HELD_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0")
     assert result.returncode == 0, result.stderr
