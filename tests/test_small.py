@@ -225,6 +225,31 @@ def test_a_batch_starts_its_copies_at_block_exit_in_one_device_batch(rt: ferry.R
         assert np.all(rt.to_host(dev) == i)
 
 
+def test_a_long_batch_goes_to_the_device_in_segments_while_it_is_built(rt: ferry.Runtime,
+                                                                       recorder: Recorder) -> None:
+    from ferry._completion import SEGMENT_COPIES
+
+    count = 2 * SEGMENT_COPIES + 88
+    bufs = [rt.pinned(64) for _ in range(count)]
+    for i, b in enumerate(bufs):
+        b.as_array()[:] = i % 251
+    devs = [rt.empty(64, np.uint8) for _ in range(count)]
+    events = rt.stats().events
+    with rt.batch():
+        handles = []
+        for b, d in zip(bufs, devs, strict=True):
+            handles.append(rt.upload_pending(b, d))
+            if len(handles) == SEGMENT_COPIES:
+                assert len(recorder.calls) == 1  # the first segment went as soon as it was full
+    assert [len(c[1]) for c in recorder.calls] == [SEGMENT_COPIES, SEGMENT_COPIES, 88]
+    assert [d for c in recorder.calls for d in c[1]] == [d._ptr for d in devs]
+    assert rt.stats().events <= events + 3
+    for i, h in enumerate(handles):
+        _, dev = h.wait()
+        if i % 97 == 0:
+            assert np.all(rt.to_host(dev) == i % 251)
+
+
 def test_both_directions_in_one_batch_make_one_device_batch_each(rt: ferry.Runtime, recorder: Recorder) -> None:
     sources = [rt.to_device(np.full(100, i, np.uint8)) for i in range(10)]
     bufs = [rt.pinned(100) for _ in range(10)]

@@ -71,6 +71,7 @@ SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait sto
 SPIN_PER_BYTE = 1e-10  # s/byte (10 GB/s): a fifth of PCIe Gen5, so a copy that runs on time ends in the spin
 SPIN_CAP = 10e-3  # s: the most one record is ever spun on; past it a wait sleeps
 SLICE = 0.05  # s: sleeping waits wake this often (a signal delivered to another thread is seen)
+SEGMENT_COPIES = 256  # a batch segment goes to the device once it holds this many copies (the GPU starts early)
 
 
 def spin_budget(nbytes: int) -> float:
@@ -232,8 +233,10 @@ class Batch:
     A submission inside the block does its checks and moves ownership at
     once, but its copy is not enqueued yet: each copy stream's records and
     copies wait in a *segment*. A segment is *flushed* when the block exits,
-    or earlier when one of its records is polled, waited or handed off: its
-    copies are enqueued together (``Backend.copy_batch``: one
+    or earlier when one of its records is polled, waited or handed off, or
+    when it holds :data:`SEGMENT_COPIES` copies (so the device works on the
+    first copies while the caller submits the rest): its copies are enqueued
+    together (``Backend.copy_batch``: one
     ``cuMemcpyBatchAsync`` per run of same-direction copies on CUDA) and one
     event is recorded behind them, shared by the segment's records; later
     submissions start a new segment. The copies start then, not at submission.
@@ -442,13 +445,16 @@ class Completion:
             segment = batch.segments[id(stream)] = Segment(batch, stream)
         record.batch = segment
         segment.records.append(record)
-        run = segment.last
-        if run is None or (run.copy is not copy and run.copy != copy) or dst in run.seen:
-            run = segment.new_run(copy)
-        run.seen.add(dst)
-        run.dsts.append(dst)
-        run.srcs.append(src)
-        run.sizes.append(nbytes)
+        if nbytes:  # nothing to copy: the shared event alone proves it
+            run = segment.last
+            if run is None or (run.copy is not copy and run.copy != copy) or dst in run.seen:
+                run = segment.new_run(copy)
+            run.seen.add(dst)
+            run.dsts.append(dst)
+            run.srcs.append(src)
+            run.sizes.append(nbytes)
+        if len(segment.records) >= SEGMENT_COPIES:
+            self._flush_segment(batch, segment.key)
         self.submitted += 1
         self.live.add(record)
         return record

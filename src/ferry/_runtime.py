@@ -330,10 +330,10 @@ class Runtime:
 
         Inside ``with rt.batch():`` (on this thread) each submission is checked
         and takes ownership at once, but its copy starts only when the block
-        exits, or earlier when one of the batch's handles is polled, waited or
-        handed off: then each copy stream's copies go to the device as one
-        batch (``cuMemcpyBatchAsync`` on CUDA 12.8+) with one shared event; a
-        batch the device refuses fails its transfers. The way to move many
+        exits, or earlier when a handle of the block is polled, waited or handed
+        off, or 256 copies wait on its stream: then those go to the device as
+        one batch (``cuMemcpyBatchAsync`` on CUDA 12.8+) with one shared event;
+        a batch the device refuses fails its transfers. The way to move many
         small pieces; handles keep their contract. Nested blocks join the outer.
         """
         self._health.check_open()
