@@ -502,10 +502,6 @@ class FerryMachine(RuleBasedStateMachine):
         if not ok:
             self._refused(lambda: self.rt.copy_pending(src.obj, dst.obj), src, dst)
             return None
-        if src.upstream is not None or dst.upstream is not None:
-            # KNOWN BUG (see test_a_copy_is_ordered_after_the_upload_that_handed_its_array_off): the copy
-            # is not ordered after the upload
-            return None
         if dst.maybe_leased:
             self._settle()
         fate = self._fate(src, dst)
@@ -1041,8 +1037,7 @@ class FerryMachine(RuleBasedStateMachine):
             assert host_allocs == 0  # every pinned block too
         if any(ref() is not None for ref in self.handles):
             gc.collect()  # (a full collection only when reference counting left one)
-        if not self.staged_failed:  # KNOWN BUG (see test_a_failed_staged_handle_is_not_kept_alive)
-            assert all(ref() is None for ref in self.handles)  # no handle leaked, failed ones included
+        assert all(ref() is None for ref in self.handles)  # no handle leaked, failed ones included
 
 
 def _merge(head: bytes | None, old: bytes | None, total: int) -> bytes | None:
@@ -1148,7 +1143,6 @@ def test_a_second_hand_off_does_not_take_the_array_from_a_later_transfer() -> No
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: copy_pending is not ordered after a hand-off")
 def test_a_copy_is_ordered_after_the_upload_that_handed_its_array_off() -> None:
     rt = ferry.Runtime("emulated")
     try:
@@ -1177,7 +1171,6 @@ def test_a_copy_is_ordered_after_the_upload_that_handed_its_array_off() -> None:
         rt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a failed staged job re-raises its stored error (keeps the handle)")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_failed_staged_handle_is_not_kept_alive(engine: str) -> None:
     rt = ferry.Runtime("emulated", staging=dataclasses.replace(STAGING, engine=engine))

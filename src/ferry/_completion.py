@@ -853,12 +853,12 @@ class Completion:
                 if not job.is_done():
                     return False
                 if job.error is not None:
-                    raise job.error
+                    raise job.error.fresh()
                 return True
         if record.batch is not None:
             self.flush_for(record)
             if record.error is not None:  # the device refused the segment
-                raise record.error
+                raise record.error.fresh()
         shared = record.shared
         if shared is not None:
             if not shared.done:

@@ -62,7 +62,7 @@ class Parts:
         self.staged = self.host.staged
         self.peer = PeerRoute(self.completion, self.pool, self.staging.slot_bytes, options["peer_access"])
         self.side_streams: list[Any] = []  # made by ferry.testing.side_stream
-        self.side = Side(backend, self.d2h, self.lock)
+        self.side = Side(backend, self.d2h, self.lock, self.completion)
 
     @contextlib.contextmanager
     def _locked(self, deadline: float | None) -> Iterator[None]:

@@ -30,6 +30,11 @@ class DeviceError(Exception):
         self.sticky = sticky
         self.enqueued = enqueued  # raised after a copy was queued (its event could not be recorded)
 
+    def fresh(self) -> DeviceError:
+        """A new exception with the same facts: a stored failure is raised as a copy, so that the
+        frames of each raise never pile up on one traceback (and keep what they reference alive)."""
+        return DeviceError(str(self), code=self.code, sticky=self.sticky, enqueued=self.enqueued)
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -69,7 +69,10 @@ class NativeJob:
         inner = self._inner
         if inner is None:
             return self._error is not None
-        return bool(inner.done())
+        if inner.done():
+            self._give_back()
+            return True
+        return False
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed."""
@@ -78,7 +81,19 @@ class NativeJob:
                 return False
             if self._inner is None:
                 return True  # failed to start
-        return bool(self._inner.wait(timeout))
+        if self._inner.wait(timeout):
+            self._give_back()
+            return True
+        return False
+
+    def _give_back(self) -> None:
+        """The DMAs are complete: the emulated device's use count goes back at once (the memory
+        may be freed from now on, before the record is settled). A failed job keeps it: the
+        device may still touch its memory."""
+        if self._release is not None and self.error is None:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
 
     @property
     def error(self) -> DeviceError | None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .._backends._base import Backend, DeviceError
 from .._completion import Extras
 from .._errors import RuntimeClosedError, TransferSubmitError
+from .._interop._foreign import order_before
 from .._state import IN_FLIGHT
 
 if TYPE_CHECKING:
@@ -156,13 +157,14 @@ class StagedPeerJob:
 class Side:
     """One runtime's end of a device-to-device copy: what the route needs of it."""
 
-    __slots__ = ("backend", "device", "download_stream", "lock")
+    __slots__ = ("backend", "completion", "device", "download_stream", "lock")
 
-    def __init__(self, backend: Backend, download_stream: Any, lock: Any) -> None:
+    def __init__(self, backend: Backend, download_stream: Any, lock: Any, completion: Completion) -> None:
         self.backend = backend
         self.device = int(backend.device)
         self.download_stream = download_stream
         self.lock = lock
+        self.completion = completion  # orders copies after the arrays' handed-off uploads
 
 
 class PeerRoute:
@@ -192,6 +194,13 @@ class PeerRoute:
         moved, result = (destination,), (source, destination)
         try:
             stream = self._d2d()
+            # a handed-off array's upload may still run: order the copy after it on the device, as
+            # every other route does (the source's in its own runtime, the destination's here)
+            staged = not same and source_side.device != backend.device and not (
+                self.peer_access and backend.peer_access(other)[0]
+            )
+            order_before(completion, [stream], destination)
+            order_before(source_side.completion, [source_side.download_stream if staged else stream], source)
             if same or source_side.device == backend.device:
                 copy = _then_record(backend, backend.memcpy_dtod)
             else:
