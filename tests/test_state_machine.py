@@ -25,9 +25,10 @@ the device's speed can change (a failure seen by ``is_ready()``, a dropped
 handle's retirement) is polled or settled to its end before the model moves on,
 so hypothesis can replay and shrink what it finds.
 
-Seven bugs this machine found are pinned down, minimized, by the tests at the
-end of the file: five are fixed; the two still open are strict xfails and are
-kept out of the machine's checks (their ``KNOWN BUG`` notes).
+Eight bugs this machine found are pinned down, minimized, by the tests at the
+end of the file: five are fixed; two still open are strict xfails and are kept
+out of the machine's checks (their ``KNOWN BUG`` notes); the eighth is a race
+with no deterministic test (its ``KNOWN BUG`` note says where it is reported).
 Set ``FERRY_STATE_MACHINE_TRACE=1`` to print every submission while debugging.
 """
 
@@ -320,6 +321,11 @@ class FerryMachine(RuleBasedStateMachine):
         self._step()
         dev = data.draw(st.sampled_from(self.devs))
         upstream = dev.upstream
+        if upstream is not None and upstream.route == "staged":
+            # KNOWN BUG (native engine, emulated device; a race, so no xfail test: see the report of issue
+            # 12): a hand-off's worker and is_ready() both give the job's memory use back, and the array
+            # can be freed between the worker taking that use and giving it back
+            return
         if upstream is not None and not dev.abandoned:
             # close() refuses while the upload that handed it off may still write it: let that upload
             # finish (poll a pending one, retire a dropped one), so the outcome does not depend on timing
