@@ -219,6 +219,21 @@ def test_a_batch_is_one_driver_call_of_either_abi(driver: Driver, abi: int) -> N
     assert driver.log[-1] == ("htod", 5, 6, 7, 0x77)
 
 
+def test_a_batch_the_driver_refuses_to_parse_becomes_a_loop_for_good(driver: Driver) -> None:
+    calls = make(driver, abi=13000)
+    driver.answers["batch"] = [1]  # CUDA_ERROR_INVALID_VALUE: checked before anything is queued
+    calls.copy_batch(True, [1, 2], [3, 4], [5, 6], 0x9, 0xA)
+    assert calls.batch_refused == 1 and calls.batch_abi == 0
+    assert driver.log == [("batch", 2, 0x9), ("htod", 1, 3, 5, 0x9), ("htod", 2, 4, 6, 0x9), ("record", 0xA, 0x9)]
+    calls.copy_batch(True, [7, 8], [9, 10], [11, 12], 0x9, None)
+    assert len(driver.batch_seen) == 1  # not asked again
+    failures = Failures()
+    other = make(driver, failures, abi=13000)
+    driver.answers["batch"] = [700]  # any other failure is the batch's own: reported, not retried as a loop
+    other.copy_batch(True, [1, 2], [3, 4], [5, 6], 0x9, 0xA)
+    assert failures.calls[-1][:3] == ("copy_batch", 700, 0) and other.batch_abi == 13000
+
+
 def test_without_a_batch_entry_point_a_batch_is_a_loop(driver: Driver) -> None:
     failures = Failures()
     calls = make(driver, failures)
@@ -286,7 +301,24 @@ def test_the_compiled_record_is_the_python_records_twin() -> None:
         with pytest.raises(AttributeError):
             record.other = 1  # type: ignore[union-attr]
     assert repr(python) == repr(compiled) == "<transfer record #3 16 bytes done>"
-    compiled.extra = compiled  # a cycle: collected (a GC type)
-    del compiled
     with pytest.raises(TypeError):
         engine.new_record(1, 2)
+
+
+def test_a_compiled_record_in_a_cycle_is_collected() -> None:
+    import gc
+    import weakref
+
+    assert engine is not None
+
+    class Holder:  # stands for a handle or a future that refers back to its record
+        record: Any = None
+
+    holder = Holder()
+    record = engine.new_record(1, None, None, (holder,), (), (holder,), 8)
+    holder.record = record
+    record.signal = holder
+    gone = weakref.ref(holder)
+    del holder, record
+    gc.collect()
+    assert gone() is None

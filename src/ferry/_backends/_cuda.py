@@ -204,24 +204,34 @@ class CudaBackend:
         self._closed = False
         self._calls: Any = None  # the compiled fast path, when it runs
         self._retrying = threading.local()
-        self.fast_path = self._use_native(d)
+        self._why_bindings = self._use_native(d)
 
     def _use_native(self, d: Any) -> str:
-        """Put the compiled calls in place of the hot methods when the extension runs; say which path runs."""
+        """Put the compiled calls in place of the hot methods when the extension runs; else say why not."""
         from .. import _native
 
         if _native.load() is None:
-            return f"cuda.bindings ({_native.status()})"
+            return _native.status()
         try:
             calls = _native.cuda_calls(d, functools.partial(_calls_failed, weakref.ref(self)))
         except RuntimeError as exc:
-            return f"cuda.bindings ({exc})"
+            return str(exc)
         self._calls = calls
         for name in _NATIVE_CALLS:
             setattr(self, name, getattr(calls, name))
+        return ""
+
+    @property
+    def fast_path(self) -> str:
+        """Which path the hot calls take, in one line (``python -m ferry info``)."""
+        calls = self._calls
+        if calls is None:
+            return f"cuda.bindings ({self._why_bindings})"
         abi = calls.batch_abi
         if abi:
             return f"native (batches: cuMemcpyBatchAsync, CUDA {abi // 1000}.{abi % 1000 // 10} ABI)"
+        if calls.batch_refused:
+            return f"native (batches: a loop of copies; the driver refused cuMemcpyBatchAsync: {calls.batch_refused})"
         return "native (batches: a loop of copies; no cuMemcpyBatchAsync here)"
 
     @property

@@ -175,7 +175,9 @@ typedef unsigned long long CUdeviceptr;
 #define CU_EVENT_DISABLE_TIMING 0x2u
 #define CU_STREAM_WRITE_VALUE_DEFAULT 0x0u
 
+#define ERR_INVALID_VALUE 1
 #define ERR_OUT_OF_MEMORY 2
+#define ERR_NOT_SUPPORTED 801
 #define ERR_NOT_READY 600
 #define ERR_LAUNCH_FAILED 719
 #define ERR_UNKNOWN 999
@@ -2230,6 +2232,7 @@ typedef struct {
     fn_event_synchronize synchronize;
     void *batch;   /* cuMemcpyBatchAsync, or NULL: a batch is a loop of single copies */
     int batch_abi; /* 12080 (with failIdx) or 13000 (without), when batch is set */
+    int batch_refused; /* the CUresult with which the driver refused a batch's description (then batch is NULL) */
     PyObject *on_error;
     long long waits, copies, batches, batched; /* touched with the GIL held */
 } CallsObject;
@@ -2484,8 +2487,16 @@ static PyObject *Calls_copy_batch(PyObject *obj, PyObject *const *args, Py_ssize
         if (!rc) {
             self->batches++;
             self->batched += n;
+        } else if (rc == ERR_INVALID_VALUE || rc == ERR_NOT_SUPPORTED) {
+            /* the driver refused the batch's description (checked before anything is queued): use the loop
+             * from now on, and say why (Calls.batch_refused; the backend's fast_path) */
+            self->batch_refused = rc;
+            self->batch = NULL;
+            self->batch_abi = 0;
+            rc = 0;
         }
-    } else {
+    }
+    if (!self->batch || n <= 1) {
         for (Py_ssize_t i = 0; i < n && !rc; i++) {
             if (!sizes[i]) continue;
             rc = upload ? self->htod((CUdeviceptr)dsts[i], (const void *)(uintptr_t)srcs[i], (size_t)sizes[i], stream)
@@ -2511,6 +2522,10 @@ static PyObject *Calls_counts(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
 
 static PyObject *Calls_get_batch_abi(PyObject *obj, void *Py_UNUSED(closure)) {
     return PyLong_FromLong(((CallsObject *)obj)->batch_abi);
+}
+
+static PyObject *Calls_get_batch_refused(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CallsObject *)obj)->batch_refused);
 }
 
 static PyObject *Calls_get_waits(PyObject *obj, void *Py_UNUSED(closure)) {
@@ -2541,6 +2556,8 @@ static PyMethodDef Calls_methods[] = {
 
 static PyGetSetDef Calls_getset[] = {
     {"batch_abi", Calls_get_batch_abi, NULL, "12080 or 13000: the cuMemcpyBatchAsync in use; 0: none", NULL},
+    {"batch_refused", Calls_get_batch_refused, NULL,
+     "the CUresult with which the driver refused a batch (batches are loops since); 0: none", NULL},
     {"waits", Calls_get_waits, NULL, "host waits so far (event_wait and event_synchronize calls)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -92,6 +92,10 @@ class Calls:
     def batch_abi(self) -> int:
         """12080 or 13000: the ``cuMemcpyBatchAsync`` signature in use; 0: batches are loops."""
     @property
+    def batch_refused(self) -> int:
+        """The ``CUresult`` with which the driver refused a batch (INVALID_VALUE or NOT_SUPPORTED, checked
+        before anything is queued): batches are loops since. 0: none."""
+    @property
     def waits(self) -> int:
         """Host waits so far (``event_wait`` and ``event_synchronize`` calls)."""
     def htod_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
