@@ -240,7 +240,9 @@ def test_a_long_batch_goes_to_the_device_in_segments_while_it_is_built(rt: ferry
         for b, d in zip(bufs, devs, strict=True):
             handles.append(rt.upload_pending(b, d))
             if len(handles) == SEGMENT_COPIES:
-                assert len(recorder.calls) == 1  # the first segment went as soon as it was full
+                assert recorder.calls == []
+            if len(handles) == SEGMENT_COPIES + 1:
+                assert len(recorder.calls) == 1  # the first segment went once the next copy came
     assert [len(c[1]) for c in recorder.calls] == [SEGMENT_COPIES, SEGMENT_COPIES, 88]
     assert [d for c in recorder.calls for d in c[1]] == [d._ptr for d in devs]
     assert rt.stats().events <= events + 3
@@ -299,6 +301,25 @@ def test_a_destination_repeated_in_a_segment_starts_a_new_device_batch(emu: ferr
     a.wait()
     b.wait()
     assert np.all(emu.to_host(backing) == 2)
+
+
+def test_a_full_segment_the_device_refuses_fails_its_transfers_at_once(emu: ferry.Runtime,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry._completion import SEGMENT_COPIES
+
+    def refuse(*args: Any) -> None:
+        raise DeviceError("refused by the test", code=1)
+
+    monkeypatch.setattr(testing.backend_of(emu), "copy_batch", refuse)
+    devs = [emu.empty(8, np.uint8) for _ in range(SEGMENT_COPIES + 1)]
+    with emu.batch():
+        handles = [emu.upload_pending(emu.pinned(8), d) for d in devs]
+        stats = emu.stats()
+        assert stats.failed == SEGMENT_COPIES and stats.in_flight == 1  # the first segment failed at once
+    for h in handles:
+        with pytest.raises(ferry.TransferFailedError):
+            h.wait()
+    assert all(d.state == "abandoned" for d in devs)
 
 
 def test_a_batch_the_device_refuses_fails_its_transfers(emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:

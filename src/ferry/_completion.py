@@ -234,9 +234,9 @@ class Batch:
     once, but its copy is not enqueued yet: each copy stream's records and
     copies wait in a *segment*. A segment is *flushed* when the block exits,
     or earlier when one of its records is polled, waited or handed off, or
-    when it holds :data:`SEGMENT_COPIES` copies (so the device works on the
-    first copies while the caller submits the rest): its copies are enqueued
-    together (``Backend.copy_batch``: one
+    when a submission finds it holding :data:`SEGMENT_COPIES` copies (so the
+    device works on the first copies while the caller submits the rest): its
+    copies are enqueued together (``Backend.copy_batch``: one
     ``cuMemcpyBatchAsync`` per run of same-direction copies on CUDA) and one
     event is recorded behind them, shared by the segment's records; later
     submissions start a new segment. The copies start then, not at submission.
@@ -441,6 +441,11 @@ class Completion:
         self.seq += 1
         record = new_record(self.seq, None, stream, moved, leased, result, nbytes)
         segment = batch.segments.get(id(stream))
+        if segment is not None and len(segment.records) >= SEGMENT_COPIES:
+            # a full segment goes to the device now; this record starts the next one (never flushed in
+            # its own submission: its submitter has not moved its objects' states yet)
+            self._flush_segment(batch, segment.key)
+            segment = None
         if segment is None:
             segment = batch.segments[id(stream)] = Segment(batch, stream)
         record.batch = segment
@@ -453,8 +458,6 @@ class Completion:
             run.dsts.append(dst)
             run.srcs.append(src)
             run.sizes.append(nbytes)
-        if len(segment.records) >= SEGMENT_COPIES:
-            self._flush_segment(batch, segment.key)
         self.submitted += 1
         self.live.add(record)
         return record
