@@ -54,8 +54,9 @@ class RuntimeStats:
     host_copied_bytes
         Bytes the pageable routes copied on the host (one per payload byte).
     staging_pinned_bytes
-        Pinned memory held for staging: the lanes' slots plus the blocks of
-        direct pageable copies in flight.
+        Pinned memory held for staging: the lanes' slots, the small route's
+        slots (kept once made, 64 KiB each) and the blocks of direct pageable
+        copies in flight.
     registered_bytes
         Host memory pinned in place by :meth:`Runtime.register`.
     host_cache_bytes
