@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+_GIVE_BACK = threading.Lock()
+
 
 class NativeJob:
     """One staged transfer on the compiled engine, seen through the completion ``Job`` protocol.
@@ -91,7 +93,8 @@ class NativeJob:
         may be freed from now on, before the record is settled). A failed job keeps it: the
         device may still touch its memory."""
         if self._release is not None and self.error is None:
-            release, self._release = self._release, None
+            with _GIVE_BACK:  # the watcher and a waiter may both see the job done: give back once
+                release, self._release = self._release, None
             if release is not None:
                 release()
 
@@ -117,7 +120,8 @@ class NativeJob:
     def finished(self) -> None:
         """The record left flight: drop the array, give the emulated use back."""
         self.array = None
-        release, self._release = self._release, None
+        with _GIVE_BACK:
+            release, self._release = self._release, None
         if release is not None:
             release()
 
