@@ -18,7 +18,8 @@ Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -179,3 +180,14 @@ def pair(machine: str) -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
 def emulated_pair() -> Iterator[tuple[ferry.Runtime, ferry.Runtime]]:
     """Two runtimes on the emulated machine's devices 0 and 1."""
     yield from two_runtimes("emulated")
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds passed (for work that runs on its own
+    schedule, such as a background free); never a timing assert."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -9,36 +9,18 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
 import ferry
+from conftest import eventually
 from ferry import testing
 from ferry._interop._dlpack import Imported
 
 MiB = 1 << 20
 
 
-@pytest.fixture
-def emu() -> Iterator[ferry.Runtime]:
-    runtime = ferry.Runtime("emulated")
-    try:
-        yield runtime
-    finally:
-        runtime.close()
-    assert testing.violations(runtime) == []
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll ``condition`` (a background free runs on its own schedule); never a timing assert."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def used(rt: ferry.Runtime) -> int:

@@ -7,13 +7,14 @@ import asyncio
 import collections
 import gc
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 
 import ferry
+from conftest import eventually
 from ferry import testing
 
 MiB = 1 << 20
@@ -45,13 +46,6 @@ def staged(request: pytest.FixtureRequest) -> Iterator[ferry.Runtime]:
     assert testing.violations(runtime) == []
 
 
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def settled(rt: ferry.Runtime) -> bool:

@@ -804,17 +804,20 @@ class Completion:
     def prove(self, record: Record) -> bool:
         """Ask, without blocking, whether the record is resolved (done or failed); record which."""
         with self.lock:
-            if record.done or record.error is not None:
-                return True
-            try:
-                ready = self.query(record)
-            except DeviceError as exc:
-                self.health.note(exc)
-                self.fail(record, exc)
-                return True
-            if ready:
-                self.mark_done(record)
-            return ready
+            return self._prove_locked(record)
+
+    def _prove_locked(self, record: Record) -> bool:
+        if record.done or record.error is not None:
+            return True
+        try:
+            ready = self.query(record)
+        except DeviceError as exc:
+            self.health.note(exc)
+            self.fail(record, exc)
+            return True
+        if ready:
+            self.mark_done(record)
+        return ready
 
     def signal(self, record: Record) -> Signal:
         """The record's completion signal, handed to the watcher when it is created."""
@@ -1085,19 +1088,9 @@ class Completion:
         self.retiring.push(record)
 
     def _retired_done(self, record: Record) -> bool:
-        if record.done or record.error is not None:
-            return True
-        if record.batch is not None:
+        if record.batch is not None and not (record.done or record.error is not None):
             return False  # not even enqueued: its batch flushes it (a full queue's wait does too)
-        try:
-            ready = self.query(record)
-        except DeviceError as exc:
-            self.health.note(exc)
-            self.fail(record, exc)
-            return True
-        if ready:
-            self.mark_done(record)
-        return ready
+        return self._prove_locked(record)
 
     def release_retired(self, record: Record) -> None:
         """A dropped handle's copy is complete: free what it owned, end its leases. Lock held."""
