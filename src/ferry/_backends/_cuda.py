@@ -16,8 +16,9 @@ The compiled fast path. Where the extension is built, ``FERRY_NATIVE`` is not
 ``0`` and ``FERRY_CUDA_FAST_PATH=1`` is set (opt-in: it has not yet run on a
 GPU; without it the validated ``cuda.bindings`` path runs), the hot calls
 are not the methods below but the bound methods of a compiled ``Calls``
-object (``ferry._native``), set on the instance at construction: ``htod_record``/``dtoh_record`` (copy and event record in one C
-call), ``event_record``, ``event_query``, ``event_wait`` (polls with the GIL
+object (``ferry._native``), set on the instance at construction:
+``htod_record``/``dtoh_record`` (copy and event record in one C call),
+``event_record``, ``event_query``, ``event_wait`` (polls with the GIL
 released, back in Python every 2 ms for signals), ``event_synchronize`` and
 ``copy_batch`` (one ``cuMemcpyBatchAsync`` where the driver has it). They call
 the driver entry points directly, with no ``cuda.bindings`` wrapper; streams
