@@ -226,11 +226,14 @@ class FerryMachine(RuleBasedStateMachine):
         return dev.upstream is not None and dev.upstream.fate != "ok"
 
     def _fate(self, *devs: Dev | None) -> str:
-        """The fate of a transfer submitted now (the armed fault, or a failed hand-off upstream)."""
+        """The fate of a transfer submitted now: it takes the armed fault, or it is ordered after an
+        upload that fails (or may), which routes treat differently (the emulated device passes the
+        failure down a stream wait; a native staged job or a copy runs on and moves undefined bytes):
+        either outcome is accepted then, and its bytes are undefined."""
         if self.fault_armed:
             return "fail"
-        fates = {d.upstream.fate for d in devs if d is not None and d.upstream is not None}
-        return "fail" if "fail" in fates else "maybe" if "maybe" in fates else "ok"
+        tainted = any(d is not None and d.upstream is not None and d.upstream.fate != "ok" for d in devs)
+        return "maybe" if tainted else "ok"
 
     def _submitted(self, p: Pending) -> Pending:
         """Book-keeping for an accepted submission: it takes the armed fault, if any."""
@@ -406,6 +409,8 @@ class FerryMachine(RuleBasedStateMachine):
     # -- submissions -----------------------------------------------------------------------------------
     def _refused(self, call: Any, *objs: Buf | Dev | Host) -> None:
         """A refused submission raises TransferSubmitError and changes nothing."""
+        if any(getattr(o, "maybe_leased", False) or getattr(o, "maybe_busy", False) for o in objs):
+            self._settle()  # a dropped handle retiring during the call would change them, rightly
         before = [self._snapshot(o) for o in objs]
         with pytest.raises(ferry.TransferSubmitError):
             call()
@@ -817,20 +822,19 @@ class FerryMachine(RuleBasedStateMachine):
         """Drop a handle unwaited: its record retires; what it moved is freed, its leases end."""
         self._step()
         p = self._pop(data)
+        if p.fate == "maybe" and not p.failure_seen:
+            self._resolve(p)  # which way it goes shows here, not at some retirement later
         p.handle = None  # the only reference: the handle's __del__ detaches the record now
         if p.route == "staged":
             self.staged_may_run = True
         if p.failure_seen:
             return  # settled already
-        if p.fate != "ok":
-            # whether it failed shows only once it retired: settle, then read the outcome off an object
+        if p.fate == "fail":
+            # it fails once it retires: settle, so the model does not depend on when that is
             self._settle()
-            witness = p.buf or p.dev or p.src
-            failed = p.fate == "fail" if witness is None else witness.obj.state == "abandoned"
-            if failed:
-                self._failed(p)
-                self._forget_moved(p)
-                return
+            self._failed(p)
+            self._forget_moved(p)
+            return
         self._forget_moved(p)
         for dev in (p.dev, p.src):
             if dev is not None and p in dev.lessees:
