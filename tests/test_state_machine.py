@@ -25,10 +25,9 @@ the device's speed can change (a failure seen by ``is_ready()``, a dropped
 handle's retirement) is polled or settled to its end before the model moves on,
 so hypothesis can replay and shrink what it finds.
 
-Eight bugs this machine found are pinned down, minimized, by the tests at the
-end of the file: five are fixed; two still open are strict xfails and are kept
-out of the machine's checks (their ``KNOWN BUG`` notes); the eighth is a race
-with no deterministic test (its ``KNOWN BUG`` note says where it is reported).
+The bugs this machine found are pinned down, minimized, by the regression tests
+at the end of the file (all seven fixed). An eighth, a race with no
+deterministic test, is kept out of its moves by its ``KNOWN BUG`` note.
 Set ``FERRY_STATE_MACHINE_TRACE=1`` to print every submission while debugging.
 """
 
@@ -172,7 +171,6 @@ class FerryMachine(RuleBasedStateMachine):
         self.graveyard: list[Any] = []  # objects the model stopped using, whose fate teardown counts
         self.handles: list[weakref.ref[Any]] = []  # every handle made, to prove none outlives its use
         self.log: list[str] = []  # rules and submissions so far (shown when the device saw a violation)
-        self.staged_failed = False
         self.fault_armed = False
         self.staged_may_run = False  # a dropped staged transfer may still be enqueueing chunk copies
         self.closed = False
@@ -325,9 +323,10 @@ class FerryMachine(RuleBasedStateMachine):
         dev = data.draw(st.sampled_from(self.devs))
         upstream = dev.upstream
         if upstream is not None and upstream.route == "staged":
-            # KNOWN BUG (native engine, emulated device; a race, so no xfail test: see the report of issue
-            # 12): a hand-off's worker and is_ready() both give the job's memory use back, and the array
-            # can be freed between the worker taking that use and giving it back
+            # KNOWN BUG (native engine, emulated device; a race, so no xfail test; reported in issue 12):
+            # a hand-off's worker and is_ready() both give the job's use count back (NativeJob._give_back),
+            # and the one that finds it taken returns "done" before the other has given it back, so
+            # close() can free the array while the emulated device still counts a use
             return
         if upstream is not None and not dev.abandoned:
             # close() refuses while the upload that handed it off may still write it: let that upload
@@ -785,8 +784,6 @@ class FerryMachine(RuleBasedStateMachine):
             return
         assert p.fate != "ok", f"a {p.kind} ({p.route}) that must succeed failed"
         p.failure_seen = True
-        if p.route == "staged":
-            self.staged_failed = True
         if p.buf is not None:
             p.buf.mover = None
             self._abandon(p.buf)
@@ -1075,9 +1072,7 @@ def test_the_state_machine_runs_ten_thousand_steps_without_a_violation() -> None
     assert FerryMachine.steps >= MIN_STEPS, f"only {FerryMachine.steps} steps ran"
 
 
-# -- bugs the state machine found, minimized --------------------------------------------------------------
-# The fixed ones stay as regression tests. Those still open are strict xfails: when a fix lands its xfail
-# turns into a failure, and the marker (and the KNOWN BUG guard in the machine) should go.
+# -- bugs the state machine found, minimized: regression tests ---------------------------------------------
 
 
 def test_closing_a_handed_off_array_never_frees_it_under_its_upload() -> None:
