@@ -93,10 +93,11 @@ class NativeJob:
         may be freed from now on, before the record is settled). A failed job keeps it: the
         device may still touch its memory."""
         if self._release is not None and self.error is None:
-            with _GIVE_BACK:  # the watcher and a waiter may both see the job done: give back once
-                release, self._release = self._release, None
-            if release is not None:
-                release()
+            # once, inside the lock: neither caller may report "done" before the use is given back
+            with _GIVE_BACK:
+                if self._release is not None:
+                    self._release()
+                    self._release = None
 
     @property
     def error(self) -> DeviceError | None:
@@ -121,9 +122,9 @@ class NativeJob:
         """The record left flight: drop the array, give the emulated use back."""
         self.array = None
         with _GIVE_BACK:
-            release, self._release = self._release, None
-        if release is not None:
-            release()
+            if self._release is not None:
+                self._release()
+                self._release = None
 
 
 class NativeEngine:
