@@ -20,16 +20,6 @@ from ferry import testing
 MiB = 1 << 20
 
 
-@pytest.fixture
-def emu() -> Iterator[ferry.Runtime]:
-    runtime = ferry.Runtime("emulated")
-    try:
-        yield runtime
-    finally:
-        runtime.close()
-    assert testing.violations(runtime) == []
-
-
 @pytest.fixture(params=["python", "native"])
 def staged(request: pytest.FixtureRequest) -> Iterator[ferry.Runtime]:
     """A runtime whose staged uploads run on one engine (python: no hand-off, waited instead)."""
