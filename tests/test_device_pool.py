@@ -118,6 +118,39 @@ def test_an_allocation_past_the_devices_memory_trims_the_pool_and_retries(emu: f
     assert emu.stats().device_bytes == 16 * MiB  # the refused allocation changed nothing
 
 
+def test_an_allocation_that_finds_the_device_full_waits_for_memory_a_consumer_still_reads(
+    emu: ferry.Runtime,
+) -> None:
+    backend = testing.backend_of(emu)
+    consumer = testing.side_stream(emu)
+    dev = emu.to_device(np.full(16 * MiB, 5, np.uint8))
+    dev.record_stream(consumer)
+    slow_kernel(emu, consumer, 0.3)
+    seen = testing.consume(emu, consumer, dev._ptr, 16 * MiB)
+    del dev
+    assert used(emu) >= 16 * MiB  # dropped, but the consumer's read is queued: not freed
+    backend.memory_bytes = 40 * MiB  # 32 MiB more fits only once that memory is back
+    big = emu.empty(32 * MiB, np.uint8)  # waits (bounded, interruptible) for the consumer, then reuses
+    assert big.nbytes == 32 * MiB
+    assert seen.ran() and np.all(seen.result() == 5)
+    assert testing.violations(emu) == []
+
+
+def test_memory_a_consumer_stream_used_is_reused_once_its_work_is_done(emu: ferry.Runtime) -> None:
+    consumer = testing.side_stream(emu)
+    data = np.full(MiB, 9, np.uint8)
+    reads = []  # each keeps the host array its read lands in
+    for _ in range(50):
+        dev = emu.to_device(data)
+        dev.record_stream(consumer)
+        reads.append(testing.consume(emu, consumer, dev._ptr, 4096))
+        del dev
+    assert eventually(lambda: used(emu) == 0)  # every free ran once the consumer's reads completed
+    assert all(np.all(read.result() == 9) for read in reads)
+    assert emu.stats().device_pool_reserved_bytes <= 8 * MiB  # reused, not one block per array
+    assert testing.violations(emu) == []
+
+
 def test_the_transfer_path_never_waits_on_the_host_for_memory(emu: ferry.Runtime) -> None:
     consumer = testing.side_stream(emu)
     data = np.arange(64 * 1024, dtype=np.uint8)

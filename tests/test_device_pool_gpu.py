@@ -173,3 +173,21 @@ def test_prefetch_to_cupy(gpu: ferry.Runtime, cupy: Any) -> None:
     for batch in ferry.prefetch(batches, runtime=gpu, to="cupy"):
         got.append((int(batch["x"].sum()) // (1 << 18), batch["k"]))
     assert got == [(k, k) for k in range(100)]
+
+
+def test_memory_a_torch_consumer_used_is_reused_by_the_pool(gpu: ferry.Runtime, torch: Any) -> None:
+    # 2,000 batches of 8 MiB (16 GB in all) through a torch consumer that never synchronizes: each
+    # batch's memory is freed after the consumer's stream, and the pool must reuse it. (A free
+    # ordered on a private stream was never seen complete by the pool, which grew by one batch per
+    # batch until the device ran out.)
+    n = 8 * MiB
+    batches = (np.full(n // 4, k % 7, np.float32) for k in range(2000))
+    weight = torch.ones(256, 64, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        total = torch.zeros((), dtype=torch.float64, device="cuda")
+        for x in ferry.prefetch(batches, runtime=gpu, to="torch"):
+            total += (x.view(-1, 256)[:1024] @ weight).double().sum()  # reads each batch on the consumer's stream
+    stream.synchronize()
+    assert int(total.item()) == sum(k % 7 for k in range(2000)) * 1024 * 256 * 64
+    assert gpu.stats().device_pool_reserved_bytes <= 16 * n  # a few batches in flight, not 2,000
