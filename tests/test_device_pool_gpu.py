@@ -176,18 +176,18 @@ def test_prefetch_to_cupy(gpu: ferry.Runtime, cupy: Any) -> None:
 
 
 def test_memory_a_torch_consumer_used_is_reused_by_the_pool(gpu: ferry.Runtime, torch: Any) -> None:
-    # 2,000 batches of 8 MiB (16 GB in all) through a torch consumer that never synchronizes: each
-    # batch's memory is freed after the consumer's stream, and the pool must reuse it. (A free
-    # ordered on a private stream was never seen complete by the pool, which grew by one batch per
-    # batch until the device ran out.)
-    n = 8 * MiB
-    batches = (np.full(n // 4, k % 7, np.float32) for k in range(2000))
-    weight = torch.ones(256, 64, device="cuda")
+    # 3,000 batches of 32 MiB (96 GB in all) read by torch on its stream, which never synchronizes:
+    # each batch's memory is freed after the consumer's work, and the pool must reuse it. (A free
+    # queued on a private stream that waited for the consumer on the device was never seen complete
+    # by the pool: it grew by up to a batch per batch, 16 GiB after 600 batches, and once ran out.)
+    n = 32 * MiB
+    pool = [np.full(n // 4, k, np.float32) for k in range(7)]
+    weight = torch.ones(256, 256, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         total = torch.zeros((), dtype=torch.float64, device="cuda")
-        for x in ferry.prefetch(batches, runtime=gpu, to="torch"):
-            total += (x.view(-1, 256)[:1024] @ weight).double().sum()  # reads each batch on the consumer's stream
+        for x in ferry.prefetch((pool[k % 7] for k in range(3000)), runtime=gpu, to="torch"):
+            total += (x.view(-1, 256)[:4096] @ weight).double().sum()  # reads each batch on its stream
     stream.synchronize()
-    assert int(total.item()) == sum(k % 7 for k in range(2000)) * 1024 * 256 * 64
-    assert gpu.stats().device_pool_reserved_bytes <= 16 * n  # a few batches in flight, not 2,000
+    assert int(total.item()) == sum(k % 7 for k in range(3000)) * 4096 * 256 * 256
+    assert gpu.stats().device_pool_reserved_bytes <= 32 * n  # a few batches in flight, not 3,000
