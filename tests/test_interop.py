@@ -245,3 +245,47 @@ def test_numpy_refusing_a_device_array_gets_a_clean_error_and_nothing_is_printed
     assert kind in ("BufferError", "RuntimeError", "TypeError", "ValueError")  # NumPy's own refusal
     assert exports == "0"  # the unconsumed capsule released the array
     assert result.stderr == ""  # no "Exception ignored in ctypes callback"
+
+
+_LATE_CONSUMER = r"""
+#include <stdlib.h>
+typedef struct { char dl_tensor[48]; void *manager_ctx; void (*deleter)(void *); } managed_t;
+static managed_t *tensor;
+static void (*deleter)(void *);
+static void free_late(void) { deleter(tensor); }
+/* a consumer that frees the tensor only once the process exits, after the interpreter is gone */
+void keep_until_exit(managed_t *m) { tensor = m; deleter = m->deleter; atexit(free_late); }
+"""
+
+
+def test_a_consumer_freeing_a_tensor_after_the_interpreter_is_gone_does_not_crash_the_exit(tmp_path) -> None:
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ferry._native._engine") is None:
+        pytest.skip("needs the compiled extension (its deleter outlives the interpreter; a ctypes one cannot)")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler to build the late consumer")
+    (tmp_path / "late.c").write_text(_LATE_CONSUMER)
+    lib = tmp_path / "late.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "late.c")], check=True)
+    code = (
+        "import ctypes, sys, numpy as np, ferry\n"
+        "api = ctypes.pythonapi  # prototypes of our own (ferry sets its own on the shared functions)\n"
+        "get = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(('PyCapsule_GetPointer', api))\n"
+        "rename = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(('PyCapsule_SetName', api))\n"
+        "late = ctypes.CDLL(sys.argv[1])\n"
+        "rt = ferry.Runtime('emulated')\n"
+        "dev = rt.to_device(np.arange(4.0))\n"
+        "capsule = dev.__dlpack__()\n"
+        "late.keep_until_exit(ctypes.c_void_p(get(capsule, b'dltensor')))\n"
+        "rename(capsule, b'used_dltensor')  # consumed: the consumer owns the deleter call\n"
+        "print('consumed')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["consumed"]
+    assert "Fatal" not in result.stderr

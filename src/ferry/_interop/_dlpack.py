@@ -80,12 +80,26 @@ _lock = threading.Lock()
 
 
 def _release(managed: Any) -> None:
-    address = ctypes.cast(managed, ctypes.c_void_p).value
+    _release_at(ctypes.cast(managed, ctypes.c_void_p).value or 0)
+
+
+def _release_at(address: int) -> None:
     with _lock:
-        _exports.pop(address or 0, None)
+        _exports.pop(address, None)
 
 
-_deleter = _DELETER(_release)
+def _make_deleter() -> Any:
+    """The tensors' deleter: the compiled one when the extension is built (it does nothing once the
+    interpreter is finalized, where a consumer such as PyTorch may free a tensor at exit), else a
+    ctypes callback."""
+    try:
+        from .._native import _engine
+    except ImportError:
+        return _DELETER(_release)
+    return _DELETER(_engine.dlpack_deleter(_release_at))
+
+
+_deleter = _make_deleter()
 
 
 def _destroy_capsule(capsule: int) -> None:

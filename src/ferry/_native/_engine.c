@@ -2892,9 +2892,50 @@ static PyObject *mod_dlpack_capsule_destructor(PyObject *Py_UNUSED(mod), PyObjec
     return PyLong_FromVoidPtr((void *)dlpack_capsule_destructor);
 }
 
+/* ---- DLPack deleter ---------------------------------------------------------------------------
+ * A consumer calls an exported tensor's deleter when it frees the tensor, from its own thread and
+ * at its own time: PyTorch may free a tensor while the interpreter shuts down, or only after it is
+ * gone. A ctypes callback would then take a GIL that no longer exists and crash the process at exit.
+ * This deleter does nothing once the interpreter is finalized (the process is ending: ferry's
+ * bookkeeping goes with it) and otherwise calls ferry's release callback with the tensor's address,
+ * keeping aside any exception the consumer left pending. */
+static PyObject *dlpack_release; /* ferry's callback: release(address) */
+
+static void dlpack_deleter(void *managed) {
+    if (!Py_IsInitialized() || dlpack_release == NULL) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *address = PyLong_FromVoidPtr(managed);
+    PyObject *result = address ? PyObject_CallFunctionObjArgs(dlpack_release, address, NULL) : NULL;
+    Py_XDECREF(address);
+    if (result == NULL) {
+        PyErr_WriteUnraisable(dlpack_release);
+    } else {
+        Py_DECREF(result);
+    }
+    PyErr_Restore(type, value, traceback);
+    PyGILState_Release(gil);
+}
+
+static PyObject *mod_dlpack_deleter(PyObject *Py_UNUSED(mod), PyObject *release) {
+    if (!PyCallable_Check(release)) {
+        PyErr_SetString(PyExc_TypeError, "dlpack_deleter(release): release must be callable");
+        return NULL;
+    }
+    PyObject *old = dlpack_release;
+    Py_INCREF(release);
+    dlpack_release = release;
+    Py_XDECREF(old);
+    return PyLong_FromVoidPtr((void *)dlpack_deleter);
+}
+
 static PyMethodDef module_methods[] = {
     {"dlpack_capsule_destructor", mod_dlpack_capsule_destructor, METH_NOARGS,
      "dlpack_capsule_destructor() -> the address of a DLPack capsule destructor that keeps a pending exception"},
+    {"dlpack_deleter", mod_dlpack_deleter, METH_O,
+     "dlpack_deleter(release) -> the address of a DLManagedTensor deleter that calls release(address) while the "
+     "interpreter runs, and does nothing after"},
     {"is_sticky", mod_is_sticky, METH_O, "is_sticky(code) -> whether a CUDA error code poisons the context"},
     {"entry_point_names", mod_entry_point_names, METH_NOARGS,
      "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},

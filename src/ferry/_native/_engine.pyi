@@ -20,6 +20,10 @@ def dlpack_capsule_destructor() -> int:
     """The address of a DLPack capsule destructor (C) that calls an unconsumed tensor's deleter
     and keeps an exception pending in the consumer intact."""
 
+def dlpack_deleter(release: Callable[[int], None], /) -> int:
+    """The address of a ``DLManagedTensor`` deleter (C) that calls ``release(address)`` while the
+    interpreter runs and does nothing once it is finalized (``release`` is kept for good)."""
+
 def entry_point_names() -> tuple[str, ...]:
     """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
 
