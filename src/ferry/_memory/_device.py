@@ -347,11 +347,6 @@ class DeviceMemory:
                 still.append(entry)
         self.awaiting = still
 
-    @property
-    def awaiting_bytes(self) -> int:
-        """Bytes waiting for other libraries' work on streams that used them."""
-        return sum(nbytes for _, nbytes, _ in self.awaiting)
-
     def _after_idle(self, ptr: int, nbytes: int) -> None:
         if self._closed:
             return
