@@ -327,8 +327,7 @@ class DeviceMemory:
             return
         backend = self.backend
         deadline = time.monotonic() + wait
-        still: list[tuple[int, int, list[Any]]] = []
-        for entry in self.awaiting:
+        for entry in list(self.awaiting):  # an interrupt in a wait leaves every entry in one place
             ptr, nbytes, events = entry
             try:
                 if wait > 0:
@@ -337,15 +336,14 @@ class DeviceMemory:
                     done = all(backend.event_query(e) for e in events)
             except DeviceError as exc:
                 self.health.note(exc)
+                self.awaiting.remove(entry)
                 if self.health.device_usable:
                     self._after_idle(ptr, nbytes)  # the events cannot tell: never early
                 continue
             if done:
+                self.awaiting.remove(entry)
                 self.events.extend(events)
                 self._free_now(ptr, nbytes)
-            else:
-                still.append(entry)
-        self.awaiting = still
 
     def _after_idle(self, ptr: int, nbytes: int) -> None:
         if self._closed:
