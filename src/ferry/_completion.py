@@ -140,6 +140,17 @@ new_record: Callable[[int, Any, Any, tuple[Any, ...], tuple[Any, ...], tuple[Any
 ``__init__`` per transfer: same fields, same defaults), else the class above."""
 
 
+class Counts:
+    """A completion's counters (the compiled ``Fast`` has the same three, read and written in C)."""
+
+    __slots__ = ("completed", "seq", "submitted")
+
+    def __init__(self) -> None:
+        self.seq = 0  # the last record's sequence number
+        self.submitted = 0
+        self.completed = 0  # settled or retired
+
+
 class Job(Protocol):
     """A transfer whose completion worker threads prove (staged routes): no event of its own."""
 
@@ -350,10 +361,15 @@ class Completion:
         self.batches: dict[int, Batch] = {}  # thread ident -> open batch
         self.cross_returns: list[tuple[Any, Any]] = []  # (lock, array): leases to end in other runtimes
         self.watcher: Watcher | None = None
-        self.seq = 0
-        self.submitted = 0
-        self.completed = 0
         self.failed = 0
+        self.counts: Counts = Counts()  # seq, submitted, completed: the compiled Fast's where it runs
+        self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
+        if _engine is not None:
+            # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
+            fast = _engine.Fast(self, DeviceError, OWNED, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
+            self.counts = fast
+            self.submit = fast.enqueue
+            self.wait = fast.wait  # type: ignore[method-assign]  # handles call port.wait(record, timeout)
 
     # -- events ------------------------------------------------------------------------------
     def new_event(self) -> Any:
@@ -402,28 +418,39 @@ class Completion:
                 return self._enqueue_batched(batch, stream, copy, dst, src, nbytes, moved, leased, result)
         events = self.events
         event = events.pop() if events else self._new_event_for_submit()
-        self.seq += 1
-        record = new_record(self.seq, event, stream, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, event, stream, moved, leased, result, nbytes)
         try:
             copy(dst, src, nbytes, stream, event)
         except DeviceError as exc:
-            self.health.note(exc)
-            if not exc.enqueued:
-                events.append(event)
-                raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
-            # The copy is queued but cannot be tracked: prove it finished, or abandon.
-            try:
-                self.backend.stream_synchronize(stream)
-            except DeviceError as sync_exc:
-                self.health.note(sync_exc)
-                self.fail(record, sync_exc)
-                raise TransferFailedError(
-                    f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
-                ) from sync_exc
-            raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
-        self.submitted += 1
+            self.copy_failed(record, exc)
+        counts.submitted += 1
         self.live.add(record)
         return record
+
+    def copy_failed(self, record: Record, exc: DeviceError) -> None:
+        """The copy of a new record raised ``exc``; always raises. Lock held.
+
+        Not enqueued: the event goes back, :class:`~ferry.TransferSubmitError`.
+        Enqueued but not recorded: the stream is synchronized (then
+        ``TransferSubmitError``), or, if that fails too, the record fails and
+        :class:`~ferry.TransferFailedError` says its objects are abandoned.
+        """
+        self.health.note(exc)
+        if not exc.enqueued:
+            self.events.append(record.event)
+            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        # The copy is queued but cannot be tracked: prove it finished, or abandon.
+        try:
+            self.backend.stream_synchronize(record.stream)
+        except DeviceError as sync_exc:
+            self.health.note(sync_exc)
+            self.fail(record, sync_exc)
+            raise TransferFailedError(
+                f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
+            ) from sync_exc
+        raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
 
     def _enqueue_batched(
         self,
@@ -438,8 +465,9 @@ class Completion:
         result: tuple[Any, ...],
     ) -> Record:
         # nothing is enqueued yet: the segment's copies go to the device together when it is flushed
-        self.seq += 1
-        record = new_record(self.seq, None, stream, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, None, stream, moved, leased, result, nbytes)
         segment = batch.segments.get(id(stream))
         if segment is not None and len(segment.records) >= SEGMENT_COPIES:
             # a full segment goes to the device now; this record starts the next one (never flushed in
@@ -458,7 +486,7 @@ class Completion:
             run.dsts.append(dst)
             run.srcs.append(src)
             run.sizes.append(nbytes)
-        self.submitted += 1
+        counts.submitted += 1
         self.live.add(record)
         return record
 
@@ -470,11 +498,12 @@ class Completion:
 
         Lock held.
         """
-        self.seq += 1
-        record = new_record(self.seq, None, key, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, None, key, moved, leased, result, nbytes)
         record.extra = extra if extra is not None else Extras()
         record.extra.job = job
-        self.submitted += 1
+        counts.submitted += 1
         self.live.add(record)
         return record
 
@@ -639,7 +668,7 @@ class Completion:
                             obj._state = OWNED
                         for array in record.leased:
                             array._leases -= 1
-                        self.completed += 1
+                        self.counts.completed += 1
                     else:
                         self.settle(record)
                     record.claimed = True
@@ -926,7 +955,7 @@ class Completion:
             obj._state = OWNED
         for array in record.leased:
             array._leases -= 1
-        self.completed += 1
+        self.counts.completed += 1
 
     def _recycle_event(self, record: Record) -> None:
         """The record's event back to the pool (a shared one after its last user)."""
@@ -1103,7 +1132,7 @@ class Completion:
         for array in record.leased:
             array._leases -= 1
         self._recycle_event(record)
-        self.completed += 1
+        self.counts.completed += 1
 
     def _close_owned(self, obj: Any) -> None:
         if hasattr(obj, "_block"):  # a pinned buffer: back to the pool once its views die

@@ -272,7 +272,7 @@ class Runtime:
             ):
                 return PendingUpload(completion, submit_pinned(completion, self, self._h2d, True, buffer, destination))
             pair = (buffer, destination)
-            record = completion.enqueue(  # runs the maintenance a submission owes first
+            record = completion.submit(  # runs the maintenance a submission owes first
                 self._h2d, self._backend.htod_record, destination._ptr, buffer._block.ptr, destination._nbytes,
                 pair, (), pair,
             )
@@ -314,7 +314,7 @@ class Runtime:
                 and buffer._nbytes >= source._nbytes
             ):
                 return PendingDownload(completion, submit_pinned(completion, self, self._d2h, False, buffer, source))
-            record = completion.enqueue(
+            record = completion.submit(
                 self._d2h, self._backend.dtoh_record, buffer._block.ptr, source._ptr, source._nbytes,
                 (buffer,), (source,), (source, buffer),
             )
