@@ -3174,6 +3174,183 @@ static PyType_Spec Fast_spec = {
     Fast_slots,
 };
 
+/* -- Handle: the base of the transfer handles (ferry/_pending.py) ------------------------------------- */
+
+/*
+ * ferry.Pending derives from this where the extension runs (from its Python twin, _pending._PyHandle,
+ * elsewhere): the same five fields (_port, _record, _waited, _claimed, _future), made without a Python
+ * __init__, and the two calls every transfer makes: wait() (the port's wait, through Fast.wait in C
+ * when it is that) and the finalizer (a handle dropped unwaited detaches its record: port.detach(record),
+ * never raising, never during interpreter shutdown; a waited one does nothing). Handle itself is not
+ * instantiated: only its Python subclasses are.
+ */
+
+static PyTypeObject *HandleType;
+static PyObject *handle_waited_error; /* FerryError, set by set_handle_errors */
+static PyObject *sys_is_finalizing;   /* sys.is_finalizing */
+static PyObject *S_wait, *S_detach;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *port, *record, *waited, *claimed, *future;
+} HandleObject;
+
+#define HANDLE_FIELDS 5
+
+static PyObject **handle_fields(HandleObject *self) { return &self->port; }
+
+static PyObject *Handle_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *port, *record;
+    if (type == HandleType) {
+        PyErr_SetString(PyExc_TypeError, "Handle is a base class: handles come from the runtime's submissions");
+        return NULL;
+    }
+    if ((kwds && PyDict_Size(kwds)) || !PyArg_UnpackTuple(args, "Handle", 2, 2, &port, &record)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Handle(port, record)");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    HandleObject *self = (HandleObject *)alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(port);
+    self->port = port;
+    Py_INCREF(record);
+    self->record = record;
+    Py_INCREF(Py_False);
+    self->waited = Py_False;
+    Py_INCREF(Py_False);
+    self->claimed = Py_False;
+    Py_INCREF(Py_None);
+    self->future = Py_None;
+    return (PyObject *)self;
+}
+
+static int Handle_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PyObject **f = handle_fields((HandleObject *)obj);
+    for (int i = 0; i < HANDLE_FIELDS; i++) Py_VISIT(f[i]);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Handle_clear(PyObject *obj) {
+    PyObject **f = handle_fields((HandleObject *)obj);
+    for (int i = 0; i < HANDLE_FIELDS; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void Handle_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Handle_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* A handle dropped unwaited: its record to the retirement queue (port.detach). Never raises. */
+static void Handle_finalize(PyObject *obj) {
+    HandleObject *self = (HandleObject *)obj;
+    if (!self->waited || self->waited == Py_True || !self->port || !self->record) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int waited = PyObject_IsTrue(self->waited);
+    PyObject *finalizing = waited == 0 && sys_is_finalizing ? PyObject_CallNoArgs(sys_is_finalizing) : NULL;
+    if (finalizing && finalizing == Py_False) {
+        PyObject *r = PyObject_CallMethodObjArgs(self->port, S_detach, self->record, NULL);
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(finalizing);
+    PyErr_Clear(); /* a finalizer never raises */
+    PyErr_Restore(type, value, tb);
+}
+
+/* wait(timeout=None): the port's wait, at most once (Pending.wait's contract). */
+static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    HandleObject *self = (HandleObject *)obj;
+    PyObject *timeout = Py_None;
+    Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
+    if (nargs + nkw > 1) {
+        PyErr_SetString(PyExc_TypeError, "wait() takes at most 1 argument (timeout)");
+        return NULL;
+    }
+    if (nargs == 1) {
+        timeout = args[0];
+    } else if (nkw == 1) {
+        PyObject *name = PyTuple_GetItem(kwnames, 0);
+        if (PyUnicode_CompareWithASCIIString(name, "timeout") != 0) {
+            PyErr_Format(PyExc_TypeError, "wait() got an unexpected keyword argument '%U'", name);
+            return NULL;
+        }
+        timeout = args[0];
+    }
+    int claimed = PyObject_IsTrue(self->claimed);
+    if (claimed) {
+        if (claimed > 0)
+            PyErr_SetString(handle_waited_error ? handle_waited_error : PyExc_RuntimeError,
+                            "this transfer was already waited; a handle is waited at most once");
+        return NULL;
+    }
+    PyObject *fn = PyObject_GetAttr(self->port, S_wait);
+    if (!fn) return NULL;
+    PyObject *a[2] = {self->record, timeout};
+    PyObject *result;
+    if (PyCFunction_Check(fn) && PyCFunction_GetFunction(fn) == (PyCFunction)(void (*)(void))Fast_wait)
+        result = Fast_wait(PyCFunction_GetSelf(fn), a, timeout == Py_None ? 1 : 2);
+    else
+        result = call_args(fn, a, 2);
+    Py_DECREF(fn);
+    if (!result) return NULL;
+    set_field(&self->waited, Py_True);
+    set_field(&self->claimed, Py_True);
+    return result;
+}
+
+/* set_handle_errors(waited_error): the exception a second wait() raises (ferry.FerryError). */
+static PyObject *mod_set_handle_errors(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    PyObject *old = handle_waited_error;
+    Py_INCREF(arg);
+    handle_waited_error = arg;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+#define HANDLE_MEMBER(name, field) {name, T_OBJECT, offsetof(HandleObject, field), 0, NULL}
+
+static PyMemberDef Handle_members[] = {
+    HANDLE_MEMBER("_port", port),       HANDLE_MEMBER("_record", record), HANDLE_MEMBER("_waited", waited),
+    HANDLE_MEMBER("_claimed", claimed), HANDLE_MEMBER("_future", future), {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef Handle_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))Handle_wait, METH_FASTCALL | METH_KEYWORDS,
+     "wait(timeout=None): block until the copy completed, then hand back what was handed in.\n\n"
+     "At most once per handle (a second call raises FerryError). timeout=None waits without bound; "
+     "TimeoutError after timeout seconds, and Ctrl-C, leave the handle pending. TransferFailedError: the "
+     "device reported a failure, nothing is published, the objects stay abandoned. See ferry.Pending.wait "
+     "in ferry/_pending.py for the whole contract."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Handle_slots[] = {
+    {Py_tp_new, Handle_new},
+    {Py_tp_dealloc, Handle_dealloc},
+    {Py_tp_traverse, Handle_traverse},
+    {Py_tp_clear, Handle_clear},
+    {Py_tp_finalize, Handle_finalize},
+    {Py_tp_members, Handle_members},
+    {Py_tp_methods, Handle_methods},
+    {Py_tp_doc, "Handle(port, record): the compiled base of ferry's transfer handles (see ferry/_pending.py)."},
+    {0, NULL},
+};
+
+static PyType_Spec Handle_spec = {
+    "ferry._native._engine.Handle",
+    sizeof(HandleObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    Handle_slots,
+};
+
 /* -- host copies for the small pageable route (any backend) -------------------------------------------- */
 
 /* A C-contiguous buffer (writable when asked) of at most capacity bytes; -1 (no error set) otherwise. */
@@ -3366,6 +3543,8 @@ static PyMethodDef module_methods[] = {
      "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
     {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL, "memcopy(dst, src, nbytes): memcpy"},
+    {"set_handle_errors", mod_set_handle_errors, METH_O,
+     "set_handle_errors(waited_error): the exception class a handle's second wait() raises"},
     {"new_record", (PyCFunction)(void (*)(void))mod_new_record, METH_FASTCALL,
      "new_record(seq, event, stream, moved, leased, result, nbytes) -> Record, without the type call"},
     {NULL, NULL, 0, NULL},
@@ -3427,6 +3606,22 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_event_wait = PyUnicode_InternFromString("event_wait")) ||
         !(S_own_event = PyUnicode_InternFromString("own_event")) || !(S_state = PyUnicode_InternFromString("_state")) ||
         !(S_leases = PyUnicode_InternFromString("_leases")))
+        goto fail;
+    HandleType = (PyTypeObject *)PyType_FromSpec(&Handle_spec);
+    if (!HandleType) goto fail;
+    Py_INCREF((PyObject *)HandleType);
+    if (PyModule_AddObject(m, "Handle", (PyObject *)HandleType)) {
+        Py_DECREF((PyObject *)HandleType);
+        goto fail;
+    }
+    {
+        PyObject *sys = PyImport_ImportModule("sys");
+        if (!sys) goto fail;
+        sys_is_finalizing = PyObject_GetAttrString(sys, "is_finalizing");
+        Py_DECREF(sys);
+        if (!sys_is_finalizing) goto fail;
+    }
+    if (!(S_wait = PyUnicode_InternFromString("wait")) || !(S_detach = PyUnicode_InternFromString("detach")))
         goto fail;
     CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);
     if (!CallsType) goto fail;
