@@ -50,7 +50,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from . import _native, _waiting
 from ._backends._base import Backend, DeviceError
@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from ._waiting import Signal, TransferFuture, Watcher
 
 __all__: list[str] = []
+
+_H = TypeVar("_H")  # a handle type
 
 SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait stops spinning
 SPIN_PER_BYTE = 1e-10  # s/byte (10 GB/s): a fifth of PCIe Gen5, so a copy that runs on time ends in the spin
@@ -366,9 +368,10 @@ class Completion:
         self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
         if _engine is not None:
             # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
-            fast = _engine.Fast(self, DeviceError, OWNED, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
+            fast = _engine.Fast(self, DeviceError, OWNED, IN_FLIGHT, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
             self.counts = fast
             self.submit = fast.enqueue
+            self.submit_pinned = fast.pinned  # type: ignore[method-assign]
             self.wait = fast.wait  # type: ignore[method-assign]  # handles call port.wait(record, timeout)
 
     # -- events ------------------------------------------------------------------------------
@@ -428,6 +431,30 @@ class Completion:
         counts.submitted += 1
         self.live.add(record)
         return record
+
+    def submit_pinned(
+        self, handle_type: Callable[[Completion, Record], _H], stream: Any,
+        copy: Callable[[int, int, int, Any, Any], None], dst: int, src: int, nbytes: int, host: Any, device: Any,
+        upload: bool,
+    ) -> _H:
+        """A checked pinned submission (lock held): enqueue, move the states, return ``handle_type(self, record)``.
+
+        The host buffer goes in flight; the device array too for an upload,
+        read-leased for a download. ``Fast.pinned`` where the extension runs.
+        """
+        moved: tuple[Any, ...]
+        if upload:
+            moved = result = (host, device)
+            leased: tuple[Any, ...] = ()
+        else:
+            moved, leased, result = (host,), (device,), (device, host)
+        record = self.submit(stream, copy, dst, src, nbytes, moved, leased, result)
+        host._state = IN_FLIGHT
+        if upload:
+            device._state = IN_FLIGHT
+        else:
+            device._leases += 1
+        return handle_type(self, record)
 
     def copy_failed(self, record: Record, exc: DeviceError) -> None:
         """The copy of a new record raised ``exc``; always raises. Lock held.

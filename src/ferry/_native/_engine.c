@@ -2748,7 +2748,7 @@ typedef struct {
     PyObject *retiring, *memory, *pool, *health, *backend;        /* objects whose fields are read */
     PyObject *acquire, *release;                                  /* the runtime lock's bound methods */
     PyObject *slow_enqueue, *slow_wait, *copy_failed, *failed, *settle, *claim, *flush_cross;
-    PyObject *device_error, *owned, *spin_base_obj;
+    PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
 } FastObject;
@@ -2768,7 +2768,7 @@ static PyObject *call_args(PyObject *f, PyObject *const *a, Py_ssize_t n) {
 
 static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
 
-#define FAST_OBJECTS 22
+#define FAST_OBJECTS 24
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -2777,11 +2777,12 @@ static PyObject *fast_attr(PyObject *obj, const char *name) {
 }
 
 static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"completion", "device_error", "owned", "spin_base", "spin_per_byte", "spin_cap", NULL};
-    PyObject *c, *device_error, *owned;
+    static char *kwlist[] = {"completion", "device_error", "owned", "in_flight", "spin_base", "spin_per_byte",
+                             "spin_cap", NULL};
+    PyObject *c, *device_error, *owned, *in_flight;
     double spin_base, spin_per_byte, spin_cap;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOddd", kwlist, &c, &device_error, &owned, &spin_base,
-                                     &spin_per_byte, &spin_cap))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOddd", kwlist, &c, &device_error, &owned, &in_flight,
+                                     &spin_base, &spin_per_byte, &spin_cap))
         return NULL;
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     FastObject *self = (FastObject *)alloc(type, 0);
@@ -2813,6 +2814,10 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->device_error = device_error;
     Py_INCREF(owned);
     self->owned = owned;
+    Py_INCREF(in_flight);
+    self->in_flight = in_flight;
+    Py_INCREF(c);
+    self->completion = c;
     self->spin_base = spin_base;
     self->spin_per_byte = spin_per_byte;
     self->spin_cap = spin_cap;
@@ -3139,11 +3144,16 @@ static int Fast_set_counter(PyObject *obj, PyObject *value, void *closure) {
     return 0;
 }
 
+static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef Fast_methods[] = {
     {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
      "enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: Completion.enqueue in C"},
     {"wait", (PyCFunction)(void (*)(void))Fast_wait, METH_FASTCALL,
      "wait(record, timeout=None) -> result: Completion.wait in C for a plain record"},
+    {"pinned", (PyCFunction)(void (*)(void))Fast_pinned, METH_FASTCALL,
+     "pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: "
+     "Completion.submit_pinned in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3161,7 +3171,7 @@ static PyType_Slot Fast_slots[] = {
     {Py_tp_clear, Fast_clear},
     {Py_tp_methods, Fast_methods},
     {Py_tp_getset, Fast_getset},
-    {Py_tp_doc, "Fast(completion, device_error, owned, spin_base, spin_per_byte, spin_cap): a Completion's "
+    {Py_tp_doc, "Fast(completion, device_error, owned, in_flight, spin_base, spin_per_byte, spin_cap): a Completion's "
                 "enqueue and wait in C (see _engine.c)."},
     {0, NULL},
 };
@@ -3303,6 +3313,64 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
     set_field(&self->waited, Py_True);
     set_field(&self->claimed, Py_True);
     return result;
+}
+
+/* pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: a pinned route's
+ * submission after its checks (lock held): enqueue as above, then the states (host in flight; device in
+ * flight for an upload, read-leased for a download) and the handle, handle_type(completion, record),
+ * made without a type call. Completion.submit_pinned is its Python twin. */
+static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs_is(nargs, 9, "pinned")) return NULL;
+    PyObject *handle_type = args[0], *host = args[6], *device = args[7];
+    if (!PyType_Check(handle_type) || !PyType_IsSubtype((PyTypeObject *)handle_type, HandleType)) {
+        PyErr_SetString(PyExc_TypeError, "pinned: handle_type must be a subclass of Handle");
+        return NULL;
+    }
+    int upload = PyObject_IsTrue(args[8]);
+    if (upload < 0) return NULL;
+    PyObject *moved = upload ? PyTuple_Pack(2, host, device) : PyTuple_Pack(1, host);
+    PyObject *leased = upload ? PyTuple_New(0) : PyTuple_Pack(1, device);
+    PyObject *result = upload ? (Py_XINCREF(moved), moved) : PyTuple_Pack(2, device, host);
+    PyObject *record = NULL;
+    if (moved && leased && result) {
+        PyObject *e[8] = {args[1], args[2], args[3], args[4], args[5], moved, leased, result};
+        record = Fast_enqueue(obj, e, 8);
+    }
+    Py_XDECREF(moved);
+    Py_XDECREF(leased);
+    Py_XDECREF(result);
+    if (!record) return NULL;
+    /* enqueued: from here nothing fails but an allocation (the states move as in Python) */
+    if (PyObject_SetAttr(host, S_state, self->in_flight)) goto fail;
+    if (upload) {
+        if (PyObject_SetAttr(device, S_state, self->in_flight)) goto fail;
+    } else {
+        PyObject *leases = PyObject_GetAttr(device, S_leases);
+        if (!leases) goto fail;
+        long k = PyLong_AsLong(leases);
+        Py_DECREF(leases);
+        PyObject *v = (k == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(k + 1);
+        int rc = v ? PyObject_SetAttr(device, S_leases, v) : -1;
+        Py_XDECREF(v);
+        if (rc) goto fail;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)handle_type, Py_tp_alloc);
+    HandleObject *h = (HandleObject *)alloc((PyTypeObject *)handle_type, 0);
+    if (!h) goto fail;
+    Py_INCREF(self->completion);
+    h->port = self->completion;
+    h->record = record; /* the reference from enqueue */
+    Py_INCREF(Py_False);
+    h->waited = Py_False;
+    Py_INCREF(Py_False);
+    h->claimed = Py_False;
+    Py_INCREF(Py_None);
+    h->future = Py_None;
+    return (PyObject *)h;
+fail:
+    Py_DECREF(record);
+    return NULL;
 }
 
 /* set_handle_errors(waited_error): the exception a second wait() raises (ferry.FerryError). */
