@@ -2920,6 +2920,7 @@ static PyObject *take_device_error(FastObject *self) {
 static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 8, "enqueue")) return NULL;
+    if (PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8); /* a batch may be open here */
     int due = fast_maintenance_due(self);
     if (due < 0) return NULL;
     Py_ssize_t n = PyList_Size(self->events);
