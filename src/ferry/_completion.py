@@ -50,7 +50,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from . import _native, _waiting
 from ._backends._base import Backend, DeviceError
@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from ._waiting import Signal, TransferFuture, Watcher
 
 __all__: list[str] = []
+
+_H = TypeVar("_H")  # a handle type
 
 SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait stops spinning
 SPIN_PER_BYTE = 1e-10  # s/byte (10 GB/s): a fifth of PCIe Gen5, so a copy that runs on time ends in the spin
@@ -138,6 +140,17 @@ new_record: Callable[[int, Any, Any, tuple[Any, ...], tuple[Any, ...], tuple[Any
 )
 """Make a :class:`Record`: the compiled twin where the extension runs (an allocation instead of a Python
 ``__init__`` per transfer: same fields, same defaults), else the class above."""
+
+
+class Counts:
+    """A completion's counters (the compiled ``Fast`` has the same three, read and written in C)."""
+
+    __slots__ = ("completed", "seq", "submitted")
+
+    def __init__(self) -> None:
+        self.seq = 0  # the last record's sequence number
+        self.submitted = 0
+        self.completed = 0  # settled or retired
 
 
 class Job(Protocol):
@@ -350,10 +363,16 @@ class Completion:
         self.batches: dict[int, Batch] = {}  # thread ident -> open batch
         self.cross_returns: list[tuple[Any, Any]] = []  # (lock, array): leases to end in other runtimes
         self.watcher: Watcher | None = None
-        self.seq = 0
-        self.submitted = 0
-        self.completed = 0
         self.failed = 0
+        self.counts: Counts = Counts()  # seq, submitted, completed: the compiled Fast's where it runs
+        self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
+        if _engine is not None:
+            # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
+            fast = _engine.Fast(self, DeviceError, OWNED, IN_FLIGHT, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
+            self.counts = fast
+            self.submit = fast.enqueue
+            self.submit_pinned = fast.pinned  # type: ignore[method-assign]
+            self.wait = fast.wait  # type: ignore[method-assign]  # handles call port.wait(record, timeout)
 
     # -- events ------------------------------------------------------------------------------
     def new_event(self) -> Any:
@@ -402,28 +421,63 @@ class Completion:
                 return self._enqueue_batched(batch, stream, copy, dst, src, nbytes, moved, leased, result)
         events = self.events
         event = events.pop() if events else self._new_event_for_submit()
-        self.seq += 1
-        record = new_record(self.seq, event, stream, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, event, stream, moved, leased, result, nbytes)
         try:
             copy(dst, src, nbytes, stream, event)
         except DeviceError as exc:
-            self.health.note(exc)
-            if not exc.enqueued:
-                events.append(event)
-                raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
-            # The copy is queued but cannot be tracked: prove it finished, or abandon.
-            try:
-                self.backend.stream_synchronize(stream)
-            except DeviceError as sync_exc:
-                self.health.note(sync_exc)
-                self.fail(record, sync_exc)
-                raise TransferFailedError(
-                    f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
-                ) from sync_exc
-            raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
-        self.submitted += 1
+            self.copy_failed(record, exc)
+        counts.submitted += 1
         self.live.add(record)
         return record
+
+    def submit_pinned(
+        self, handle_type: Callable[[Completion, Record], _H], stream: Any,
+        copy: Callable[[int, int, int, Any, Any], None], dst: int, src: int, nbytes: int, host: Any, device: Any,
+        upload: bool,
+    ) -> _H:
+        """A checked pinned submission (lock held): enqueue, move the states, return ``handle_type(self, record)``.
+
+        The host buffer goes in flight; the device array too for an upload,
+        read-leased for a download. ``Fast.pinned`` where the extension runs.
+        """
+        moved: tuple[Any, ...]
+        if upload:
+            moved = result = (host, device)
+            leased: tuple[Any, ...] = ()
+        else:
+            moved, leased, result = (host,), (device,), (device, host)
+        record = self.submit(stream, copy, dst, src, nbytes, moved, leased, result)
+        host._state = IN_FLIGHT
+        if upload:
+            device._state = IN_FLIGHT
+        else:
+            device._leases += 1
+        return handle_type(self, record)
+
+    def copy_failed(self, record: Record, exc: DeviceError) -> None:
+        """The copy of a new record raised ``exc``; always raises. Lock held.
+
+        Not enqueued: the event goes back, :class:`~ferry.TransferSubmitError`.
+        Enqueued but not recorded: the stream is synchronized (then
+        ``TransferSubmitError``), or, if that fails too, the record fails and
+        :class:`~ferry.TransferFailedError` says its objects are abandoned.
+        """
+        self.health.note(exc)
+        if not exc.enqueued:
+            self.events.append(record.event)
+            raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
+        # The copy is queued but cannot be tracked: prove it finished, or abandon.
+        try:
+            self.backend.stream_synchronize(record.stream)
+        except DeviceError as sync_exc:
+            self.health.note(sync_exc)
+            self.fail(record, sync_exc)
+            raise TransferFailedError(
+                f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
+            ) from sync_exc
+        raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
 
     def _enqueue_batched(
         self,
@@ -438,8 +492,9 @@ class Completion:
         result: tuple[Any, ...],
     ) -> Record:
         # nothing is enqueued yet: the segment's copies go to the device together when it is flushed
-        self.seq += 1
-        record = new_record(self.seq, None, stream, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, None, stream, moved, leased, result, nbytes)
         segment = batch.segments.get(id(stream))
         if segment is not None and len(segment.records) >= SEGMENT_COPIES:
             # a full segment goes to the device now; this record starts the next one (never flushed in
@@ -458,7 +513,7 @@ class Completion:
             run.dsts.append(dst)
             run.srcs.append(src)
             run.sizes.append(nbytes)
-        self.submitted += 1
+        counts.submitted += 1
         self.live.add(record)
         return record
 
@@ -470,11 +525,12 @@ class Completion:
 
         Lock held.
         """
-        self.seq += 1
-        record = new_record(self.seq, None, key, moved, leased, result, nbytes)
+        counts = self.counts
+        counts.seq += 1
+        record = new_record(counts.seq, None, key, moved, leased, result, nbytes)
         record.extra = extra if extra is not None else Extras()
         record.extra.job = job
-        self.submitted += 1
+        counts.submitted += 1
         self.live.add(record)
         return record
 
@@ -639,7 +695,7 @@ class Completion:
                             obj._state = OWNED
                         for array in record.leased:
                             array._leases -= 1
-                        self.completed += 1
+                        self.counts.completed += 1
                     else:
                         self.settle(record)
                     record.claimed = True
@@ -926,7 +982,7 @@ class Completion:
             obj._state = OWNED
         for array in record.leased:
             array._leases -= 1
-        self.completed += 1
+        self.counts.completed += 1
 
     def _recycle_event(self, record: Record) -> None:
         """The record's event back to the pool (a shared one after its last user)."""
@@ -1103,7 +1159,7 @@ class Completion:
         for array in record.leased:
             array._leases -= 1
         self._recycle_event(record)
-        self.completed += 1
+        self.counts.completed += 1
 
     def _close_owned(self, obj: Any) -> None:
         if hasattr(obj, "_block"):  # a pinned buffer: back to the pool once its views die

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from . import _native
 from ._errors import FerryError
 
 if TYPE_CHECKING:
@@ -35,14 +36,11 @@ Source = TypeVar("Source")
 HostArray = TypeVar("HostArray", bound="np.ndarray[Any, Any]")  # the NumPy array a pageable transfer hands back
 
 
-class Pending(Generic[Result]):
-    """The base of every transfer handle: ``wait()`` returns a ``Result``.
+class _PyHandle:
+    """The pure-Python twin of the compiled ``Handle`` (``_engine.c``): a handle's fields, ``wait()``
+    and its finalizer. :class:`Pending` derives from the compiled one where the extension runs."""
 
-    Use it in annotations (``list[ferry.Pending[Any]]``); handles come from
-    the runtime's submissions, never from this constructor.
-    """
-
-    __slots__ = ("__weakref__", "_claimed", "_future", "_port", "_record", "_waited")
+    __slots__ = ("_claimed", "_future", "_port", "_record", "_waited")
 
     def __init__(self, port: CompletionPort, record: Record) -> None:
         self._port = port
@@ -50,6 +48,39 @@ class Pending(Generic[Result]):
         self._waited = False  # the record was settled (by wait() or by the watcher)
         self._claimed = False  # wait() returned (or raised) to the caller: at most once
         self._future: Any = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """See :meth:`Pending.wait`."""
+        if self._claimed:
+            raise FerryError("this transfer was already waited; a handle is waited at most once")
+        result = self._port.wait(self._record, timeout)
+        self._waited = self._claimed = True
+        return result
+
+    def __del__(self) -> None:
+        # Never blocks, never calls the device: detach the record, nothing more.
+        if self._waited or sys.is_finalizing():
+            return
+        with contextlib.suppress(Exception):  # a finalizer never raises
+            self._port.detach(self._record)
+
+
+_engine = _native.load()
+if TYPE_CHECKING or _engine is None:
+    _Handle = _PyHandle
+else:  # the same fields and calls, made in C: no Python __init__, wait() or __del__ per transfer
+    _Handle = _engine.Handle
+    _engine.set_handle_errors(FerryError)
+
+
+class Pending(_Handle, Generic[Result]):
+    """The base of every transfer handle: ``wait()`` returns a ``Result``.
+
+    Use it in annotations (``list[ferry.Pending[Any]]``); handles come from
+    the runtime's submissions, never from this constructor.
+    """
+
+    __slots__ = ("__weakref__",)
 
     @property
     def nbytes(self) -> int:
@@ -75,44 +106,41 @@ class Pending(Generic[Result]):
             return True
         return self._port.poll(self._record)
 
-    def wait(self, timeout: float | None = None) -> Result:
-        """Block until the copy completed, then hand back what was handed in.
+    if TYPE_CHECKING:  # at run time the base class's wait() runs (compiled where the extension is)
+        def wait(self, timeout: float | None = None) -> Result:
+            """Block until the copy completed, then hand back what was handed in.
 
-        Guarantee: when it returns, the copy is complete (the destination holds
-        the bytes) and every returned object is owned again and may be reused.
+            Guarantee: when it returns, the copy is complete (the destination holds
+            the bytes) and every returned object is owned again and may be reused.
 
-        The wait is bounded by ``timeout`` seconds (``None``: no bound; ``0``:
-        a poll) and can be interrupted: Ctrl-C raises ``KeyboardInterrupt`` in
-        the main thread within milliseconds. A wait that times out or is
-        interrupted changes nothing: the handle stays pending (wait again,
-        poll :meth:`is_ready`, or drop it: it retires as usual). A copy that
-        completes on time is noticed as fast as ``cuEventSynchronize`` would:
-        the wait spins on its event about as long as the copy should take,
-        then sleeps until the device signals.
+            The wait is bounded by ``timeout`` seconds (``None``: no bound; ``0``:
+            a poll) and can be interrupted: Ctrl-C raises ``KeyboardInterrupt`` in
+            the main thread within milliseconds. A wait that times out or is
+            interrupted changes nothing: the handle stays pending (wait again,
+            poll :meth:`is_ready`, or drop it: it retires as usual). A copy that
+            completes on time is noticed as fast as ``cuEventSynchronize`` would:
+            the wait spins on its event about as long as the copy should take,
+            then sleeps until the device signals.
 
-        Racing :meth:`Runtime.close() <ferry.Runtime.close>` from another
-        thread: a ``wait()`` that began before ``close()`` committed returns
-        the result (``close()`` first waits for the copy; the runtime's
-        pinned buffers and device arrays in it are then closed with the
-        runtime, while host arrays you own keep the bytes). A ``wait()``
-        begun after raises :class:`~ferry.RuntimeClosedError`.
+            Racing :meth:`Runtime.close() <ferry.Runtime.close>` from another
+            thread: a ``wait()`` that began before ``close()`` committed returns
+            the result (``close()`` first waits for the copy; the runtime's
+            pinned buffers and device arrays in it are then closed with the
+            runtime, while host arrays you own keep the bytes). A ``wait()``
+            begun after raises :class:`~ferry.RuntimeClosedError`.
 
-        Raises
-        ------
-        TimeoutError
-            ``timeout`` seconds passed first (the builtin exception).
-        TransferFailedError
-            The device reported a failure: nothing is published, the objects
-            stay abandoned forever.
-        FerryError
-            The handle was already waited (a handle is waited at most once), or
-            the runtime was closed (:class:`~ferry.RuntimeClosedError`).
-        """
-        if self._claimed:
-            raise FerryError("this transfer was already waited; a handle is waited at most once")
-        result = self._port.wait(self._record, timeout)
-        self._waited = self._claimed = True
-        return result  # type: ignore[return-value]
+            Raises
+            ------
+            TimeoutError
+                ``timeout`` seconds passed first (the builtin exception).
+            TransferFailedError
+                The device reported a failure: nothing is published, the objects
+                stay abandoned forever.
+            FerryError
+                The handle was already waited (a handle is waited at most once), or
+                the runtime was closed (:class:`~ferry.RuntimeClosedError`).
+            """
+            return super().wait(timeout)  # type: ignore[no-any-return]
 
     def future(self) -> concurrent.futures.Future[Result]:
         """A :class:`concurrent.futures.Future` resolved with what ``wait()`` returns.
@@ -152,13 +180,6 @@ class Pending(Generic[Result]):
         import asyncio
 
         return asyncio.wrap_future(self._port.watch(self)).__await__()
-
-    def __del__(self) -> None:
-        # Never blocks, never calls the device: detach the record, nothing more.
-        if self._waited or sys.is_finalizing():
-            return
-        with contextlib.suppress(Exception):  # a finalizer never raises
-            self._port.detach(self._record)
 
     def __repr__(self) -> str:
         status = "waited" if self._waited else repr(self._record)

@@ -40,7 +40,7 @@ from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
 from ._routes._peer import copy_between
 from ._routes._pinned import submit_pinned
 from ._routes._staged import StagingConfig, engine_status
-from ._state import IN_FLIGHT, OWNED
+from ._state import OWNED
 from ._stats import RuntimeStats, snapshot
 
 __all__ = ["Runtime"]
@@ -271,16 +271,12 @@ class Runtime:
                 and buffer._nbytes >= destination._nbytes
             ):
                 return PendingUpload(completion, submit_pinned(completion, self, self._h2d, True, buffer, destination))
-            pair = (buffer, destination)
-            record = completion.enqueue(  # runs the maintenance a submission owes first
-                self._h2d, self._backend.htod_record, destination._ptr, buffer._block.ptr, destination._nbytes,
-                pair, (), pair,
+            return completion.submit_pinned(  # runs the maintenance a submission owes first
+                PendingUpload, self._h2d, self._backend.htod_record, destination._ptr, buffer._block.ptr,
+                destination._nbytes, buffer, destination, True,
             )
-            buffer._state = IN_FLIGHT
-            destination._state = IN_FLIGHT
         finally:
             self._lock.release()
-        return PendingUpload(completion, record)
 
     def download_pending(
         self, source: DeviceArray, buffer: PinnedHostBuffer
@@ -314,15 +310,12 @@ class Runtime:
                 and buffer._nbytes >= source._nbytes
             ):
                 return PendingDownload(completion, submit_pinned(completion, self, self._d2h, False, buffer, source))
-            record = completion.enqueue(
-                self._d2h, self._backend.dtoh_record, buffer._block.ptr, source._ptr, source._nbytes,
-                (buffer,), (source,), (source, buffer),
+            return completion.submit_pinned(
+                PendingDownload, self._d2h, self._backend.dtoh_record, buffer._block.ptr, source._ptr,
+                source._nbytes, buffer, source, False,
             )
-            buffer._state = IN_FLIGHT
-            source._leases += 1
         finally:
             self._lock.release()
-        return PendingDownload(completion, record)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:

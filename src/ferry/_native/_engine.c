@@ -2717,6 +2717,709 @@ static PyType_Spec Record_spec = {
     Record_slots,
 };
 
+/* -- Fast: the pinned routes' submit and wait, in one call each ------------------------------------ */
+
+/*
+ * A Completion (ferry/_completion.py, whose essay is the contract) builds one Fast when this extension
+ * runs. Fast.enqueue is Completion.enqueue's common case and Fast.wait is Completion.wait's: the same
+ * steps, with the record's fields read and written in C and the driver calls made straight through
+ * Calls where the backend's hot methods are Calls' bound methods (any other backend's methods, the
+ * emulated device's, are called as Python callables). Whatever is not the common case goes to the
+ * Python method the Fast was built with, before anything is changed:
+ *
+ * - enqueue: maintenance due (a retiring record, a deferred free, a doomed pool block), a batch open
+ *   on any thread, or no pooled event -> Completion.enqueue. A copy that raises DeviceError goes to
+ *   Completion.copy_failed(record, exc) (which raises what enqueue raises); anything else propagates.
+ * - wait: a timeout, a record that is not a plain one (shared, batched, done, failed, spun on, without
+ *   an event, with extras that are not own_event) or a runtime that refuses calls -> Completion.wait.
+ *   The spin is the Python one (SPIN_BASE, then the rest of the budget); a record still not complete
+ *   after it is marked spun and goes to Completion.wait (which sleeps). A DeviceError from the spin
+ *   goes to Completion._failed; the claim then raises as in Python.
+ *
+ * The runtime lock (a threading.RLock) is taken through its bound methods where Python takes it.
+ * The counters seq, submitted and completed live here (Completion.counts is this object).
+ */
+
+static PyTypeObject *FastType;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *events, *live, *batches, *cross_returns, *incoming; /* containers never replaced */
+    PyObject *retiring, *memory, *pool, *health, *backend;        /* objects whose fields are read */
+    PyObject *acquire, *release;                                  /* the runtime lock's bound methods */
+    PyObject *slow_enqueue, *slow_wait, *copy_failed, *failed, *settle, *claim, *flush_cross;
+    PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
+    double spin_base, spin_per_byte, spin_cap;
+    long long seq, submitted, completed;
+} FastObject;
+
+/* f(*args): the limited API of 3.11 has no PyObject_Vectorcall; CallFunctionObjArgs passes a short list on
+ * the stack (no tuple) to the callee's vectorcall. */
+static PyObject *call_args(PyObject *f, PyObject *const *a, Py_ssize_t n) {
+    switch (n) {
+    case 0: return PyObject_CallNoArgs(f);
+    case 1: return PyObject_CallFunctionObjArgs(f, a[0], NULL);
+    case 2: return PyObject_CallFunctionObjArgs(f, a[0], a[1], NULL);
+    case 5: return PyObject_CallFunctionObjArgs(f, a[0], a[1], a[2], a[3], a[4], NULL);
+    case 8: return PyObject_CallFunctionObjArgs(f, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], NULL);
+    default: PyErr_SetString(PyExc_SystemError, "call_args: unsupported count"); return NULL;
+    }
+}
+
+static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
+
+#define FAST_OBJECTS 24
+static PyObject **fast_objects(FastObject *self) { return &self->events; }
+
+static PyObject *fast_attr(PyObject *obj, const char *name) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    return v;
+}
+
+static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"completion", "device_error", "owned", "in_flight", "spin_base", "spin_per_byte",
+                             "spin_cap", NULL};
+    PyObject *c, *device_error, *owned, *in_flight;
+    double spin_base, spin_per_byte, spin_cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOddd", kwlist, &c, &device_error, &owned, &in_flight,
+                                     &spin_base, &spin_per_byte, &spin_cap))
+        return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    FastObject *self = (FastObject *)alloc(type, 0);
+    if (!self) return NULL;
+    PyObject *lock = NULL;
+    if (!(self->events = fast_attr(c, "events")) || !(self->live = fast_attr(c, "live")) ||
+        !(self->batches = fast_attr(c, "batches")) || !(self->cross_returns = fast_attr(c, "cross_returns")) ||
+        !(self->retiring = fast_attr(c, "retiring")) || !(self->incoming = fast_attr(self->retiring, "_incoming")) ||
+        !(self->memory = fast_attr(c, "memory")) || !(self->pool = fast_attr(c, "pool")) ||
+        !(self->health = fast_attr(c, "health")) || !(self->backend = fast_attr(c, "backend")) ||
+        !(lock = fast_attr(c, "lock")) || !(self->acquire = fast_attr(lock, "acquire")) ||
+        !(self->release = fast_attr(lock, "release")) || !(self->slow_enqueue = fast_attr(c, "enqueue")) ||
+        !(self->slow_wait = fast_attr(c, "wait")) || !(self->copy_failed = fast_attr(c, "copy_failed")) ||
+        !(self->failed = fast_attr(c, "_failed")) || !(self->settle = fast_attr(c, "settle")) ||
+        !(self->claim = fast_attr(c, "_claim")) || !(self->flush_cross = fast_attr(c, "flush_cross")) ||
+        !(self->spin_base_obj = PyFloat_FromDouble(spin_base))) {
+        Py_XDECREF(lock);
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_DECREF(lock);
+    if (!PyList_Check(self->events) || !PyList_Check(self->cross_returns) || !PyDict_Check(self->batches) ||
+        !PyAnySet_Check(self->live)) {
+        PyErr_SetString(PyExc_TypeError, "Fast: events and cross_returns must be lists, batches a dict, live a set");
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(device_error);
+    self->device_error = device_error;
+    Py_INCREF(owned);
+    self->owned = owned;
+    Py_INCREF(in_flight);
+    self->in_flight = in_flight;
+    Py_INCREF(c);
+    self->completion = c;
+    self->spin_base = spin_base;
+    self->spin_per_byte = spin_per_byte;
+    self->spin_cap = spin_cap;
+    return (PyObject *)self;
+}
+
+static int Fast_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PyObject **f = fast_objects((FastObject *)obj);
+    for (int i = 0; i < FAST_OBJECTS; i++) Py_VISIT(f[i]);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Fast_clear(PyObject *obj) {
+    PyObject **f = fast_objects((FastObject *)obj);
+    for (int i = 0; i < FAST_OBJECTS; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void Fast_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Fast_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* Whether obj.name is truthy (-1: error). */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* Completion.maintenance_due(), read in C: 1 due, 0 not, -1 error. */
+static int fast_maintenance_due(FastObject *self) {
+    int t = attr_true(self->retiring, S_count);
+    if (t) return t;
+    Py_ssize_t n = PyObject_Size(self->incoming);
+    if (n) return n < 0 ? -1 : 1;
+    if ((t = attr_true(self->memory, S_deferred))) return t;
+    return attr_true(self->pool, S_doomed);
+}
+
+/* Whether the runtime refuses calls (health.refusal is not None): 1, 0, or -1. */
+static int fast_refused(FastObject *self) {
+    PyObject *v = PyObject_GetAttr(self->health, S_refusal);
+    if (!v) return -1;
+    int refused = v != Py_None;
+    Py_DECREF(v);
+    return refused;
+}
+
+/* The lock's acquire/release; release keeps a pending exception. */
+static int fast_lock(FastObject *self) {
+    PyObject *r = PyObject_CallNoArgs(self->acquire);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int fast_unlock(FastObject *self) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallNoArgs(self->release);
+    if (!r) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
+static void set_field(PyObject **field, PyObject *value) {
+    PyObject *old = *field;
+    Py_INCREF(value);
+    *field = value;
+    Py_XDECREF(old);
+}
+
+/* A DeviceError pending? Then take it (normalized, traceback attached): the exception; else NULL, left pending. */
+static PyObject *take_device_error(FastObject *self) {
+    if (!PyErr_ExceptionMatches(self->device_error)) return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb && value) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+}
+
+/* enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: see the essay above. */
+static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs_is(nargs, 8, "enqueue")) return NULL;
+    if (PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8); /* a batch may be open here */
+    int due = fast_maintenance_due(self);
+    if (due < 0) return NULL;
+    Py_ssize_t n = PyList_Size(self->events);
+    if (due || n < 1 || PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8);
+    PyObject *stream = args[0], *copy = args[1];
+    PyObject *event = PyList_GetItem(self->events, n - 1);
+    Py_INCREF(event);
+    if (PyList_SetSlice(self->events, n - 1, n, NULL)) {
+        Py_DECREF(event);
+        return NULL;
+    }
+    PyObject *seq = PyLong_FromLongLong(++self->seq);
+    if (!seq) {
+        PyList_Append(self->events, event);
+        Py_DECREF(event);
+        return NULL;
+    }
+    /* new_record(seq, event, stream, moved, leased, result, nbytes) */
+    PyObject *fields[7] = {seq, event, stream, args[5], args[6], args[7], args[4]};
+    PyObject *record = record_make(fields);
+    Py_DECREF(seq);
+    if (!record) {
+        PyList_Append(self->events, event);
+        Py_DECREF(event);
+        return NULL;
+    }
+    PyObject *cargs[5] = {args[2], args[3], args[4], stream, event};
+    PyObject *done;
+    if (PyCFunction_Check(copy) && PyCFunction_GetFunction(copy) == (PyCFunction)(void (*)(void))Calls_htod_record)
+        done = Calls_htod_record(PyCFunction_GetSelf(copy), cargs, 5);
+    else if (PyCFunction_Check(copy) &&
+             PyCFunction_GetFunction(copy) == (PyCFunction)(void (*)(void))Calls_dtoh_record)
+        done = Calls_dtoh_record(PyCFunction_GetSelf(copy), cargs, 5);
+    else
+        done = call_args(copy, cargs, 5);
+    Py_DECREF(event);
+    if (!done) {
+        PyObject *exc = take_device_error(self);
+        if (exc) {
+            PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
+            Py_DECREF(exc);
+            Py_XDECREF(r);
+            if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
+        }
+        Py_DECREF(record);
+        return NULL;
+    }
+    Py_DECREF(done);
+    self->submitted++;
+    if (PySet_Add(self->live, record)) {
+        Py_DECREF(record);
+        return NULL;
+    }
+    return record;
+}
+
+/* One wait on the backend's event_wait (Calls' compiled one where it is that): 1 ready, 0 not, -1 error. */
+static int fast_event_wait(FastObject *self, PyObject *event, PyObject *seconds) {
+    PyObject *fn = PyObject_GetAttr(self->backend, S_event_wait);
+    if (!fn) return -1;
+    PyObject *a[2] = {event, seconds};
+    PyObject *r;
+    if (PyCFunction_Check(fn) && PyCFunction_GetFunction(fn) == (PyCFunction)(void (*)(void))Calls_event_wait)
+        r = Calls_event_wait(PyCFunction_GetSelf(fn), a, 2);
+    else
+        r = call_args(fn, a, 2);
+    Py_DECREF(fn);
+    if (!r) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+static int add_waiters(RecordObject *r, long delta) {
+    long w = PyLong_AsLong(r->waiters);
+    if (w == -1 && PyErr_Occurred()) return -1;
+    PyObject *v = PyLong_FromLong(w + delta);
+    if (!v) return -1;
+    PyObject *old = r->waiters;
+    r->waiters = v;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* The waiters count back down, keeping a pending exception. */
+static void drop_waiter(RecordObject *r) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (add_waiters(r, -1)) PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+}
+
+/* settle(), inline, for a plain pinned record (no extras, no shared event). Lock held. */
+static int fast_settle_plain(FastObject *self, RecordObject *r) {
+    set_field(&r->settled, Py_True);
+    if (PyList_Append(self->events, r->event)) return -1;
+    set_field(&r->event, Py_None);
+    Py_ssize_t n = PyTuple_Size(r->moved);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_SetAttr(PyTuple_GetItem(r->moved, i), S_state, self->owned)) return -1;
+    }
+    n = PyTuple_Size(r->leased);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *array = PyTuple_GetItem(r->leased, i);
+        PyObject *leases = PyObject_GetAttr(array, S_leases);
+        if (!leases) return -1;
+        long k = PyLong_AsLong(leases);
+        Py_DECREF(leases);
+        if (k == -1 && PyErr_Occurred()) return -1;
+        PyObject *v = PyLong_FromLong(k - 1);
+        if (!v) return -1;
+        int rc = PyObject_SetAttr(array, S_leases, v);
+        Py_DECREF(v);
+        if (rc) return -1;
+    }
+    self->completed++;
+    return 0;
+}
+
+/* wait(record, timeout=None) -> the record's result: see the essay above. */
+static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "wait takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(args[0]) != RecordType)
+        return call_args(self->slow_wait, args, nargs);
+    RecordObject *r = (RecordObject *)args[0];
+    if (r->shared != Py_None || r->batch != Py_None || r->done != Py_False || r->error != Py_None ||
+        r->spun != Py_False || r->event == Py_None)
+        return call_args(self->slow_wait, args, nargs);
+    if (r->extra != Py_None) {
+        int own = attr_true(r->extra, S_own_event);
+        if (own < 0) return NULL;
+        if (!own) return call_args(self->slow_wait, args, nargs);
+    }
+    int refused = fast_refused(self);
+    if (refused) return refused < 0 ? NULL : call_args(self->slow_wait, args, nargs);
+    if (add_waiters(r, 1)) return NULL;
+    PyObject *event = r->event;
+    Py_INCREF(event);
+    int ready = fast_event_wait(self, event, self->spin_base_obj);
+    if (ready == 0) {
+        double budget = self->spin_base + PyLong_AsDouble(r->nbytes) * self->spin_per_byte;
+        if (budget > self->spin_cap) budget = self->spin_cap;
+        PyObject *rest = PyErr_Occurred() ? NULL : PyFloat_FromDouble(budget - self->spin_base);
+        ready = rest ? fast_event_wait(self, event, rest) : -1;
+        Py_XDECREF(rest);
+    }
+    Py_DECREF(event);
+    if (ready < 0) {
+        PyObject *exc = take_device_error(self);
+        if (!exc) {
+            drop_waiter(r);
+            return NULL;
+        }
+        PyObject *f = PyObject_CallFunctionObjArgs(self->failed, (PyObject *)r, exc, NULL);
+        Py_DECREF(exc);
+        if (!f) {
+            drop_waiter(r);
+            return NULL;
+        }
+        Py_DECREF(f);
+        ready = 1;
+    }
+    if (!ready) { /* spun its whole budget: Completion.wait sleeps on it */
+        set_field(&r->spun, Py_True);
+        if (add_waiters(r, -1)) return NULL;
+        return call_args(self->slow_wait, args, 1);
+    }
+    set_field(&r->done, Py_True);
+    if (fast_lock(self)) {
+        drop_waiter(r);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int contained = (r->settled == Py_False && r->error == Py_None) ? PySet_Contains(self->live, (PyObject *)r) : 0;
+    if (contained > 0) {
+        int ok = PySet_Discard(self->live, (PyObject *)r) >= 0;
+        if (ok && r->extra == Py_None && r->shared == Py_None) {
+            ok = fast_settle_plain(self, r) == 0;
+        } else if (ok) {
+            PyObject *s = PyObject_CallFunctionObjArgs(self->settle, (PyObject *)r, NULL);
+            ok = s != NULL;
+            Py_XDECREF(s);
+        }
+        if (ok) {
+            set_field(&r->claimed, Py_True);
+            result = r->result;
+            Py_INCREF(result);
+        }
+    } else if (contained == 0) {
+        result = PyObject_CallFunctionObjArgs(self->claim, (PyObject *)r, NULL);
+    }
+    if (fast_unlock(self)) Py_CLEAR(result);
+    drop_waiter(r);
+    if (result && PyList_Size(self->cross_returns)) {
+        PyObject *f = PyObject_CallNoArgs(self->flush_cross);
+        if (!f) Py_CLEAR(result);
+        Py_XDECREF(f);
+    }
+    return result;
+}
+
+static PyObject *Fast_get_counter(PyObject *obj, void *closure) {
+    FastObject *self = (FastObject *)obj;
+    long long *c = closure == (void *)0 ? &self->seq : closure == (void *)1 ? &self->submitted : &self->completed;
+    return PyLong_FromLongLong(*c);
+}
+
+static int Fast_set_counter(PyObject *obj, PyObject *value, void *closure) {
+    FastObject *self = (FastObject *)obj;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete a counter");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    long long *c = closure == (void *)0 ? &self->seq : closure == (void *)1 ? &self->submitted : &self->completed;
+    *c = v;
+    return 0;
+}
+
+static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
+
+static PyMethodDef Fast_methods[] = {
+    {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
+     "enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: Completion.enqueue in C"},
+    {"wait", (PyCFunction)(void (*)(void))Fast_wait, METH_FASTCALL,
+     "wait(record, timeout=None) -> result: Completion.wait in C for a plain record"},
+    {"pinned", (PyCFunction)(void (*)(void))Fast_pinned, METH_FASTCALL,
+     "pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: "
+     "Completion.submit_pinned in C"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Fast_getset[] = {
+    {"seq", Fast_get_counter, Fast_set_counter, "the last record's sequence number", (void *)0},
+    {"submitted", Fast_get_counter, Fast_set_counter, "transfers submitted", (void *)1},
+    {"completed", Fast_get_counter, Fast_set_counter, "transfers completed (settled or retired)", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Fast_slots[] = {
+    {Py_tp_new, Fast_new},
+    {Py_tp_dealloc, Fast_dealloc},
+    {Py_tp_traverse, Fast_traverse},
+    {Py_tp_clear, Fast_clear},
+    {Py_tp_methods, Fast_methods},
+    {Py_tp_getset, Fast_getset},
+    {Py_tp_doc, "Fast(completion, device_error, owned, in_flight, spin_base, spin_per_byte, spin_cap): a Completion's "
+                "enqueue and wait in C (see _engine.c)."},
+    {0, NULL},
+};
+
+static PyType_Spec Fast_spec = {
+    "ferry._native._engine.Fast",
+    sizeof(FastObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Fast_slots,
+};
+
+/* -- Handle: the base of the transfer handles (ferry/_pending.py) ------------------------------------- */
+
+/*
+ * ferry.Pending derives from this where the extension runs (from its Python twin, _pending._PyHandle,
+ * elsewhere): the same five fields (_port, _record, _waited, _claimed, _future), made without a Python
+ * __init__, and the two calls every transfer makes: wait() (the port's wait, through Fast.wait in C
+ * when it is that) and the finalizer (a handle dropped unwaited detaches its record: port.detach(record),
+ * never raising, never during interpreter shutdown; a waited one does nothing). Handle itself is not
+ * instantiated: only its Python subclasses are.
+ */
+
+static PyTypeObject *HandleType;
+static PyObject *handle_waited_error; /* FerryError, set by set_handle_errors */
+static PyObject *sys_is_finalizing;   /* sys.is_finalizing */
+static PyObject *S_wait, *S_detach;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *port, *record, *waited, *claimed, *future;
+} HandleObject;
+
+#define HANDLE_FIELDS 5
+
+static PyObject **handle_fields(HandleObject *self) { return &self->port; }
+
+static PyObject *Handle_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *port, *record;
+    if (type == HandleType) {
+        PyErr_SetString(PyExc_TypeError, "Handle is a base class: handles come from the runtime's submissions");
+        return NULL;
+    }
+    if ((kwds && PyDict_Size(kwds)) || !PyArg_UnpackTuple(args, "Handle", 2, 2, &port, &record)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Handle(port, record)");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    HandleObject *self = (HandleObject *)alloc(type, 0);
+    if (!self) return NULL;
+    Py_INCREF(port);
+    self->port = port;
+    Py_INCREF(record);
+    self->record = record;
+    Py_INCREF(Py_False);
+    self->waited = Py_False;
+    Py_INCREF(Py_False);
+    self->claimed = Py_False;
+    Py_INCREF(Py_None);
+    self->future = Py_None;
+    return (PyObject *)self;
+}
+
+static int Handle_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PyObject **f = handle_fields((HandleObject *)obj);
+    for (int i = 0; i < HANDLE_FIELDS; i++) Py_VISIT(f[i]);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Handle_clear(PyObject *obj) {
+    PyObject **f = handle_fields((HandleObject *)obj);
+    for (int i = 0; i < HANDLE_FIELDS; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void Handle_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Handle_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* A handle dropped unwaited: its record to the retirement queue (port.detach). Never raises. */
+static void Handle_finalize(PyObject *obj) {
+    HandleObject *self = (HandleObject *)obj;
+    if (!self->waited || self->waited == Py_True || !self->port || !self->record) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    int waited = PyObject_IsTrue(self->waited);
+    PyObject *finalizing = waited == 0 && sys_is_finalizing ? PyObject_CallNoArgs(sys_is_finalizing) : NULL;
+    if (finalizing && finalizing == Py_False) {
+        PyObject *r = PyObject_CallMethodObjArgs(self->port, S_detach, self->record, NULL);
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(finalizing);
+    PyErr_Clear(); /* a finalizer never raises */
+    PyErr_Restore(type, value, tb);
+}
+
+/* wait(timeout=None): the port's wait, at most once (Pending.wait's contract). */
+static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    HandleObject *self = (HandleObject *)obj;
+    PyObject *timeout = Py_None;
+    Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
+    if (nargs + nkw > 1) {
+        PyErr_SetString(PyExc_TypeError, "wait() takes at most 1 argument (timeout)");
+        return NULL;
+    }
+    if (nargs == 1) {
+        timeout = args[0];
+    } else if (nkw == 1) {
+        PyObject *name = PyTuple_GetItem(kwnames, 0);
+        if (PyUnicode_CompareWithASCIIString(name, "timeout") != 0) {
+            PyErr_Format(PyExc_TypeError, "wait() got an unexpected keyword argument '%U'", name);
+            return NULL;
+        }
+        timeout = args[0];
+    }
+    int claimed = PyObject_IsTrue(self->claimed);
+    if (claimed) {
+        if (claimed > 0)
+            PyErr_SetString(handle_waited_error ? handle_waited_error : PyExc_RuntimeError,
+                            "this transfer was already waited; a handle is waited at most once");
+        return NULL;
+    }
+    PyObject *fn = PyObject_GetAttr(self->port, S_wait);
+    if (!fn) return NULL;
+    PyObject *a[2] = {self->record, timeout};
+    PyObject *result;
+    if (PyCFunction_Check(fn) && PyCFunction_GetFunction(fn) == (PyCFunction)(void (*)(void))Fast_wait)
+        result = Fast_wait(PyCFunction_GetSelf(fn), a, timeout == Py_None ? 1 : 2);
+    else
+        result = call_args(fn, a, 2);
+    Py_DECREF(fn);
+    if (!result) return NULL;
+    set_field(&self->waited, Py_True);
+    set_field(&self->claimed, Py_True);
+    return result;
+}
+
+/* pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: a pinned route's
+ * submission after its checks (lock held): enqueue as above, then the states (host in flight; device in
+ * flight for an upload, read-leased for a download) and the handle, handle_type(completion, record),
+ * made without a type call. Completion.submit_pinned is its Python twin. */
+static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs_is(nargs, 9, "pinned")) return NULL;
+    PyObject *handle_type = args[0], *host = args[6], *device = args[7];
+    if (!PyType_Check(handle_type) || !PyType_IsSubtype((PyTypeObject *)handle_type, HandleType)) {
+        PyErr_SetString(PyExc_TypeError, "pinned: handle_type must be a subclass of Handle");
+        return NULL;
+    }
+    int upload = PyObject_IsTrue(args[8]);
+    if (upload < 0) return NULL;
+    PyObject *moved = upload ? PyTuple_Pack(2, host, device) : PyTuple_Pack(1, host);
+    PyObject *leased = upload ? PyTuple_New(0) : PyTuple_Pack(1, device);
+    PyObject *result = upload ? (Py_XINCREF(moved), moved) : PyTuple_Pack(2, device, host);
+    PyObject *record = NULL;
+    if (moved && leased && result) {
+        PyObject *e[8] = {args[1], args[2], args[3], args[4], args[5], moved, leased, result};
+        record = Fast_enqueue(obj, e, 8);
+    }
+    Py_XDECREF(moved);
+    Py_XDECREF(leased);
+    Py_XDECREF(result);
+    if (!record) return NULL;
+    /* enqueued: from here nothing fails but an allocation (the states move as in Python) */
+    if (PyObject_SetAttr(host, S_state, self->in_flight)) goto fail;
+    if (upload) {
+        if (PyObject_SetAttr(device, S_state, self->in_flight)) goto fail;
+    } else {
+        PyObject *leases = PyObject_GetAttr(device, S_leases);
+        if (!leases) goto fail;
+        long k = PyLong_AsLong(leases);
+        Py_DECREF(leases);
+        PyObject *v = (k == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(k + 1);
+        int rc = v ? PyObject_SetAttr(device, S_leases, v) : -1;
+        Py_XDECREF(v);
+        if (rc) goto fail;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)handle_type, Py_tp_alloc);
+    HandleObject *h = (HandleObject *)alloc((PyTypeObject *)handle_type, 0);
+    if (!h) goto fail;
+    Py_INCREF(self->completion);
+    h->port = self->completion;
+    h->record = record; /* the reference from enqueue */
+    Py_INCREF(Py_False);
+    h->waited = Py_False;
+    Py_INCREF(Py_False);
+    h->claimed = Py_False;
+    Py_INCREF(Py_None);
+    h->future = Py_None;
+    return (PyObject *)h;
+fail:
+    Py_DECREF(record);
+    return NULL;
+}
+
+/* set_handle_errors(waited_error): the exception a second wait() raises (ferry.FerryError). */
+static PyObject *mod_set_handle_errors(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    PyObject *old = handle_waited_error;
+    Py_INCREF(arg);
+    handle_waited_error = arg;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+#define HANDLE_MEMBER(name, field) {name, T_OBJECT, offsetof(HandleObject, field), 0, NULL}
+
+static PyMemberDef Handle_members[] = {
+    HANDLE_MEMBER("_port", port),       HANDLE_MEMBER("_record", record), HANDLE_MEMBER("_waited", waited),
+    HANDLE_MEMBER("_claimed", claimed), HANDLE_MEMBER("_future", future), {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef Handle_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))Handle_wait, METH_FASTCALL | METH_KEYWORDS,
+     "wait(timeout=None): block until the copy completed, then hand back what was handed in.\n\n"
+     "At most once per handle (a second call raises FerryError). timeout=None waits without bound; "
+     "TimeoutError after timeout seconds, and Ctrl-C, leave the handle pending. TransferFailedError: the "
+     "device reported a failure, nothing is published, the objects stay abandoned. See ferry.Pending.wait "
+     "in ferry/_pending.py for the whole contract."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Handle_slots[] = {
+    {Py_tp_new, Handle_new},
+    {Py_tp_dealloc, Handle_dealloc},
+    {Py_tp_traverse, Handle_traverse},
+    {Py_tp_clear, Handle_clear},
+    {Py_tp_finalize, Handle_finalize},
+    {Py_tp_members, Handle_members},
+    {Py_tp_methods, Handle_methods},
+    {Py_tp_doc, "Handle(port, record): the compiled base of ferry's transfer handles (see ferry/_pending.py)."},
+    {0, NULL},
+};
+
+static PyType_Spec Handle_spec = {
+    "ferry._native._engine.Handle",
+    sizeof(HandleObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    Handle_slots,
+};
+
 /* -- host copies for the small pageable route (any backend) -------------------------------------------- */
 
 /* A C-contiguous buffer (writable when asked) of at most capacity bytes; -1 (no error set) otherwise. */
@@ -2950,6 +3653,8 @@ static PyMethodDef module_methods[] = {
      "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
     {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL, "memcopy(dst, src, nbytes): memcpy"},
+    {"set_handle_errors", mod_set_handle_errors, METH_O,
+     "set_handle_errors(waited_error): the exception class a handle's second wait() raises"},
     {"new_record", (PyCFunction)(void (*)(void))mod_new_record, METH_FASTCALL,
      "new_record(seq, event, stream, moved, leased, result, nbytes) -> Record, without the type call"},
     {NULL, NULL, 0, NULL},
@@ -2999,6 +3704,35 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF((PyObject *)RecordType);
         goto fail;
     }
+    FastType = (PyTypeObject *)PyType_FromSpec(&Fast_spec);
+    if (!FastType) goto fail;
+    Py_INCREF((PyObject *)FastType);
+    if (PyModule_AddObject(m, "Fast", (PyObject *)FastType)) {
+        Py_DECREF((PyObject *)FastType);
+        goto fail;
+    }
+    if (!(S_count = PyUnicode_InternFromString("_count")) || !(S_deferred = PyUnicode_InternFromString("deferred")) ||
+        !(S_doomed = PyUnicode_InternFromString("_doomed")) || !(S_refusal = PyUnicode_InternFromString("refusal")) ||
+        !(S_event_wait = PyUnicode_InternFromString("event_wait")) ||
+        !(S_own_event = PyUnicode_InternFromString("own_event")) || !(S_state = PyUnicode_InternFromString("_state")) ||
+        !(S_leases = PyUnicode_InternFromString("_leases")))
+        goto fail;
+    HandleType = (PyTypeObject *)PyType_FromSpec(&Handle_spec);
+    if (!HandleType) goto fail;
+    Py_INCREF((PyObject *)HandleType);
+    if (PyModule_AddObject(m, "Handle", (PyObject *)HandleType)) {
+        Py_DECREF((PyObject *)HandleType);
+        goto fail;
+    }
+    {
+        PyObject *sys = PyImport_ImportModule("sys");
+        if (!sys) goto fail;
+        sys_is_finalizing = PyObject_GetAttrString(sys, "is_finalizing");
+        Py_DECREF(sys);
+        if (!sys_is_finalizing) goto fail;
+    }
+    if (!(S_wait = PyUnicode_InternFromString("wait")) || !(S_detach = PyUnicode_InternFromString("detach")))
+        goto fail;
     CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);
     if (!CallsType) goto fail;
     Py_INCREF((PyObject *)CallsType);

@@ -222,3 +222,38 @@ class Engine:
         """Emulated only: the copy enqueued after the next ``after`` ones fails."""
     def close(self) -> None:
         """Wait for every queued job, stop the lanes, free the slots. Idempotent."""
+
+@final
+class Fast:
+    """A Completion's enqueue, wait and pinned submission in C (see ``_engine.c``); also its counters."""
+
+    seq: int
+    submitted: int
+    completed: int
+    def __init__(
+        self, completion: Any, device_error: type[BaseException], owned: Any, in_flight: Any, spin_base: float,
+        spin_per_byte: float, spin_cap: float, /,
+    ) -> None: ...
+    def enqueue(
+        self, stream: Any, copy: Callable[..., None], dst: int, src: int, nbytes: int, moved: tuple[Any, ...],
+        leased: tuple[Any, ...], result: tuple[Any, ...], /,
+    ) -> Record: ...
+    def wait(self, record: Any, timeout: float | None = None, /) -> tuple[Any, ...]: ...
+    def pinned(
+        self, handle_type: type[Handle], stream: Any, copy: Callable[..., None], dst: int, src: int, nbytes: int,
+        host: Any, device: Any, upload: bool, /,
+    ) -> Handle: ...
+
+class Handle:
+    """The compiled base of ferry's transfer handles (``ferry._pending``); only subclasses are made."""
+
+    _port: Any
+    _record: Any
+    _waited: bool
+    _claimed: bool
+    _future: Any
+    def __init__(self, port: Any, record: Any, /) -> None: ...
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+def set_handle_errors(waited_error: type[BaseException], /) -> None:
+    """The exception class a handle's second ``wait()`` raises."""

@@ -55,14 +55,14 @@ def submit_pinned(
         if completion.maintenance_due():
             completion.maintain()
         if upload:
-            record = completion.enqueue(
+            record = completion.submit(
                 stream, backend.htod_record, device._ptr, buffer._block.ptr, device._nbytes,
-                moved=(buffer, device), leased=(), result=(buffer, device_obj),
+                (buffer, device), (), (buffer, device_obj),
             )
         else:
-            record = completion.enqueue(
+            record = completion.submit(
                 stream, backend.dtoh_record, buffer._block.ptr, device._ptr, device._nbytes,
-                moved=(buffer,), leased=(device,), result=(device_obj, buffer),
+                (buffer,), (device,), (device_obj, buffer),
             )
     except BaseException:
         give_back(device)  # refused after the producer's capsule was taken

@@ -213,7 +213,7 @@ class SmallRoute:
                 free.append(slot)
                 return None
             try:  # the pinned path's own enqueue (it runs the maintenance a submission owes first)
-                record = completion.enqueue(
+                record = completion.submit(
                     self.h2d, self.htod, destination._ptr, slot.ptr, nbytes, (destination,), (), (source, destination)
                 )
             except BaseException as exc:
@@ -287,7 +287,7 @@ class SmallRoute:
                 return None
             nbytes = source._nbytes
             try:
-                record = completion.enqueue(
+                record = completion.submit(
                     self.d2h, self.dtoh, slot.ptr, source._ptr, nbytes, (), (source,), (source, out)
                 )
             except BaseException as exc:
