@@ -353,7 +353,7 @@ def test_device_to_device_copies_in_a_batch_keep_their_order(emulated_pair: tupl
 
 @pytest.mark.cuda
 def test_cuda_runs_the_compiled_path_when_the_extension_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRY_CUDA_FAST_PATH", "1")  # opt-in until validated on a GPU
+    monkeypatch.delenv("FERRY_CUDA_FAST_PATH", raising=False)  # the default
     with ferry.Runtime("cuda") as rt:
         info = rt.info()
         if _native.load() is None:
@@ -383,14 +383,14 @@ def test_cuda_runs_the_compiled_path_when_the_extension_is_built(monkeypatch: py
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("how", ["FERRY_NATIVE=0", "FERRY_MEMCPY_BATCH=0"])
+@pytest.mark.parametrize("how", ["FERRY_NATIVE=0", "FERRY_CUDA_FAST_PATH=0", "FERRY_MEMCPY_BATCH=0"])
 def test_cuda_fallbacks_move_the_same_bytes(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     name, value = how.split("=")
-    monkeypatch.setenv("FERRY_CUDA_FAST_PATH", "1")  # the compiled path, then each way out of it
+    monkeypatch.delenv("FERRY_CUDA_FAST_PATH", raising=False)  # the compiled path, then each way out of it
     monkeypatch.setenv(name, value)
     with ferry.Runtime("cuda") as rt:
         fast_path = rt.info()["fast_path"]
-        if name == "FERRY_NATIVE":
+        if name in ("FERRY_NATIVE", "FERRY_CUDA_FAST_PATH"):
             assert fast_path.startswith("cuda.bindings")
         elif _native.load() is not None:
             assert fast_path.startswith("native (batches: a loop")

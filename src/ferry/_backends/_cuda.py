@@ -13,8 +13,8 @@ answers that no usable context is current, bind and call again, so the
 common case costs exactly one driver call.
 
 The compiled fast path. Where the extension is built, ``FERRY_NATIVE`` is not
-``0`` and ``FERRY_CUDA_FAST_PATH=1`` is set (opt-in: it has not yet run on a
-GPU; without it the validated ``cuda.bindings`` path runs), the hot calls
+``0`` and ``FERRY_CUDA_FAST_PATH`` is not ``0`` (the default since it passed
+the whole suite and compute-sanitizer on an H200, 2026-11-30), the hot calls
 are not the methods below but the bound methods of a compiled ``Calls``
 object (``ferry._native``), set on the instance at construction:
 ``htod_record``/``dtoh_record`` (copy and event record in one C call),
@@ -212,9 +212,8 @@ class CudaBackend:
         """Put the compiled calls in place of the hot methods when the extension runs; else say why not."""
         from .. import _native
 
-        if os.environ.get("FERRY_CUDA_FAST_PATH", "0").strip() != "1":
-            # opt-in until it has run on a GPU: the bindings path below is the validated one
-            return "the compiled pinned path is opt-in: FERRY_CUDA_FAST_PATH=1 turns it on"
+        if os.environ.get("FERRY_CUDA_FAST_PATH", "1").strip() == "0":
+            return "FERRY_CUDA_FAST_PATH=0 turns the compiled calls off"
         if _native.load() is None:
             return _native.status()
         try:
