@@ -127,3 +127,36 @@ def eventually_settled(rt: ferry.Runtime) -> bool:
             return True
         time.sleep(0.005)
     return False
+
+
+def test_a_handle_whose_fields_were_deleted_raises_instead_of_crashing(rt: ferry.Runtime) -> None:
+    handle = rt.upload_pending(rt.pinned(16), rt.empty(16, np.uint8))
+    with pytest.raises(AttributeError):
+        handle._record = None  # type: ignore[misc]  # never rebound: the wait holds it across GIL releases
+    del handle._claimed
+    with pytest.raises(AttributeError):
+        handle._claimed  # noqa: B018  # deleted reads as a __slots__ field does
+    with pytest.raises(AttributeError):
+        handle.wait()  # the pure-Python handle raises the same
+    handle._claimed = False
+    buf, dev = handle.wait()
+    assert buf.state == dev.state == "owned"
+
+
+def test_handle_subclasses_may_chain_init_and_the_base_cannot_be_a_handle_type(rt: ferry.Runtime) -> None:
+    class Mine(ferry.PendingUpload):  # type: ignore[type-arg]
+        def __init__(self, port: Any, record: Any) -> None:
+            super().__init__(port, record)
+            self.extra = 1
+
+    assert issubclass(Mine, engine.Handle)
+    mine = Mine(parts_of(rt).completion, None)  # chaining __init__ works as with the pure-Python base
+    assert mine.extra == 1 and mine._port is parts_of(rt).completion
+    mine._waited = True  # nothing to detach when it is dropped
+    del mine
+    completion = parts_of(rt).completion
+    buf, dev = rt.pinned(16), rt.empty(16, np.uint8)
+    with pytest.raises(TypeError, match="subclass of Handle"):  # its dealloc would never detach the record
+        completion.submit_pinned(engine.Handle, parts_of(rt).h2d, testing.backend_of(rt).htod_record,
+                                 dev.ptr, buf.ptr, 16, buf, dev, True)
+    assert buf.state == dev.state == "owned"  # refused: nothing moved

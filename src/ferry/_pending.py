@@ -50,7 +50,8 @@ class _PyHandle:
         self._future: Any = None
 
     def wait(self, timeout: float | None = None) -> Any:
-        """See :meth:`Pending.wait`."""
+        """Block until the copy completed, then hand back what was handed in (at most once; the whole
+        contract is in :meth:`Pending.wait`'s documentation)."""
         if self._claimed:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
         result = self._port.wait(self._record, timeout)

@@ -3089,8 +3089,9 @@ static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t narg
     }
     if (!ready) { /* spun its whole budget: Completion.wait sleeps on it */
         set_field(&r->spun, Py_True);
-        if (add_waiters(r, -1)) return NULL;
-        return call_args(self->slow_wait, args, 1);
+        PyObject *res = call_args(self->slow_wait, args, 1); /* still attending: close() settles it for us */
+        drop_waiter(r);
+        return res;
     }
     set_field(&r->done, Py_True);
     if (fast_lock(self)) {
@@ -3294,6 +3295,10 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
         }
         timeout = args[0];
     }
+    if (!self->port || !self->record || !self->claimed) {
+        PyErr_SetString(PyExc_AttributeError, "this handle's fields were deleted");
+        return NULL;
+    }
     int claimed = PyObject_IsTrue(self->claimed);
     if (claimed) {
         if (claimed > 0)
@@ -3303,13 +3308,16 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
     }
     PyObject *fn = PyObject_GetAttr(self->port, S_wait);
     if (!fn) return NULL;
-    PyObject *a[2] = {self->record, timeout};
+    PyObject *record = self->record;
+    Py_INCREF(record); /* the handle's field may be rebound while the wait releases the GIL */
+    PyObject *a[2] = {record, timeout};
     PyObject *result;
     if (PyCFunction_Check(fn) && PyCFunction_GetFunction(fn) == (PyCFunction)(void (*)(void))Fast_wait)
         result = Fast_wait(PyCFunction_GetSelf(fn), a, timeout == Py_None ? 1 : 2);
     else
         result = call_args(fn, a, 2);
     Py_DECREF(fn);
+    Py_DECREF(record);
     if (!result) return NULL;
     set_field(&self->waited, Py_True);
     set_field(&self->claimed, Py_True);
@@ -3324,8 +3332,10 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 9, "pinned")) return NULL;
     PyObject *handle_type = args[0], *host = args[6], *device = args[7];
-    if (!PyType_Check(handle_type) || !PyType_IsSubtype((PyTypeObject *)handle_type, HandleType)) {
-        PyErr_SetString(PyExc_TypeError, "pinned: handle_type must be a subclass of Handle");
+    if (!PyType_Check(handle_type) || handle_type == (PyObject *)HandleType ||
+        !PyType_IsSubtype((PyTypeObject *)handle_type, HandleType)) {
+        /* Handle itself has no finalizer run on dealloc (only subtype_dealloc calls tp_finalize) */
+        PyErr_SetString(PyExc_TypeError, "pinned: handle_type must be a Python subclass of Handle");
         return NULL;
     }
     int upload = PyObject_IsTrue(args[8]);
@@ -3383,16 +3393,25 @@ static PyObject *mod_set_handle_errors(PyObject *Py_UNUSED(mod), PyObject *arg) 
     Py_RETURN_NONE;
 }
 
-#define HANDLE_MEMBER(name, field) {name, T_OBJECT, offsetof(HandleObject, field), 0, NULL}
+/* T_OBJECT_EX: a deleted field reads as AttributeError, as a __slots__ one does; the port and the
+ * record are never rebound (the C code holds them across calls that release the GIL) */
+#define HANDLE_MEMBER(name, field, flags) {name, T_OBJECT_EX, offsetof(HandleObject, field), flags, NULL}
 
 static PyMemberDef Handle_members[] = {
-    HANDLE_MEMBER("_port", port),       HANDLE_MEMBER("_record", record), HANDLE_MEMBER("_waited", waited),
-    HANDLE_MEMBER("_claimed", claimed), HANDLE_MEMBER("_future", future), {NULL, 0, 0, 0, NULL},
+    HANDLE_MEMBER("_port", port, READONLY),      HANDLE_MEMBER("_record", record, READONLY),
+    HANDLE_MEMBER("_waited", waited, 0),         HANDLE_MEMBER("_claimed", claimed, 0),
+    HANDLE_MEMBER("_future", future, 0),         {NULL, 0, 0, 0, NULL},
 };
+
+/* Python subclasses may chain __init__ (super().__init__(port, record)): the fields are set in tp_new */
+static int Handle_init(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) {
+    return 0;
+}
 
 static PyMethodDef Handle_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Handle_wait, METH_FASTCALL | METH_KEYWORDS,
-     "wait(timeout=None): block until the copy completed, then hand back what was handed in.\n\n"
+     "wait($self, /, timeout=None)\n--\n\n"
+     "Block until the copy completed, then hand back what was handed in.\n\n"
      "At most once per handle (a second call raises FerryError). timeout=None waits without bound; "
      "TimeoutError after timeout seconds, and Ctrl-C, leave the handle pending. TransferFailedError: the "
      "device reported a failure, nothing is published, the objects stay abandoned. See ferry.Pending.wait "
@@ -3402,6 +3421,7 @@ static PyMethodDef Handle_methods[] = {
 
 static PyType_Slot Handle_slots[] = {
     {Py_tp_new, Handle_new},
+    {Py_tp_init, Handle_init},
     {Py_tp_dealloc, Handle_dealloc},
     {Py_tp_traverse, Handle_traverse},
     {Py_tp_clear, Handle_clear},
