@@ -135,7 +135,7 @@ def test_a_handle_whose_fields_were_deleted_raises_instead_of_crashing(rt: ferry
         handle._record = None  # type: ignore[misc]  # never rebound: the wait holds it across GIL releases
     del handle._claimed
     with pytest.raises(AttributeError):
-        handle._claimed  # noqa: B018  # deleted reads as a __slots__ field does
+        handle._claimed  # deleted reads as a __slots__ field does
     with pytest.raises(AttributeError):
         handle.wait()  # the pure-Python handle raises the same
     handle._claimed = False
