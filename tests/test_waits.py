@@ -280,9 +280,15 @@ def test_close_with_a_timeout_leaves_the_runtime_open(backend_name: str) -> None
 
 
 def _blocked_in_wait(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside a handle's wait(), asleep or about to sleep. The compiled wait
+    (a C call, no frame) hands a copy it could not spin out to ``Completion.wait``; the pure-Python
+    handle's ``wait`` is a frame of its own."""
     frame = sys._current_frames().get(thread.ident or 0)
     while frame is not None:
-        if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("_pending.py"):
+        code = frame.f_code
+        if (code.co_name == "wait" and code.co_filename.endswith("_pending.py")) or (
+            code.co_name in ("wait", "ready", "_sleep") and code.co_filename.endswith("_completion.py")
+        ):
             return True
         frame = frame.f_back
     return False
