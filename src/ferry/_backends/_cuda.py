@@ -676,15 +676,6 @@ class CudaBackend:
         """The primary context handle, for the native engine's threads (``cuCtxSetCurrent``)."""
         return self._ctx_id
 
-    def stream_wait_value32(self, stream: Any, address: int, value: int) -> None:
-        """Hold ``stream`` until the 32-bit word at device ``address`` is >= ``value`` (cyclic)."""
-        with self._current:
-            d = self._d
-            (err,) = d.cuStreamWaitValue32(
-                stream, d.CUdeviceptr(address), value, d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-            )
-            self._check(err)
-
     def close(self) -> None:
         if self._closed or os.getpid() != self._pid:
             return

@@ -10,10 +10,19 @@ done, and learns the outcome from the job (one atomic load on the
 
 Ordering. On CUDA the lanes' streams are real streams: a transfer whose
 device side must wait for a producer makes those streams wait on the device
-(``cuStreamWaitEvent``) before the job is submitted, and a consumer is
-ordered after the whole job through the job's *marks*: each lane writes a
-32-bit word on its stream after its last DMA for the job, and the consumer's
-stream waits for every word (``cuStreamWaitValue32``), no host wait. On the
+(``cuStreamWaitEvent``) before the job is submitted. A consumer (a hand-off,
+a DLPack export with a stream, a later transfer of the same array) is
+ordered after the whole job *on the host*: :meth:`NativeEngine.order_after`
+waits for the job to complete (interruptibly), after which any later work is
+ordered after it. The engine also writes per-lane *marks* that a consumer
+stream could wait for on the device (``cuStreamWaitValue32``), with no host
+wait, and that is how hand-offs were made until 2026-11-30; but CUDA's
+documentation warns that the order such stream memory operations set is
+invisible to its scheduler and may deadlock when the waiting stream and a
+lane's stream share a hardware queue, and an H200 run hung exactly there
+(``ferry.prefetch`` waiting for a staged upload that never completed). A
+device-side hand-off needs the job's last DMAs to be enqueued before an
+event can stand for them, which is open work (docs/routes.md). On the
 emulated device the engine's streams are its own threads: a job that must
 wait for a producer is submitted from the producer's (emulated) stream once
 the producer's work ran, and a consumer's emulated stream waits for the job
@@ -114,10 +123,6 @@ class NativeJob:
         """Bytes the host copied for this job."""
         return int(self._inner.host_bytes) if self._inner is not None else 0
 
-    def marks(self) -> list[tuple[int, int]]:
-        """``(device address, value)`` per lane that a consumer stream waits for (CUDA)."""
-        return list(self._inner.marks()) if self._inner is not None else []
-
     def finished(self) -> None:
         """The record left flight: drop the array, give the emulated use back."""
         self.array = None
@@ -217,13 +222,13 @@ class NativeEngine:
             self.engine.fail_next_copy(after, sticky=sticky)
 
     def order_after(self, job: NativeJob, stream: Any) -> None:
-        """Make ``stream`` (a backend stream) wait on the device for the whole job."""
-        backend = self.backend
+        """Order ``stream`` (a backend stream) after the whole job: on CUDA the host waits for
+        the job (see the module essay: no stream memory operations); on the emulated device the
+        stream's worker waits."""
         if self.cuda:
-            for address, value in job.marks():
-                backend.stream_wait_value32(stream, address, value)  # type: ignore[attr-defined]
+            job.wait_done()  # interruptible; a failed job is reported by its own record
         else:
-            backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
+            self.backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Wait for queued jobs, stop the lanes, free the slots."""
