@@ -10,7 +10,6 @@ tests/test_native_calls.py covers the compiled driver calls themselves.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,13 +25,9 @@ pytestmark = pytest.mark.skipif(engine is None, reason="the compiled extension i
 
 
 @pytest.fixture
-def rt() -> Iterator[ferry.Runtime]:
-    runtime = ferry.Runtime("emulated")
-    try:
-        yield runtime
-    finally:
-        runtime.close()
-    assert testing.violations(runtime) == []
+def rt(emu: ferry.Runtime) -> ferry.Runtime:
+    """conftest's emulated runtime (closed after the test, and checked for stream-order violations)."""
+    return emu
 
 
 def test_the_pinned_paths_run_in_the_compiled_calls(rt: ferry.Runtime) -> None:
