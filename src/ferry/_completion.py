@@ -1070,8 +1070,8 @@ class Completion:
             extra = record.extra
             if extra is not None and extra.job is not None and extra.order_after is None:
                 raise FerryError(
-                    "this staged upload cannot be handed off: the pure-Python staging engine has no "
-                    "device-side completion (the native engine has); wait() for it"
+                    "this staged upload cannot be handed off: the pure-Python staging engine does not "
+                    "hand off (the native engine does); wait() for it"
                 )
             destination = record.result[1]
             if not record.done and extra is not None and extra.job is not None and extra.export_stream is not None:
@@ -1099,15 +1099,16 @@ class Completion:
             return destination
 
     def order_after(self, record: Record, stream: Any) -> None:
-        """Make ``stream`` (a backend stream) wait on the device for the record's copy; no host wait.
+        """Make ``stream`` (a backend stream) wait on the device for the record's copy; no host wait,
+        except for a staged job on CUDA (the native engine waits for it on the host).
 
-        Lock held; raises DeviceError, or FerryError for a staged job whose
-        engine has no device-side completion.
+        Lock held; raises DeviceError, or FerryError for a staged job of the
+        pure-Python engine.
         """
         extra = record.extra
         if extra is not None and extra.job is not None:
             if extra.order_after is None:
-                raise FerryError("this staged transfer has no device-side completion; wait() for it")
+                raise FerryError("this staged transfer (pure-Python engine) cannot order a stream; wait() for it")
             extra.order_after(stream)
         elif record.event is not None:
             self.backend.stream_wait_event(stream, record.event)

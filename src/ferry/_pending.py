@@ -202,7 +202,8 @@ class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
     __slots__ = ()
 
     def hand_off(self, stream: Any = None) -> Device:
-        """Hand the destination to GPU work before the copy is known complete, with no host wait.
+        """Hand the destination to GPU work before the copy is known complete (no host wait, but for
+        a staged upload on CUDA).
 
         With ``stream`` (an int handle, a ``torch.cuda.Stream``, a
         ``cupy.cuda.Stream``, or anything with ``__cuda_stream__``), that
@@ -217,8 +218,10 @@ class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
 
         A staged pageable upload (``rt.upload`` of more than
         ``StagingConfig.direct_bytes``) is handed off when the native engine
-        runs it (the stream waits for every chunk's stream); with the
-        pure-Python engine it raises :class:`~ferry.FerryError`: wait for it.
+        runs it; on CUDA that hand-off waits on the host until the upload
+        completed (stream memory operations could deadlock; ``docs/routes.md``
+        says why). With the pure-Python engine it raises
+        :class:`~ferry.FerryError`: wait for it.
         """
         destination: Device = self._port.hand_off(self, stream)
         return destination

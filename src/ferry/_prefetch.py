@@ -15,15 +15,16 @@ When a batch is yielded, its uploads are handed off
 (:meth:`PendingUpload.hand_off`) to the consumer's stream: ``stream=`` if
 given, else the current stream of the library named by ``to``
 (``torch.cuda.current_stream()``, ``cupy.cuda.get_current_stream()``), read
-at each step. The stream waits for the copy on the device; the host never
-does. With no stream known (``to=None`` or ``"jax"`` and no ``stream=``)
-the arrays are handed off unattached: a consumer taking them through DLPack
+at each step. The stream waits for the copy on the device; the host does
+not, except for a staged upload on CUDA, which the hand-off waits for (it has
+usually completed by then: it ran while earlier batches were consumed).
+With no stream known (``to=None`` or ``"jax"`` and no ``stream=``) the
+arrays are handed off unattached: a consumer taking them through DLPack
 is ordered by ``__dlpack__(stream=...)``, one reading the CUDA Array
 Interface by its ``stream`` field, ferry's own transfers by ferry.
 
 A staged upload (larger than ``StagingConfig.direct_bytes``) is handed off
-when the staging engine has a device-side completion (the native engine).
-Where it has not (the pure-Python engine), ``hand_off`` raises and prefetch
+on the native engine. On the pure-Python engine ``hand_off`` raises and prefetch
 orders the consumer after the upload by waiting for it on a background
 thread (the runtime's watcher, through :meth:`PendingUpload.future`, started
 as soon as such an upload is submitted): the consumer's thread waits only

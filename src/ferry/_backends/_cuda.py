@@ -13,8 +13,8 @@ answers that no usable context is current, bind and call again, so the
 common case costs exactly one driver call.
 
 The compiled fast path. Where the extension is built, ``FERRY_NATIVE`` is not
-``0`` and ``FERRY_CUDA_FAST_PATH`` is not ``0`` (the default since it passed
-the whole suite and compute-sanitizer on an H200, 2026-11-30), the hot calls
+``0`` and ``FERRY_CUDA_FAST_PATH`` is not ``0`` (the default since these calls
+passed the whole suite and compute-sanitizer on an H200, 2026-11-30), the hot calls
 are not the methods below but the bound methods of a compiled ``Calls``
 object (``ferry._native``), set on the instance at construction:
 ``htod_record``/``dtoh_record`` (copy and event record in one C call),

@@ -447,8 +447,8 @@ def _finish(downs: deque[tuple[Any, Any, Any]], run: Run) -> None:
 
 
 def _take(upload: Any, stream: Any, fallbacks: list[int]) -> tuple[Any, Any]:
-    """The destination of ``upload`` handed to ``stream`` (no host wait); a staged upload
-    that cannot be handed off (the pure-Python engine) is waited for instead."""
+    """The destination of ``upload`` handed to ``stream`` (a staged upload on CUDA: after a host
+    wait for it); one that cannot be handed off (the pure-Python engine) is waited for instead."""
     try:
         return upload, upload.hand_off(stream)
     except FerryError:

@@ -6,7 +6,8 @@ allocates the structure with ctypes, keeps the exported array alive in a
 registry until the deleter runs (or until the capsule dies unconsumed), and
 honours the producer obligation of ``__dlpack__(stream=...)``: if an upload
 into the array may still be running (a hand-off), the consumer's stream is
-made to wait for it on the device. Importing, ferry asks the producer for a
+made to wait for it on the device (a staged upload on CUDA is waited for on
+the host). Importing, ferry asks the producer for a
 capsule ordered on ferry's own copy stream (``__dlpack__(stream=<copy
 stream>)``: the producer makes that stream wait for its pending work), reads
 the description, marks the capsule used and calls its deleter once the
@@ -92,11 +93,12 @@ def _make_deleter() -> Any:
     """The tensors' deleter: the compiled one when the extension is built (it does nothing once the
     interpreter is finalized, where a consumer such as PyTorch may free a tensor at exit), else a
     ctypes callback."""
-    try:
+    try:  # even with FERRY_NATIVE=0, which picks the engines: this is a matter of not crashing at exit
         from .._native import _engine
     except ImportError:
         return _DELETER(_release)
-    return _DELETER(_engine.dlpack_deleter(_release_at))
+    make = getattr(_engine, "dlpack_deleter", None)  # an older binary has none
+    return _DELETER(_release) if make is None else _DELETER(make(_release_at))
 
 
 _deleter = _make_deleter()

@@ -266,8 +266,8 @@ class DeviceMemory:
                 self.release(ptr, nbytes)
 
     def order_export(self, ready: Any, stream_handle: int) -> None:
-        """Make a consumer's stream (an integer handle) wait on the device for the pending upload
-        record ``ready`` (its event, or a staged job's device-side completion)."""
+        """Order a consumer's stream (an integer handle) after the pending upload record ``ready``:
+        on the device for its event; a staged job on CUDA is waited for on the host."""
         backend = self.backend
         stream = backend.stream_from_handle(stream_handle)
         extra = ready.extra

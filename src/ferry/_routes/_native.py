@@ -19,8 +19,9 @@ stream could wait for on the device (``cuStreamWaitValue32``), with no host
 wait, and that is how hand-offs were made until 2026-11-30; but CUDA's
 documentation warns that the order such stream memory operations set is
 invisible to its scheduler and may deadlock when the waiting stream and a
-lane's stream share a hardware queue, and an H200 run hung exactly there
-(``ferry.prefetch`` waiting for a staged upload that never completed). A
+lane's stream share a hardware queue, and an H200 run hung where that would
+(``ferry.prefetch`` waiting for a staged upload handed off to PyTorch's
+stream that never completed; likely, not confirmed). A
 device-side hand-off needs the job's last DMAs to be enqueued before an
 event can stand for them, which is open work (docs/routes.md). On the
 emulated device the engine's streams are its own threads: a job that must
