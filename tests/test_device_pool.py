@@ -137,6 +137,10 @@ def test_an_allocation_that_finds_the_device_full_waits_for_memory_a_consumer_st
 
 
 def test_memory_a_consumer_stream_used_is_reused_once_its_work_is_done(emu: ferry.Runtime) -> None:
+    # what the emulated pool can show: every free runs once the consumer's reads completed, and the
+    # memory is reused. It does not model CUDA's rule that a block freed on another stream is reused
+    # only once the host saw that free complete, which made the pool grow on the H200:
+    # tests/test_device_pool_gpu.py::test_memory_a_torch_consumer_used_is_reused_by_the_pool covers that.
     consumer = testing.side_stream(emu)
     data = np.full(MiB, 9, np.uint8)
     reads = []  # each keeps the host array its read lands in
