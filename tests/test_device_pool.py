@@ -155,6 +155,34 @@ def test_memory_a_consumer_stream_used_is_reused_once_its_work_is_done(emu: ferr
     assert testing.violations(emu) == []
 
 
+def test_an_allocation_looks_at_a_few_awaiting_frees_however_many_wait(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry._memory._device import REAP_LOOKAHEAD
+
+    backend = testing.backend_of(emu)
+    consumer = testing.side_stream(emu)
+    slow_kernel(emu, consumer, 0.5)  # everything below queues behind it
+    data = np.full(4096, 3, np.uint8)
+    reads = []
+    for _ in range(40):
+        dev = emu.to_device(data)
+        dev.record_stream(consumer)
+        reads.append(testing.consume(emu, consumer, dev._ptr, 4096))
+        del dev
+    emu.poll()  # 40 frees now wait for the consumer
+    queries = []
+    real_query = backend.event_query
+    monkeypatch.setattr(backend, "event_query", lambda event: queries.append(event) or real_query(event))
+    fresh = emu.empty(4096, np.uint8)
+    assert len(queries) <= REAP_LOOKAHEAD  # not one per waiting free
+    assert used(emu) >= 41 * 4096  # nothing freed under the consumer
+    monkeypatch.undo()
+    assert all(np.all(read.result() == 3) for read in reads)
+    assert eventually(lambda: used(emu) == fresh.nbytes)  # then every free ran
+    assert testing.violations(emu) == []
+
+
 def test_the_transfer_path_never_waits_on_the_host_for_memory(emu: ferry.Runtime) -> None:
     consumer = testing.side_stream(emu)
     data = np.arange(64 * 1024, dtype=np.uint8)

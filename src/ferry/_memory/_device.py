@@ -87,6 +87,7 @@ __all__: list[str] = []
 
 _OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _LEGACY = 1  # CU_STREAM_LEGACY; the NULL stream (0) is the same one
+REAP_LOOKAHEAD = 4  # awaiting frees still running an allocation looks at before it stops
 OOM_WAIT = 5.0  # s: what an allocation that found the device full waits for other libraries' consumers
 _UNKNOWN_HANDLES = (2, -1)  # the per-thread default stream is another stream on every thread; -1 names none
 
@@ -322,30 +323,45 @@ class DeviceMemory:
     def reap(self, wait: float = 0.0) -> None:
         """Free the awaiting memory whose consumers' events completed. Lock held.
 
-        ``wait`` > 0 (out of memory): wait up to that many seconds in all for the
-        events, interruptibly; what is still running then stays awaiting.
+        Entries are looked at oldest first, and without ``wait`` the scan stops
+        after :data:`REAP_LOOKAHEAD` entries still running: an allocation
+        costs a few event queries however many frees wait (consumers mostly
+        finish in order; one that does not only delays later frees).
+        ``wait`` > 0 (out of memory): every entry, waiting up to that many
+        seconds in all, interruptibly; what is still running then stays.
         """
         if not self.awaiting or not self.health.device_usable:
             return
         backend = self.backend
         deadline = time.monotonic() + wait
-        for entry in list(self.awaiting):  # an interrupt in a wait leaves every entry in one place
-            ptr, nbytes, events = entry
-            try:
-                if wait > 0:
-                    done = all(backend.event_wait(e, max(0.0, deadline - time.monotonic())) for e in events)
+        entries = self.awaiting
+        still: list[tuple[int, int, list[Any]]] = []
+        running = 0
+        i = 0
+        try:
+            while i < len(entries) and (wait > 0 or running < REAP_LOOKAHEAD):
+                ptr, nbytes, events = entries[i]
+                try:
+                    if wait > 0:
+                        done = all(backend.event_wait(e, max(0.0, deadline - time.monotonic())) for e in events)
+                    else:
+                        done = all(backend.event_query(e) for e in events)
+                except DeviceError as exc:
+                    self.health.note(exc)
+                    i += 1
+                    self.events.extend(events)
+                    if self.health.device_usable:
+                        self._after_idle(ptr, nbytes)  # the events cannot tell: never early
+                    continue
+                i += 1
+                if done:
+                    self.events.extend(events)
+                    self._free_now(ptr, nbytes)
                 else:
-                    done = all(backend.event_query(e) for e in events)
-            except DeviceError as exc:
-                self.health.note(exc)
-                self.awaiting.remove(entry)
-                if self.health.device_usable:
-                    self._after_idle(ptr, nbytes)  # the events cannot tell: never early
-                continue
-            if done:
-                self.awaiting.remove(entry)
-                self.events.extend(events)
-                self._free_now(ptr, nbytes)
+                    still.append(entries[i - 1])
+                    running += 1
+        finally:  # an interrupt in a wait leaves every entry in exactly one place
+            self.awaiting = still + entries[i:]
 
     def _after_idle(self, ptr: int, nbytes: int) -> None:
         if self._closed:
