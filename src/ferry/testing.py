@@ -46,7 +46,11 @@ def hold(runtime: Runtime, direction: str = "both") -> Iterator[None]:
     Work submitted inside the block is queued behind the gate and cannot
     complete until the block exits, so ``is_ready()`` is observably ``False``.
     The staging lanes of that direction (pageable routes) are held too.
-    Do not ``wait()`` inside the block: the wait would never return.
+    Do not ``wait()`` inside the block: the wait would never return. On CUDA
+    the same holds for handing off, exporting through DLPack with a stream, or
+    downloading a *staged* upload of that direction (a pageable array larger
+    than ``StagingConfig.direct_bytes`` on the native engine): each waits on
+    the host for the upload.
 
     Parameters
     ----------
