@@ -716,30 +716,28 @@ class Completion:
             raise failed_error(record)
         if record.claimed:
             raise FerryError("this transfer was already waited; a handle is waited at most once")
-        if not record.settled:
-            if self.health.closed:
-                raise RuntimeClosedError("the runtime was closed while this transfer was pending")
-            self.health.check_open()
-            if record not in self.live or not record.done:
-                raise FerryError("this transfer is no longer pending")
-            self.live.remove(record)
-            self.settle(record)
+        self._settle_done(record)
         record.claimed = True
         return record.result
+
+    def _settle_done(self, record: Record) -> None:
+        """Settle a done record that no one settled yet; raise if it cannot be. Lock held."""
+        if record.settled:
+            return
+        if self.health.closed:
+            raise RuntimeClosedError("the runtime was closed while this transfer was pending")
+        self.health.check_open()
+        if record not in self.live or not record.done:
+            raise FerryError("this transfer is no longer pending")
+        self.live.remove(record)
+        self.settle(record)
 
     def settled_result(self, record: Record) -> tuple[Any, ...]:
         """Settle a completed record if no one did, return its result; ``claimed`` stays as it is."""
         with self.lock:
             if record.error is not None:
                 raise failed_error(record)
-            if not record.settled:
-                if self.health.closed:
-                    raise RuntimeClosedError("the runtime was closed while this transfer was pending")
-                self.health.check_open()
-                if record not in self.live or not record.done:
-                    raise FerryError("this transfer is no longer pending")
-                self.live.remove(record)
-                self.settle(record)
+            self._settle_done(record)
             result = record.result
         if self.cross_returns:
             self.flush_cross()

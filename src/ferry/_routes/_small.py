@@ -128,6 +128,11 @@ class Ring:
         self.transfers = 0  # transfers this ring carried
         self.host_copied = 0
 
+    def take(self) -> Slot | None:
+        """A free slot, or a new one while the ring may grow, else ``None``. Lock held."""
+        free = self.free
+        return free.pop() if free else self.grow()
+
     def grow(self) -> Slot | None:
         """A new slot while the ring may grow, else ``None`` (the caller found none free). Lock held."""
         if self.count >= MAX_SLOTS or self.limit <= 0:
@@ -204,13 +209,12 @@ class SmallRoute:
             ):
                 return None
             ring = self.up
-            free = ring.free
-            slot = free.pop() if free else ring.grow()
+            slot = ring.take()
             if slot is None:
                 return None
             nbytes = self.copy_in(slot.ptr, slot.capacity, source, destination._nbytes)  # same shape and dtype
             if nbytes < 0:  # not C-contiguous, or larger than a slot
-                free.append(slot)
+                ring.free.append(slot)
                 return None
             try:  # the pinned path's own enqueue (it runs the maintenance a submission owes first)
                 record = completion.submit(
@@ -277,13 +281,12 @@ class SmallRoute:
             ):
                 return None
             ring = self.down
-            free = ring.free
-            slot = free.pop() if free else ring.grow()
+            slot = ring.take()
             if slot is None:
                 return None
             address = self.address_of(out, slot.capacity, source._nbytes)  # same shape and dtype
             if not address:  # not C-contiguous, read-only (or pending), or larger than a slot
-                free.append(slot)
+                ring.free.append(slot)
                 return None
             nbytes = source._nbytes
             try:
