@@ -145,6 +145,25 @@ def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> Non
         gpu.close()
 
 
+def test_a_staged_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> None:  # type: ignore[no-untyped-def]
+    # a pageable array above direct_bytes goes through the native staging lanes; the consumer's
+    # stream waits on the device for the event each lane recorded after its last DMA
+    n = 64 << 20
+    consumer = torch.cuda.Stream()
+    try:
+        for i in range(8):
+            data = ((np.arange(n) + i) % 251).astype(np.uint8)
+            pending = gpu.upload(data)
+            handed = pending.hand_off(consumer)
+            with torch.cuda.stream(consumer):
+                total = torch.from_dlpack(handed).to(torch.int64).sum()  # queued on the consumer stream
+            consumer.synchronize()
+            assert int(total) == int(data.astype(np.int64).sum())
+            pending.wait()
+    finally:
+        gpu.close()
+
+
 def test_foreign_arrays_as_upload_destinations(gpu, cupy, torch) -> None:  # type: ignore[no-untyped-def]
     n = 8 << 20
     data = (np.arange(n) % 241).astype(np.uint8)

@@ -10,7 +10,6 @@ Tests assert behaviour, never timing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -332,24 +331,70 @@ def test_empty_job_is_done_at_once(up: Any) -> None:
     assert job.done() and job.wait() and job.chunks == 0 and job.host_bytes == 0
 
 
-def test_marks_are_written_after_the_job(up: Any) -> None:
-    data = pattern(3 << 20)
+def test_hand_off_posts_one_event_per_lane_once_its_last_dma_is_enqueued(up: Any) -> None:
+    # held: the (emulated) streams run nothing, but each lane can enqueue as many chunks as it has slots
+    data = pattern(8 * SLOT // 2)
     dev = device_like(data.nbytes)
     up.hold()
-    first = submit(up, data, dev, record_events=True)
-    marks = first.marks()
-    assert len(marks) == first.lanes == LANES
-    values = {addr: ctypes.c_uint32.from_address(addr).value for addr, _ in marks}
-    assert all(values[addr] < value for addr, value in marks)  # not written while held
-    up.release()
-    second = submit(up, data, dev, record_events=True)
-    assert second.wait(30) and first.wait(30)
-    for job in (first, second):
-        for addr, value in job.marks():
-            assert ctypes.c_uint32.from_address(addr).value >= value
-    by_lane = {addr: value for addr, value in first.marks()}
-    assert all(value > by_lane[addr] for addr, value in second.marks() if addr in by_lane)
-    assert submit(up, data, dev).marks() == []
+    try:
+        job = submit(up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 2 chunks per lane = its slots
+        events = job.hand_off(timeout=30)
+        assert events is not None and len(events) == job.lanes == LANES
+        assert len(set(events)) == LANES and all(events)  # one per lane's stream
+        assert not job.done()  # posted when enqueued, before the DMAs ran
+        assert dev.tobytes() != data.tobytes()
+        assert submit(up, data, device_like(data.nbytes)).hand_off(timeout=0) == []  # without hand_off
+    finally:
+        up.release()
+    assert job.wait(30) and job.error is None
+    assert job.hand_off() == events  # posted once; asking again changes nothing
+    assert dev.tobytes() == data.tobytes()
+
+
+def test_hand_off_waits_until_every_lane_enqueued_its_last_dma(up: Any) -> None:
+    data = pattern(32 * SLOT // 2)
+    dev = device_like(data.nbytes)
+    up.hold()
+    try:
+        job = submit(up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 8 chunks per lane, 2 slots
+        assert job.hand_off(timeout=0.1) is None  # the lanes wait for their slots: nothing posted yet
+        assert job.hand_off(timeout=0) is None
+    finally:
+        up.release()
+    events = job.hand_off()
+    assert events is not None and len(events) == LANES
+    assert job.wait(30) and job.error is None and dev.tobytes() == data.tobytes()
+
+
+def test_downloads_hand_off_too(down: Any) -> None:
+    data = pattern(1 << 20)
+    out = np.zeros_like(data)
+    job = submit(down, out, data.copy(), hand_off=True)
+    events = job.hand_off(timeout=30)
+    assert events is not None and len(events) == job.lanes
+    assert job.wait(30) and job.error is None and np.array_equal(out, data)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_hand_off_is_interruptible(up: Any) -> None:
+    class SignalledError(Exception):
+        pass
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SignalledError
+
+    up.hold()
+    job = submit(up, pattern(16 * SLOT), device_like(16 * SLOT), chunk_bytes=SLOT // 2, hand_off=True)
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(SignalledError):
+            job.hand_off()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        up.release()
+    assert job.hand_off(timeout=30) is not None and job.wait(30) and job.error is None
 
 
 # -- failures -------------------------------------------------------------------------------------------
@@ -363,15 +408,14 @@ def test_failure_in_the_middle_of_a_job() -> None:
         held = up.held_bytes
         assert held == SLOTS * SLOT
         up.fail_next_copy(after=3)
-        job = submit(up, data, dev, chunk_bytes=4096, record_events=True)
+        job = submit(up, data, dev, chunk_bytes=4096, hand_off=True)
         assert job.wait(30)
         code, text, sticky = job.error
         assert code == _engine.INJECTED_FAILURE and not sticky and "injected" in text
         assert job.host_bytes < data.nbytes  # the rest was skipped
         assert up.abandoned_bytes == SLOTS * SLOT  # the lane's slots, given up
         assert up.held_bytes == held  # and replaced by fresh ones
-        for addr, value in job.marks():  # a failed job still releases its consumers
-            assert ctypes.c_uint32.from_address(addr).value >= value
+        assert job.hand_off(timeout=30) == []  # the failed share posts nothing, and never hangs a consumer
         again = upload(up, data)  # later jobs succeed
         assert again.tobytes() == data.tobytes()
 
@@ -669,7 +713,7 @@ def test_cuda_round_trip(cuda_env: tuple[Any, Any, dict[str, int]], nbytes: int)
         data = pattern(nbytes)
         ptr = backend.mem_alloc(max(nbytes, 512 * 384 * 4))  # room for the strided case below
         try:
-            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, record_events=True)
+            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, hand_off=True)
             assert job.wait(30) and job.error is None, job.error
             out = np.zeros_like(data)
             job = down.submit(out.ctypes.data, ptr, nbytes, out.shape, out.strides, 1)
@@ -687,8 +731,8 @@ def test_cuda_round_trip(cuda_env: tuple[Any, Any, dict[str, int]], nbytes: int)
 
 
 @pytest.mark.cuda
-def test_cuda_hand_off_by_marks(cuda_env: tuple[Any, Any, dict[str, int]]) -> None:
-    backend, driver, entry_points = cuda_env
+def test_cuda_hand_off_by_posted_events(cuda_env: tuple[Any, Any, dict[str, int]]) -> None:
+    backend, _, entry_points = cuda_env
     kw = {"mode": "cuda", "context": backend._ctx_id, "entry_points": entry_points, "lanes": 4}
     with contextlib.closing(Engine("upload", **kw)) as up:
         nbytes = 16 << 20
@@ -697,16 +741,11 @@ def test_cuda_hand_off_by_marks(cuda_env: tuple[Any, Any, dict[str, int]]) -> No
         copy = backend.mem_alloc(nbytes)
         consumer = backend.stream_create()
         try:
-            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, record_events=True)
-            with backend._current:
-                for address, value in job.marks():
-                    (err,) = driver.cuStreamWaitValue32(
-                        consumer,
-                        driver.CUdeviceptr(address),
-                        value,
-                        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-                    )
-                    assert not int(err)
+            job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, hand_off=True)
+            events = job.hand_off(timeout=30)
+            assert events is not None and len(events) == job.lanes
+            for event in events:
+                backend.stream_wait_event(consumer, backend.event_from_handle(event))
             backend.memcpy_dtod(copy, ptr, nbytes, consumer)  # ordered after the upload on the device
             backend.stream_synchronize(consumer)
             out = np.zeros_like(data)

@@ -1097,8 +1097,8 @@ class Completion:
             return destination
 
     def order_after(self, record: Record, stream: Any) -> None:
-        """Make ``stream`` (a backend stream) wait on the device for the record's copy; no host wait,
-        except for a staged job on CUDA (the native engine waits for it on the host).
+        """Make ``stream`` (a backend stream) wait on the device for the record's copy; no host wait
+        (a staged job on CUDA: only until the native engine's lanes enqueued their last DMAs).
 
         Lock held; raises DeviceError, or FerryError for a staged job of the
         pure-Python engine.

@@ -155,8 +155,8 @@ class DeviceArray:
         Producer obligation: if an upload into the array may still be running
         (a hand-off), ``stream`` (the consumer's stream; ``None`` means the
         legacy default stream, ``-1`` no synchronization) is made to wait for
-        it on the device, without a host wait (a staged upload on CUDA is
-        waited for on the host instead). Same conditions as
+        it on the device, without waiting for the copy on the host (a staged
+        upload on CUDA: only until its lanes have enqueued their last chunks). Same conditions as
         ``__cuda_array_interface__``; ``copy=True`` and other devices are
         refused with ``BufferError``.
 

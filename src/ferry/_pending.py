@@ -202,8 +202,7 @@ class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
     __slots__ = ()
 
     def hand_off(self, stream: Any = None) -> Device:
-        """Hand the destination to GPU work before the copy is known complete (no host wait, but for
-        a staged upload on CUDA).
+        """Hand the destination to GPU work before the copy is known complete (no host wait).
 
         With ``stream`` (an int handle, a ``torch.cuda.Stream``, a
         ``cupy.cuda.Stream``, or anything with ``__cuda_stream__``), that
@@ -218,9 +217,10 @@ class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
 
         A staged pageable upload (``rt.upload`` of more than
         ``StagingConfig.direct_bytes``) is handed off when the native engine
-        runs it; on CUDA that hand-off waits on the host until the upload
-        completed (stream memory operations could deadlock; ``docs/routes.md``
-        says why). With the pure-Python engine it raises
+        runs it: the stream waits for the event each staging lane recorded
+        after its last DMA, and the host waits only until the lanes have
+        enqueued those (its host copies are done). With the pure-Python
+        engine it raises
         :class:`~ferry.FerryError`: wait for it.
         """
         destination: Device = self._port.hand_off(self, stream)

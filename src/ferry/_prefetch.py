@@ -16,8 +16,9 @@ When a batch is yielded, its uploads are handed off
 given, else the current stream of the library named by ``to``
 (``torch.cuda.current_stream()``, ``cupy.cuda.get_current_stream()``), read
 at each step. The stream waits for the copy on the device; the host does
-not, except for a staged upload on CUDA, which the hand-off waits for (it has
-usually completed by then: it ran while earlier batches were consumed).
+not (for a staged upload on CUDA, only until its lanes have enqueued their
+last chunks, which has usually happened by then: it ran while earlier batches
+were consumed).
 With no stream known (``to=None`` or ``"jax"`` and no ``stream=``) the
 arrays are handed off unattached: a consumer taking them through DLPack
 is ordered by ``__dlpack__(stream=...)``, one reading the CUDA Array

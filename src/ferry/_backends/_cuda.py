@@ -447,6 +447,11 @@ class CudaBackend:
     def stream_from_handle(self, handle: int) -> Any:
         return int(handle) if self._calls is not None else self._d.CUstream(handle)
 
+    def event_from_handle(self, handle: int) -> Any:
+        """An event made elsewhere (a raw ``CUevent`` value, as the native engine posts), in this
+        backend's representation. The caller keeps it alive while it is used."""
+        return int(handle) if self._calls is not None else self._d.CUevent(handle)
+
     def stream_synchronize(self, stream: Any) -> None:
         with self._current:
             self._syncs += 1

@@ -4,8 +4,10 @@ Each step uploads a pageable NumPy batch (float32), runs device work on it
 (matrix products calibrated to a target time, then ``result = 2 * batch +
 shift``) and downloads the result, which is as large as the batch, into a
 NumPy array. Uploads run ``DEPTH`` (2) steps ahead of the work: the upload of
-step k + 2 is submitted while step k computes. The result of step k is waited
-for during step k + 1. Four configurations: batches of 8 MiB and 32 MiB, each
+step k + 2 is submitted as step k begins, before it is handed the batch of
+step k (so two uploads run while step k computes, as in ``ferry.prefetch``
+and PyTorch's pinning thread). The result of step k is waited for during step
+k + 1. Four configurations: batches of 8 MiB and 32 MiB, each
 with ~8 ms of device work per step (compute-bound) and ~1 ms
 (transfer-bound).
 
@@ -68,7 +70,9 @@ __all__: list[str] = []
 
 MiB = 1 << 20
 DEPTH = 2
-RING = DEPTH + 1  # a ring slot is reused once the step that used it has been waited for
+# A ring slot is reused once the step that used it has been waited for: the upload of step k + DEPTH
+# is submitted as step k starts, when steps k - 1 (not yet waited) and k may still read their slots.
+RING = DEPTH + 2
 ROW = 4096  # the batch pattern's period, in elements
 POISON_STRIDE = 256  # one poisoned float per KiB of every output
 
@@ -472,14 +476,14 @@ def run_ferry(run: Run, *, ring: bool) -> str:
     for j in range(min(DEPTH, run.total)):
         submit(j)
     for k in range(run.total):
+        if k + DEPTH < run.total:
+            submit(k + DEPTH)  # DEPTH uploads run while step k computes; its ring slot's step k - 2 was waited
         upload, dev = _take(ups.popleft(), consumer, fallbacks)
         x = work.wrap(dev)
         y = work.step(x, run.shift)
         downs.append((upload, run.pending(rt.download(y, run.outs[k])), (x, dev, y)))
         if len(downs) > 1:
             _finish(downs, run)
-        if k + DEPTH < run.total:
-            submit(k + DEPTH)  # its ring slot was last used by step k - 1, waited for just above
     while downs:
         _finish(downs, run)
     return _fallback_note(fallbacks[0], run.total)
@@ -500,12 +504,12 @@ def run_transfers_only(run: Run) -> str:
     for j in range(min(DEPTH, run.total)):
         ups.append(run.pending(rt.upload(batches[j], slots[j % RING])))
     for k in range(run.total):
+        if k + DEPTH < run.total:  # the same order as run_ferry
+            ups.append(run.pending(rt.upload(batches[k + DEPTH], slots[(k + DEPTH) % RING])))
         upload, dev = _take(ups.popleft(), None, fallbacks)
         downs.append((upload, run.pending(rt.download(dev, run.outs[k])), dev))
         if len(downs) > 1:
             _finish(downs, run)
-        if k + DEPTH < run.total:
-            ups.append(run.pending(rt.upload(batches[k + DEPTH], slots[(k + DEPTH) % RING])))
     while downs:
         _finish(downs, run)
     return _fallback_note(fallbacks[0], run.total)

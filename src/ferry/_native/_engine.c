@@ -37,7 +37,7 @@
  *
  * In emulated mode (no GPU), each lane also owns a stream worker: a second
  * pthread that runs the lane's "DMAs" (memcpy, then a sleep that models
- * nbytes / bandwidth + latency), event records and mark writes in order, so
+ * nbytes / bandwidth + latency) and event records in order, so
  * a stream is asynchronous exactly as a CUDA stream is.
  *
  * Jobs, chunks, shares
@@ -74,24 +74,23 @@
  * and CUDA lanes poll a slot's event (cuEventQuery) that long before they
  * sleep: a thread's wake-up costs tens of microseconds on a VM.
  *
- * Stream-order hand-off: marks
- * ----------------------------
- * With record_events=True each share gets a *mark*: a per-lane 32-bit word
- * and a value, assigned at submit time (per lane, values increase by one for
- * each marked share, so a lane's marks are written in increasing order).
- * The lane enqueues cuStreamWriteValue32(word, value) right after the
- * share's last DMA and before that chunk's event record, so the write lands
- * only after all of the share's DMAs completed. job.marks() lists (device
- * address of the word, value) at once after submit; a consumer stream is
- * ordered after the whole job on the device, with no host wait, by
- * cuStreamWaitValue32(consumer, address, value, CU_STREAM_WAIT_VALUE_GEQ)
- * for each mark (GEQ is a cyclic comparison, so wrap-around is harmless).
- * A share that does not reach its last DMA (the job failed) writes its mark
- * from the host once everything older on the lane's stream is complete, so a
- * consumer never hangs on a failed job (Python sees the failure on the job).
- * The words live in one mapped pinned page per engine that is deliberately
- * never freed: a consumer stream may still be queued behind a wait on it
- * after the engine is closed.
+ * Stream-order hand-off: posted events
+ * ------------------------------------
+ * A job submitted with hand_off=True has each of its shares *post*, once,
+ * the event its lane records right after the share's last DMA (the slot's
+ * event, recorded for that chunk). job.hand_off() sleeps until every share
+ * posted (every lane has *enqueued* its part: the host copies are done, the
+ * last DMAs may still run) and lists those events; a consumer stream that
+ * waits for each (cuStreamWaitEvent) is ordered after every DMA of the job,
+ * on the device. The lane may record a posted event again (its slot reused
+ * by a later chunk on the same stream): a wait made after that only waits
+ * longer, never less. Events are waited while the engine is open (it frees
+ * them when its lanes exit; abandoned slots keep theirs forever). A share
+ * that never enqueues its last DMA (its job failed, or never ran) posts
+ * nothing, so a hand-off never waits for a failed job: the job's error says
+ * what happened. Stream memory operations (cuStreamWaitValue32 on words the
+ * lanes write) did this before; they are invisible to the scheduler and can
+ * deadlock a consumer stream against a lane's own DMA, which an H200 did.
  *
  * Failure
  * -------
@@ -195,14 +194,12 @@ typedef CUresult (*fn_event_synchronize)(CUevent);
 typedef CUresult (*fn_event_query)(CUevent);
 typedef CUresult (*fn_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
 typedef CUresult (*fn_memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
-typedef CUresult (*fn_stream_write_value32)(CUstream, CUdeviceptr, uint32_t, unsigned int);
 typedef CUresult (*fn_get_error_text)(CUresult, const char **);
 
 typedef struct {
     fn_ctx_set_current cuCtxSetCurrent;
     fn_mem_host_alloc cuMemHostAlloc;
     fn_mem_free_host cuMemFreeHost;
-    fn_mem_host_get_device_pointer cuMemHostGetDevicePointer;
     fn_stream_create cuStreamCreate;
     fn_stream_destroy cuStreamDestroy;
     fn_event_create cuEventCreate;
@@ -211,7 +208,6 @@ typedef struct {
     fn_event_synchronize cuEventSynchronize;
     fn_memcpy_htod_async cuMemcpyHtoDAsync;
     fn_memcpy_dtoh_async cuMemcpyDtoHAsync;
-    fn_stream_write_value32 cuStreamWriteValue32;
     fn_event_query cuEventQuery;
     fn_get_error_text cuGetErrorName;   /* optional */
     fn_get_error_text cuGetErrorString; /* optional */
@@ -219,19 +215,17 @@ typedef struct {
 
 /* Names Python must hand over (cuGetProcAddress, version >= 12000, so the _v2 ABIs). */
 static const char *const DRIVER_NAMES[] = {
-    "cuCtxSetCurrent",    "cuMemHostAlloc",     "cuMemFreeHost",     "cuMemHostGetDevicePointer",
-    "cuStreamCreate",     "cuStreamDestroy",    "cuEventCreate",     "cuEventDestroy",
-    "cuEventRecord",      "cuEventSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
-    "cuStreamWriteValue32", "cuEventQuery",     "cuGetErrorName",    "cuGetErrorString",
+    "cuCtxSetCurrent",   "cuMemHostAlloc",    "cuMemFreeHost",     "cuStreamCreate",
+    "cuStreamDestroy",   "cuEventCreate",     "cuEventDestroy",    "cuEventRecord",
+    "cuEventSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuEventQuery",
+    "cuGetErrorName",    "cuGetErrorString",
 };
-#define DRIVER_REQUIRED 14 /* the first 14 are required, the two error-text calls optional */
+#define DRIVER_REQUIRED 12 /* the first 12 are required, the two error-text calls optional */
 #define N_DRIVER_NAMES ((int)(sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0])))
 
 #define MAX_DIMS 64
 #define MAX_LANES 64
 #define MAX_SLOTS 64
-#define MARK_STRIDE 64 /* bytes between two lanes' mark words (one cache line each) */
-#define MARK_PAGE 4096
 #define SLICE_NS 50000000LL /* wait() checks signals at least this often */
 
 static int is_sticky_cuda(int code) {
@@ -273,11 +267,6 @@ typedef struct {
 
 /* -- jobs ------------------------------------------------------------------------------------- */
 
-typedef struct {
-    CUdeviceptr address; /* device address of the lane's mark word */
-    uint32_t value;
-} mark_t;
-
 typedef struct job {
     atomic_int refs;
     int upload;
@@ -304,8 +293,10 @@ typedef struct job {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     err_t err; /* under mu; valid once failed */
-    int nmarks;
-    mark_t marks[MAX_LANES];
+    /* hand-off (see the essay): shares that have not posted yet, and the events they posted */
+    atomic_int unposted;
+    int nposted;                /* under mu */
+    void *posted[MAX_LANES];    /* under mu */
     int nlanes;
     /* timeline (CLOCK_MONOTONIC ns; 0 = not yet): for Job.timeline(), cheap enough to keep always */
     int64_t t_submit;
@@ -496,9 +487,8 @@ typedef struct share {
     size_t first;
     size_t stride;
     size_t copied;
-    int has_mark;
-    int mark_written;
-    uint32_t mark;
+    int posts;  /* a share of a job submitted with hand_off=True */
+    int posted; /* it posted (lane thread only) */
 } share_t;
 
 typedef struct emu_event {
@@ -525,7 +515,7 @@ struct engine;
 
 /* -- emulated streams --------------------------------------------------------------------------- */
 
-enum { OP_COPY, OP_RECORD, OP_MARK, OP_STOP };
+enum { OP_COPY, OP_RECORD, OP_STOP };
 
 typedef struct emu_op {
     struct emu_op *next;
@@ -536,8 +526,6 @@ typedef struct emu_op {
     int fail; /* 0, or the code this copy fails with */
     emu_event_t *ev;
     uint64_t gen;
-    _Atomic uint32_t *word;
-    uint32_t value;
 } emu_op_t;
 
 typedef struct {
@@ -574,10 +562,6 @@ typedef struct lane {
     int broken;
     err_t broken_err;
     abandoned_t *abandoned; /* emulated only: freed once the stream worker is joined */
-    /* marks */
-    _Atomic uint32_t *mark_host;
-    CUdeviceptr mark_dev;
-    uint32_t mark_next; /* under eng->mu */
 } lane_t;
 
 typedef struct engine {
@@ -597,7 +581,7 @@ typedef struct engine {
     driver_t drv;
     pid_t pid;
     lane_t lanes[MAX_LANES];
-    pthread_mutex_t mu; /* submit/close, lane rotation, mark numbering, ready handshake, faults */
+    pthread_mutex_t mu; /* submit/close, lane rotation, ready handshake, faults */
     pthread_cond_t cv;  /* ready handshake, hold */
     int ready;
     int setup_failed;
@@ -613,10 +597,6 @@ typedef struct engine {
     int fail_after;
     int fail_sticky;
     atomic_int poison;
-    /* marks page */
-    char *mark_page;
-    int mark_page_cuda;
-    CUdeviceptr mark_page_dev;
 } engine_t;
 
 /* -- error texts --------------------------------------------------------------------------------- */
@@ -704,9 +684,6 @@ static void *emu_stream_main(void *arg) {
             pthread_cond_broadcast(&es->done_cv);
             pthread_mutex_unlock(&es->mu);
             break;
-        case OP_MARK:
-            atomic_store_explicit(op->word, op->value, memory_order_release);
-            break;
         default:
             break;
         }
@@ -747,17 +724,6 @@ static int emu_record(lane_t *L, emu_event_t *ev) {
     pthread_mutex_lock(&L->es->mu);
     op->gen = ++ev->recorded;
     pthread_mutex_unlock(&L->es->mu);
-    return emu_push(L->es, op);
-}
-
-static int emu_mark(lane_t *L, uint32_t value) {
-    int poison = atomic_load(&L->eng->poison);
-    if (poison) return poison;
-    emu_op_t *op = calloc(1, sizeof *op);
-    if (!op) return ERR_OUT_OF_MEMORY;
-    op->kind = OP_MARK;
-    op->word = L->mark_host;
-    op->value = value;
     return emu_push(L->es, op);
 }
 
@@ -839,21 +805,16 @@ static inline void driver_unlock(const engine_t *eng) {
 }
 
 /*
- * One chunk's stream work, in order: the copy, the share's mark write when `mark`, the slot's event
- * record. Returns 0, or the failing call's code with *op naming it.
+ * One chunk's stream work, in order: the copy, the slot's event record. Returns 0, or the failing
+ * call's code with *op naming it.
  */
-static int d_enqueue(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr dev, size_t n, int mark, uint32_t value,
-                     const char **op) {
+static int d_enqueue(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr dev, size_t n, const char **op) {
     engine_t *eng = L->eng;
     int rc;
     if (eng->emulated) {
         *op = eng->upload ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync";
         rc = eng->upload ? emu_enqueue_copy(L, (char *)(uintptr_t)dev, host_side, n)
                          : emu_enqueue_copy(L, host_side, (const char *)(uintptr_t)dev, n);
-        if (!rc && mark) {
-            *op = "cuStreamWriteValue32";
-            rc = emu_mark(L, value);
-        }
         if (!rc) {
             *op = "cuEventRecord";
             rc = emu_record(L, slot->ev);
@@ -864,10 +825,6 @@ static int d_enqueue(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr dev, 
     *op = eng->upload ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync";
     rc = eng->upload ? eng->drv.cuMemcpyHtoDAsync(dev, host_side, n, L->stream)
                      : eng->drv.cuMemcpyDtoHAsync(host_side, dev, n, L->stream);
-    if (!rc && mark) {
-        *op = "cuStreamWriteValue32";
-        rc = eng->drv.cuStreamWriteValue32(L->stream, L->mark_dev, value, CU_STREAM_WRITE_VALUE_DEFAULT);
-    }
     if (!rc) {
         *op = "cuEventRecord";
         rc = eng->drv.cuEventRecord(slot->ev, L->stream);
@@ -939,14 +896,24 @@ static void d_slot_free(lane_t *L, char *ptr, void *ev) {
 
 /* -- lanes ----------------------------------------------------------------------------------------- */
 
-static void mark_store_host(lane_t *L, uint32_t value) {
-    atomic_store_explicit(L->mark_host, value, memory_order_release);
+/*
+ * A share's hand-off post: `ev` (the event recorded right after its last DMA, on its lane's stream),
+ * or NULL for a share that will never enqueue its last DMA (its job failed, or never ran).
+ */
+static void post_share(share_t *s, void *ev) {
+    job_t *job = s->job;
+    s->posted = 1;
+    pthread_mutex_lock(&job->mu);
+    if (ev) job->posted[job->nposted++] = ev;
+    if (atomic_fetch_sub_explicit(&job->unposted, 1, memory_order_acq_rel) == 1) pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
 }
 
 /* A share is complete: all of its DMAs and host copies are done (or it was abandoned by a failure). */
 static void finish_share(lane_t *L, share_t *s) {
     job_t *job = s->job;
-    if (s->has_mark && !s->mark_written) mark_store_host(L, s->mark);
+    (void)L;
+    if (s->posts && !s->posted) post_share(s, NULL);
     atomic_fetch_add_explicit(&job->host_bytes, s->copied, memory_order_relaxed);
     if (atomic_fetch_sub_explicit(&job->remaining, 1, memory_order_acq_rel) == 1) job_complete(job);
     job_decref(job);
@@ -1096,15 +1063,14 @@ static void run_upload(lane_t *L, share_t *s) {
         slot->job = job;
         slot->ends = NULL;
         slot->busy = 1; /* from here on a DMA may touch it */
-        int mark = s->has_mark && k + s->stride >= job->nchunks;
         const char *op = "";
-        int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, mark, s->mark, &op);
+        int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
         if (rc) {
             fail_with(L, job, rc, op);
             lane_recover(L);
             break;
         }
-        if (mark) s->mark_written = 1;
+        if (s->posts && k + s->stride >= job->nchunks) post_share(s, slot->ev); /* its last DMA: hand off */
         at_max(&job->t_enqueue_last, now_ns());
         L->cursor++;
         L->cur_last = slot;
@@ -1115,9 +1081,7 @@ static void run_upload(lane_t *L, share_t *s) {
         L->cur_last = NULL;
         return;
     }
-    /* nothing of this share is in flight; a host-written mark must not race an older device write */
-    if (s->has_mark && !s->mark_written) reap_all(L);
-    finish_share(L, s);
+    finish_share(L, s); /* nothing of this share is in flight */
 }
 
 static void run_download(lane_t *L, share_t *s) {
@@ -1141,7 +1105,7 @@ static void run_download(lane_t *L, share_t *s) {
             slot->ends = NULL;
             slot->busy = 1;
             const char *op = "";
-            int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, 0, 0, &op);
+            int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
             if (rc) {
                 fail_with(L, job, rc, op);
                 lane_recover(L);
@@ -1149,6 +1113,7 @@ static void run_download(lane_t *L, share_t *s) {
                 break;
             }
             issued++;
+            if (s->posts && issued == n) post_share(s, slot->ev); /* its last DMA: hand off */
             at_max(&job->t_enqueue_last, now_ns());
         }
         if (broke || i >= issued) break; /* failed elsewhere: nothing more was issued */
@@ -1191,27 +1156,6 @@ static int lane_setup(lane_t *L, err_t *e) {
         if (rc) {
             make_err(eng, rc, "cuStreamCreate", e);
             return -1;
-        }
-        if (L->index == 0) {
-            void *page = NULL;
-            rc = eng->drv.cuMemHostAlloc(&page, MARK_PAGE, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-            if (rc) {
-                make_err(eng, rc, "cuMemHostAlloc (marks)", e);
-                return -1;
-            }
-            memset(page, 0, MARK_PAGE);
-            CUdeviceptr dev = 0;
-            rc = eng->drv.cuMemHostGetDevicePointer(&dev, page, 0);
-            if (rc) {
-                eng->drv.cuMemFreeHost(page);
-                make_err(eng, rc, "cuMemHostGetDevicePointer (marks)", e);
-                return -1;
-            }
-            pthread_mutex_lock(&eng->mu);
-            eng->mark_page = page;
-            eng->mark_page_cuda = 1;
-            eng->mark_page_dev = dev;
-            pthread_mutex_unlock(&eng->mu);
         }
     }
     if (alloc_slots(L, e)) return -1;
@@ -1334,8 +1278,6 @@ static void engine_free(engine_t *eng) {
         pthread_mutex_destroy(&eng->lanes[i].mu);
         pthread_cond_destroy(&eng->lanes[i].cv);
     }
-    if (eng->mark_page && !eng->mark_page_cuda) free(eng->mark_page);
-    /* a CUDA mark page is never freed: a consumer stream may still wait on it */
     pthread_mutex_destroy(&eng->mu);
     pthread_cond_destroy(&eng->cv);
     free(eng);
@@ -1359,7 +1301,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     job_t *job;
-    PyObject *engine; /* keeps the engine (and its mark page) alive */
+    PyObject *engine; /* keeps the engine alive */
 } JobObject;
 
 static int check_process(EngineObject *self) {
@@ -1544,16 +1486,6 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         free(eng);
         return PyErr_NoMemory();
     }
-    if (emulated) {
-        eng->mark_page = aligned_alloc(MARK_PAGE, MARK_PAGE);
-        if (!eng->mark_page) {
-            eng->nlanes = lanes;
-            engine_free(eng);
-            return PyErr_NoMemory();
-        }
-        memset(eng->mark_page, 0, MARK_PAGE);
-        eng->mark_page_dev = (CUdeviceptr)(uintptr_t)eng->mark_page;
-    }
     int started = 0;
     Py_BEGIN_ALLOW_THREADS
     for (; started < lanes; started++) {
@@ -1577,11 +1509,6 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         else
             PyErr_SetString(PyExc_RuntimeError, "could not start the staging threads");
         return NULL;
-    }
-    for (int i = 0; i < lanes; i++) {
-        lane_t *L = &eng->lanes[i];
-        L->mark_host = (_Atomic uint32_t *)(eng->mark_page + (size_t)i * MARK_STRIDE);
-        L->mark_dev = eng->mark_page_dev + (CUdeviceptr)i * MARK_STRIDE;
     }
     PyObject *obj = PyType_GenericAlloc(type, 0);
     if (!obj) {
@@ -1674,7 +1601,7 @@ static int seq_to_ssize(PyObject *seq, Py_ssize_t *out, Py_ssize_t *n, const cha
 static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     EngineObject *self = (EngineObject *)obj;
     static char *kwlist[] = {"host_ptr", "device_ptr", "nbytes", "shape", "strides", "itemsize", "chunk_bytes",
-                             "record_events", NULL};
+                             "hand_off", NULL};
     unsigned long long host_ptr, dev_ptr;
     Py_ssize_t nbytes, itemsize, chunk_bytes = 0;
     PyObject *shape_obj, *strides_obj;
@@ -1766,6 +1693,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     atomic_init(&job->done, nl == 0);
     atomic_init(&job->failed, 0);
     atomic_init(&job->remaining, nl);
+    atomic_init(&job->unposted, record ? nl : 0);
     atomic_init(&job->host_bytes, 0);
     atomic_init(&job->refs, 1 + nl);
     job->t_submit = now_ns();
@@ -1816,19 +1744,12 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     int start = eng->next_lane;
     eng->next_lane = (int)(((size_t)start + job->nchunks) % (size_t)eng->nlanes);
     for (int i = 0; i < nl; i++) {
-        lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
         share_t *s = shares[i];
         s->job = job;
         s->first = (size_t)i;
         s->stride = (size_t)nl;
-        if (record) {
-            s->has_mark = 1;
-            s->mark = ++L->mark_next;
-            job->marks[i].address = L->mark_dev;
-            job->marks[i].value = s->mark;
-        }
+        s->posts = record;
     }
-    job->nmarks = record ? nl : 0;
     for (int i = 0; i < nl; i++) {
         lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
         pthread_mutex_lock(&L->mu);
@@ -1963,7 +1884,7 @@ static PyObject *Engine_get_mode(PyObject *obj, void *Py_UNUSED(closure)) {
 
 static PyMethodDef Engine_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(host_ptr, device_ptr, nbytes, shape, strides, itemsize, chunk_bytes=0, *, record_events=False)"
+     "submit(host_ptr, device_ptr, nbytes, shape, strides, itemsize, chunk_bytes=0, *, hand_off=False)"
      " -> Job"},
     {"chunk_bytes", Engine_chunk_bytes, METH_O, "chunk_bytes(nbytes) -> the chunk size submit picks"},
     {"streams", Engine_streams, METH_NOARGS, "streams() -> the lanes' stream handles"},
@@ -2083,18 +2004,67 @@ static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     }
 }
 
-static PyObject *Job_marks(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
-    job_t *job = ((JobObject *)obj)->job;
-    PyObject *list = PyList_New(0);
+/*
+ * The hand-off: sleep (GIL released, in slices, signals checked between them) until every share of
+ * the job posted, then list the events they posted. Each was recorded on its lane's stream right
+ * after the share's last DMA, so a stream that waits for all of them (cuStreamWaitEvent) runs after
+ * every DMA of the job. A later record of the same event (the lane reusing that slot) only moves
+ * the wait later on the same stream, never earlier. A share that never enqueued its last DMA (the
+ * job failed) posts nothing: check the job's error.
+ */
+static PyObject *Job_hand_off(PyObject *obj, PyObject *args, PyObject *kwds) {
+    JobObject *self = (JobObject *)obj;
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj)) return NULL;
+    job_t *job = self->job;
+    int64_t deadline = INT64_MAX;
+    if (timeout_obj != Py_None) {
+        double t = PyFloat_AsDouble(timeout_obj);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (t != t) {
+            PyErr_SetString(PyExc_ValueError, "timeout must not be NaN");
+            return NULL;
+        }
+        deadline = t <= 0 ? 0 : t > 1e9 ? INT64_MAX : now_ns() + (int64_t)(t * 1e9);
+    }
+    EngineObject *eo = (EngineObject *)self->engine;
+    if (eo->pid != getpid()) {
+        PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
+        return NULL;
+    }
+    for (;;) {
+        int posted;
+        int64_t slice_end = now_ns() + SLICE_NS;
+        if (slice_end > deadline) slice_end = deadline;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = ts_of(slice_end);
+        pthread_mutex_lock(&job->mu);
+        while (!(posted = atomic_load_explicit(&job->unposted, memory_order_acquire) == 0)) {
+            if (pthread_cond_timedwait(&job->cv, &job->mu, &ts) == ETIMEDOUT) {
+                posted = atomic_load_explicit(&job->unposted, memory_order_acquire) == 0;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&job->mu);
+        Py_END_ALLOW_THREADS
+        if (posted) break;
+        if (now_ns() >= deadline) Py_RETURN_NONE;
+        if (PyErr_CheckSignals() < 0) return NULL;
+    }
+    void *events[MAX_LANES];
+    pthread_mutex_lock(&job->mu);
+    int n = job->nposted;
+    memcpy(events, job->posted, (size_t)n * sizeof events[0]);
+    pthread_mutex_unlock(&job->mu);
+    PyObject *list = PyList_New(n);
     if (!list) return NULL;
-    for (int i = 0; i < job->nmarks; i++) {
-        PyObject *t = Py_BuildValue("(KI)", (unsigned long long)job->marks[i].address, (unsigned int)job->marks[i].value);
-        if (!t || PyList_Append(list, t)) {
-            Py_XDECREF(t);
+    for (int i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromVoidPtr(events[i]);
+        if (!v || PyList_SetItem(list, i, v)) { /* steals v */
             Py_DECREF(list);
             return NULL;
         }
-        Py_DECREF(t);
     }
     return list;
 }
@@ -2154,7 +2124,9 @@ static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None) -> bool: sleep (GIL released) until done; False on timeout"},
-    {"marks", Job_marks, METH_NOARGS, "marks() -> [(device address, value)]: the stream-order hand-off"},
+    {"hand_off", (PyCFunction)(void (*)(void))Job_hand_off, METH_VARARGS | METH_KEYWORDS,
+     "hand_off(timeout=None) -> [event handle] or None on timeout: sleep (GIL released) until every lane "
+     "enqueued its share's last DMA, then the events recorded after them (submit(..., hand_off=True))"},
     {"timeline", Job_timeline, METH_NOARGS,
      "timeline() -> {event: microseconds after submit or None}: start_first, start_last, copy_last, "
      "enqueue_last, done"},

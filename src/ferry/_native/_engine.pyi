@@ -146,9 +146,12 @@ class Job:
     def timeline(self) -> dict[str, float | None]:
         """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
         lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued), ``done``."""
-    def marks(self) -> list[tuple[int, int]]:
-        """``(device address, value)`` per lane for ``cuStreamWaitValue32(..., GEQ)``; empty unless
-        the job was submitted with ``record_events=True``. Valid at once after submit."""
+    def hand_off(self, timeout: float | None = None) -> list[int] | None:
+        """For a job submitted with ``hand_off=True``: sleep (GIL released, signals checked) until
+        every lane enqueued its share's last DMA, then the events recorded right after them (raw
+        ``CUevent`` handles on CUDA): a stream that waits for each is ordered after every DMA of the
+        job. A share that never enqueued its last DMA (the job failed) posts none. ``None`` on
+        timeout; ``[]`` at once for a job submitted without ``hand_off``."""
 
 @final
 class Engine:
@@ -204,7 +207,7 @@ class Engine:
         itemsize: int,
         chunk_bytes: int = 0,
         *,
-        record_events: bool = False,
+        hand_off: bool = False,
     ) -> Job:
         """Queue a transfer between the host array at ``host_ptr`` (its element ``[0, ..., 0]``,
         described by ``shape``/``strides`` in bytes) and the C-order bytes at ``device_ptr``.

@@ -12,22 +12,20 @@ Ordering. On CUDA the lanes' streams are real streams: a transfer whose
 device side must wait for a producer makes those streams wait on the device
 (``cuStreamWaitEvent``) before the job is submitted. A consumer (a hand-off,
 a DLPack export with a stream, a later transfer of the same array) is
-ordered after the whole job *on the host*: :meth:`NativeEngine.order_after`
-waits for the job to complete (interruptibly), after which any later work is
-ordered after it. The engine also writes per-lane *marks* that a consumer
-stream could wait for on the device (``cuStreamWaitValue32``), with no host
-wait, and that is how hand-offs were made until 2026-11-30; but CUDA's
-documentation warns that the order such stream memory operations set is
-invisible to its scheduler and may deadlock when the waiting stream and a
-lane's stream share a hardware queue, and an H200 run hung where that would
-(``ferry.prefetch`` waiting for a staged upload handed off to PyTorch's
-stream that never completed; likely, not confirmed). A
-device-side hand-off needs the job's last DMAs to be enqueued before an
-event can stand for them, which is open work (docs/routes.md). On the
-emulated device the engine's streams are its own threads: a job that must
-wait for a producer is submitted from the producer's (emulated) stream once
-the producer's work ran, and a consumer's emulated stream waits for the job
-on its worker thread.
+ordered after the whole job on the device too: a job is submitted with
+``hand_off=True``, so each lane *posts* the event it records right after its
+share's last DMA, and :meth:`NativeEngine.order_after` makes the consumer's
+stream wait for each posted event. It waits on the host only until every
+lane has *enqueued* its last DMA (the host copies are done; the DMAs may
+still run), because an event stands for nothing before it is recorded; a
+``ferry.prefetch`` batch uploaded a step ahead is long past that. Stream
+memory operations (a ``cuStreamWaitValue32`` on words the lanes wrote) did
+this until 2026-11-30; CUDA documents that the order they set is invisible
+to its scheduler and may deadlock, and an H200 run hung where they were
+used. On the emulated device the engine's streams are its own threads: a
+job that must wait for a producer is submitted from the producer's
+(emulated) stream once the producer's work ran, and a consumer's emulated
+stream waits for the job on its worker thread.
 """
 
 from __future__ import annotations
@@ -201,11 +199,11 @@ class NativeEngine:
         host = int(array.ctypes.data)
         shape, strides, itemsize = tuple(array.shape), tuple(array.strides), int(array.itemsize)
         engine = self.engine
+        hand_off = self.cuda
 
         def start() -> None:
             try:
-                job._start(engine.submit(host, target, nbytes, shape, strides, itemsize,
-                                         record_events=self.cuda))
+                job._start(engine.submit(host, target, nbytes, shape, strides, itemsize, hand_off=hand_off))
             except Exception as exc:  # a closed or poisoned engine: the job fails, nothing runs
                 job._fail_to_start(DeviceError(f"staging could not start: {exc}"))
 
@@ -223,13 +221,28 @@ class NativeEngine:
             self.engine.fail_next_copy(after, sticky=sticky)
 
     def order_after(self, job: NativeJob, stream: Any) -> None:
-        """Order ``stream`` (a backend stream) after the whole job: on CUDA the host waits for
-        the job (see the module essay: no stream memory operations); on the emulated device the
-        stream's worker waits."""
-        if self.cuda:
-            job.wait_done()  # interruptible; a failed job is reported by its own record
-        else:
-            self.backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
+        """Order ``stream`` (a backend stream) after the whole job, on the device.
+
+        On CUDA: the stream waits for the event each lane posted after its
+        last DMA; the host waits (interruptibly) only until the lanes have
+        enqueued those DMAs. A job that failed before its last DMAs is
+        waited for on the host (its record reports the failure). On the
+        emulated device the stream's worker waits for the job. Lock held by
+        the caller (the engine stays open meanwhile).
+        """
+        backend = self.backend
+        if not self.cuda:
+            backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
+            return
+        inner = job._inner
+        if inner is None:  # it failed to start: nothing runs
+            return
+        events = inner.hand_off()
+        if len(events) < inner.lanes:  # a share never enqueued its last DMA: the job failed
+            job.wait_done()
+            return
+        for event in events:
+            backend.stream_wait_event(stream, backend.event_from_handle(event))  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Wait for queued jobs, stop the lanes, free the slots."""
