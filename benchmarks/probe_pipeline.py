@@ -1,0 +1,103 @@
+"""One ``pipeline`` configuration, its contenders interleaved round by round, for A/B questions.
+
+    PYTHONPATH=src python3 benchmarks/probe_pipeline.py --mib 8 --work-ms 1 [--steps 60] [--rounds 5]
+        [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off]
+
+The bench's ``pipeline`` group runs each contender's repeats back to back, so a drift of the machine
+(clocks, other tenants) lands on one contender. Here every round runs each contender once, in turn,
+on the same calibrated device work and the same batches; the report gives each contender's median
+and min over rounds of the per-step wall time (steady state, as in the group), with every result
+verified. ``--host-wait-hand-off`` adds variants of the ferry contenders whose staged hand-off
+waits on the host for the whole upload (the native engine's behaviour before its hand-off by
+posted events), to compare the two on one machine. Needs a GPU and PyTorch (or CuPy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+import ferry
+from ferry._bench import _pipeline as pl
+from ferry._bench._protocol import Result
+from ferry._routes import _native
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=int, default=8)
+    parser.add_argument("--work-ms", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--contenders", default="work_only,transfers_only,fresh,ring,prefetch,best")
+    parser.add_argument("--host-wait-hand-off", action="store_true")
+    parser.add_argument("--backend", default="cuda", help="cuda, or emulated for a smoke test")
+    args = parser.parse_args()
+
+    rt = ferry.Runtime(args.backend)
+    peers: dict[str, Any] = {}
+    torch: Any = None
+    if args.backend == "cuda":
+        try:
+            torch = importlib.import_module("torch")
+            peers["torch"] = SimpleNamespace(torch=torch)
+        except ImportError:
+            pass
+    ctx = SimpleNamespace(rt=rt, peers=peers)
+    work = pl.make_work(ctx, args.work_ms * 1e-3, args.mib * pl.MiB)
+    warmup = 4
+    total = warmup + args.steps
+    p = pl.Plan([], steps=args.steps, warmup=warmup, repeats=1)
+    batches = pl.Batches(args.mib * pl.MiB, total)
+    outs = [np.full(batches.n, np.nan, np.float32) for _ in range(total)]
+    pinned_outs = ([torch.empty(batches.n, dtype=torch.float32, pin_memory=True) for _ in range(total)]
+                   if torch is not None else [])
+    impls = {"work_only": "floor", "transfers_only": "floor", "best": "torch", "cuda": "torch"}
+    names = [c for c in args.contenders.split(",") if c]
+    variants: list[tuple[str, str, bool]] = []
+    for name in names:
+        variants.append((name, name, False))
+        if args.host_wait_hand_off and impls.get(name, "ferry") in ("ferry", "floor") and name != "work_only":
+            variants.append((f"{name}+host_wait", name, True))
+    events_order_after = _native.NativeEngine.order_after
+
+    def host_wait(self: Any, job: Any, stream: Any) -> None:
+        if self.cuda:
+            job.wait_done()
+        else:
+            events_order_after(self, job, stream)
+
+    samples: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    notes: dict[str, str] = {}
+    shifts = iter(range(1, 1 << 20))
+    print(f"# {rt.info()['name']}: {args.mib} MiB, {args.work_ms:g} ms of {work.kind} work per step; "
+          f"{args.steps} timed steps, {args.rounds} rounds; {work.detail}")
+    try:
+        for _ in range(args.rounds):
+            for label, route, patched in variants:
+                _native.NativeEngine.order_after = host_wait if patched else events_order_after  # type: ignore[method-assign]
+                result = Result("pipeline", impls.get(route, "ferry"), route, "both", args.mib * pl.MiB)
+                pl._contend(result, p, work, batches, outs, pinned_outs, shifts, ctx, torch, ferry.prefetch)
+                if not result.valid:
+                    notes[label] = result.note
+                samples[label].extend(result.samples)
+    finally:
+        _native.NativeEngine.order_after = events_order_after  # type: ignore[method-assign]
+        work.close()
+        rt.close()
+    print(f"{'contender':28} {'median':>10} {'min':>10} {'max':>10}  (per step)")
+    for label, values in samples.items():
+        if values:
+            print(f"{label:28} {statistics.median(values) * 1e6:9.1f}us {min(values) * 1e6:9.1f}us "
+                  f"{max(values) * 1e6:9.1f}us  {notes.get(label, '')}")
+        else:
+            print(f"{label:28} no sample  {notes.get(label, '')}")
+
+
+if __name__ == "__main__":
+    main()
