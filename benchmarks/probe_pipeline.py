@@ -15,8 +15,10 @@ posted events), to compare the two on one machine. Needs a GPU and PyTorch (or C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,9 +39,13 @@ def main() -> None:
     parser.add_argument("--contenders", default="work_only,transfers_only,fresh,ring,prefetch,best")
     parser.add_argument("--host-wait-hand-off", action="store_true")
     parser.add_argument("--backend", default="cuda", help="cuda, or emulated for a smoke test")
+    parser.add_argument("--lanes", type=int, default=0, help="StagingConfig(lanes=...) (0: the default)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the host's phases of the hand-written fresh pipeline")
     args = parser.parse_args()
 
-    rt = ferry.Runtime(args.backend)
+    staging = ferry.StagingConfig(lanes=args.lanes) if args.lanes else None
+    rt = ferry.Runtime(args.backend, staging=staging)
     peers: dict[str, Any] = {}
     torch: Any = None
     if args.backend == "cuda":
@@ -86,6 +92,8 @@ def main() -> None:
                 if not result.valid:
                     notes[label] = result.note
                 samples[label].extend(result.samples)
+        if args.phases:
+            phases(rt, work, batches, outs, total, warmup)
     finally:
         _native.NativeEngine.order_after = events_order_after  # type: ignore[method-assign]
         work.close()
@@ -97,6 +105,52 @@ def main() -> None:
                   f"{max(values) * 1e6:9.1f}us  {notes.get(label, '')}")
         else:
             print(f"{label:28} no sample  {notes.get(label, '')}")
+
+
+def phases(rt: Any, work: Any, batches: Any, outs: list[Any], total: int, warmup: int) -> None:
+    """The hand-written fresh pipeline (``run_ferry``'s order), each host phase timed: where the
+    main thread spends a step, and how long it sleeps in waits."""
+    names = ["submit", "hand_off", "launch", "download", "finish"]
+    spent = dict.fromkeys(names, 0.0)
+    consumer = work.consumer()
+    ups: list[Any] = []
+    downs: list[Any] = []
+    clock = time.perf_counter
+    with contextlib.ExitStack() as stack:
+        for out in outs:
+            stack.enter_context(rt.register(out))
+        for j in range(min(pl.DEPTH, total)):
+            ups.append(rt.upload(batches.arrays[j]))
+        start = 0.0
+        for k in range(total):
+            if k == warmup:
+                spent = dict.fromkeys(names, 0.0)
+                start = clock()
+            t0 = clock()
+            if k + pl.DEPTH < total:
+                ups.append(rt.upload(batches.arrays[k + pl.DEPTH]))
+            t1 = clock()
+            upload = ups.pop(0)
+            dev = upload.hand_off(consumer)
+            t2 = clock()
+            y = work.step(work.wrap(dev), 1.0)
+            t3 = clock()
+            downs.append((upload, rt.download(y, outs[k]), dev, y))
+            t4 = clock()
+            if len(downs) > 1:
+                up, down, *_ = downs.pop(0)
+                down.wait()
+                up.wait()
+            t5 = clock()
+            for name, dt in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                spent[name] += dt
+        elapsed = clock() - start
+        for up, down, *_ in downs:
+            down.wait()
+            up.wait()
+    steps = total - warmup
+    print(f"phases of the fresh pipeline, per step (us): {elapsed / steps * 1e6:.1f} total; "
+          + ", ".join(f"{name} {spent[name] / steps * 1e6:.1f}" for name in names))
 
 
 if __name__ == "__main__":
