@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib
+import pstats
 import statistics
 import time
 from types import SimpleNamespace
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=0, help="StagingConfig(lanes=...) (0: the default)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the host's phases of the hand-written fresh pipeline")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="with --phases: run it again under cProfile and print the N costliest functions")
     args = parser.parse_args()
 
     staging = ferry.StagingConfig(lanes=args.lanes) if args.lanes else None
@@ -94,6 +98,10 @@ def main() -> None:
                 samples[label].extend(result.samples)
         if args.phases:
             phases(rt, work, batches, outs, total, warmup)
+            if args.profile:
+                profiler = cProfile.Profile()
+                profiler.runcall(phases, rt, work, batches, outs, total, warmup)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     finally:
         _native.NativeEngine.order_after = events_order_after  # type: ignore[method-assign]
         work.close()
