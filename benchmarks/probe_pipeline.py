@@ -102,6 +102,13 @@ def main() -> None:
                 profiler = cProfile.Profile()
                 profiler.runcall(phases, rt, work, batches, outs, total, warmup)
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        if args.profile and "prefetch" in names:
+            print("# one timed run of the prefetch contender under cProfile")
+            profiler = cProfile.Profile()
+            result = Result("pipeline", "ferry", "prefetch", "both", args.mib * pl.MiB)
+            profiler.runcall(pl._contend, result, p, work, batches, outs, pinned_outs, shifts, ctx, torch,
+                             ferry.prefetch)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     finally:
         _native.NativeEngine.order_after = events_order_after  # type: ignore[method-assign]
         work.close()

@@ -33,6 +33,7 @@ SIZE = ctypes.c_size_t
 COPY = ctypes.CFUNCTYPE(CU, U64, U64, SIZE, PTR)  # both directions: (dst, src, n, stream) as integers
 RECORD = ctypes.CFUNCTYPE(CU, PTR, PTR)
 ONE = ctypes.CFUNCTYPE(CU, PTR)
+WAIT_EVENT = ctypes.CFUNCTYPE(CU, PTR, PTR, ctypes.c_uint)
 BATCH_13000 = ctypes.CFUNCTYPE(
     CU, ctypes.POINTER(U64), ctypes.POINTER(U64), ctypes.POINTER(SIZE), SIZE, PTR, ctypes.POINTER(SIZE), SIZE, PTR
 )
@@ -67,6 +68,10 @@ class Driver:
             self.log.append(("record", event, stream))
             return answer("record")
 
+        def wait_event(stream: int, event: int, flags: int) -> int:
+            self.log.append(("wait_event", stream, event, flags))
+            return answer("wait_event")
+
         def one(name: str) -> Any:
             def fn(event: int) -> int:
                 self.log.append((name, event))
@@ -92,6 +97,7 @@ class Driver:
             "cuEventRecord": RECORD(record),
             "cuEventQuery": one("query"),
             "cuEventSynchronize": one("sync"),
+            "cuStreamWaitEvent": WAIT_EVENT(wait_event),
             "b13000": BATCH_13000(batch_seen),
             "b12080": BATCH_12080(lambda d, s, z, c, a, i, n, f, st: batch_seen(d, s, z, c, a, i, n, st, f)),
         }
@@ -158,6 +164,20 @@ def test_a_failure_goes_to_on_error_with_its_stage(driver: Driver) -> None:
     driver.answers["record"] = [1]
     with pytest.raises(ValueError, match="raised by on_error"):
         boom.event_record(1, 2)
+
+
+def test_a_stream_waits_for_a_list_of_events_in_one_call(driver: Driver) -> None:
+    failures = Failures(result="retried")
+    calls = make(driver, failures)
+    assert calls.stream_wait_events(5, [11, 12, 13]) is None
+    assert driver.log == [("wait_event", 5, e, 0) for e in (11, 12, 13)]
+    assert calls.stream_wait_events(5, []) is None and len(driver.log) == 3
+    driver.answers["wait_event"] = [0, 400]  # the second wait fails: on_error decides, stage 0 (a retry is harmless)
+    assert calls.stream_wait_events(6, [21, 22, 23]) == "retried"
+    assert failures.calls == [("stream_wait_events", 400, 0, (6, [21, 22, 23]))]
+    assert driver.log[-1] == ("wait_event", 6, 22, 0)  # the third was not attempted
+    with pytest.raises(TypeError):
+        calls.stream_wait_events(5, (1, 2))
 
 
 def test_event_query_and_a_bounded_wait(driver: Driver) -> None:

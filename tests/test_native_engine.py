@@ -744,8 +744,7 @@ def test_cuda_hand_off_by_posted_events(cuda_env: tuple[Any, Any, dict[str, int]
             job = up.submit(data.ctypes.data, ptr, nbytes, data.shape, data.strides, 1, hand_off=True)
             events = job.hand_off(timeout=30)
             assert events is not None and len(events) == job.lanes
-            for event in events:
-                backend.stream_wait_event(consumer, backend.event_from_handle(event))
+            backend.stream_wait_events(consumer, events)
             backend.memcpy_dtod(copy, ptr, nbytes, consumer)  # ordered after the upload on the device
             backend.stream_synchronize(consumer)
             out = np.zeros_like(data)

@@ -300,6 +300,40 @@ def test_overlapping_registrations_are_refused(srt: ferry.Runtime) -> None:
         srt.register(data[::2])
 
 
+def test_many_registrations_each_cover_exactly_their_own_memory(srt: ferry.Runtime) -> None:
+    # registrations are kept sorted for a bisect lookup: pieces of one buffer with gaps between
+    # them, registered and released out of order; a view inside a piece takes the registered route
+    # (no host copy), one over a gap or across two pieces does not
+    rng = np.random.default_rng(5)
+    buf = np.arange(64 * 4096, dtype=np.uint32).view(np.uint8)
+    pieces = [(i * 16384, i * 16384 + 12288) for i in range(64)]  # 12 KiB pieces, 4 KiB gaps
+    order = rng.permutation(len(pieces))
+    regs = {int(i): srt.register(buf[pieces[i][0]:pieces[i][1]]) for i in order}
+    with pytest.raises(ferry.FerryError, match="overlaps"):
+        srt.register(buf[pieces[7][1] - 8:pieces[8][0] + 8])  # reaches into both neighbours
+    srt.register(buf[pieces[7][1]:pieces[8][0]]).release()  # the gap itself is free
+
+    def copied(view: np.ndarray) -> int:  # host bytes the upload of view copied
+        start = srt.stats().host_copied_bytes
+        _, dev = srt.upload(view).wait()
+        copied = srt.stats().host_copied_bytes - start
+        assert same(srt.to_host(dev), view)
+        return copied
+
+    for i in rng.permutation(len(pieces))[:40]:
+        a, b = pieces[int(i)]
+        lo = int(rng.integers(a, b - 64))
+        released = int(i) % 3 == 0
+        if released:
+            regs.pop(int(i)).release()
+        assert copied(buf[lo:lo + 64]) == (64 if released else 0)
+        assert copied(buf[b - 32:b + 32]) == 64  # runs into the gap
+    assert copied(buf[pieces[9][1]:pieces[10][0]]) == 4096  # a gap
+    for reg in regs.values():
+        reg.release()
+    assert srt.stats().registered_bytes == 0
+
+
 def test_close_unpins_registrations(backend_name: str) -> None:
     rt = ferry.Runtime(backend_name)
     data = np.ones(MiB, np.uint8)

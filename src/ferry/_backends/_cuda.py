@@ -447,10 +447,18 @@ class CudaBackend:
     def stream_from_handle(self, handle: int) -> Any:
         return int(handle) if self._calls is not None else self._d.CUstream(handle)
 
-    def event_from_handle(self, handle: int) -> Any:
-        """An event made elsewhere (a raw ``CUevent`` value, as the native engine posts), in this
-        backend's representation. The caller keeps it alive while it is used."""
-        return int(handle) if self._calls is not None else self._d.CUevent(handle)
+    def stream_wait_events(self, stream: Any, events: list[int]) -> None:
+        """``stream`` waits on the device for each event of ``events``: raw ``CUevent`` values made
+        elsewhere (a native staging job's posted events), alive while this runs. One C call where
+        the compiled fast path runs."""
+        calls = self._calls
+        if calls is not None:
+            calls.stream_wait_events(int(stream), events)
+            return
+        with self._current:
+            for event in events:
+                (err,) = self._d.cuStreamWaitEvent(stream, self._d.CUevent(event), 0)
+                self._check(err)
 
     def stream_synchronize(self, stream: Any) -> None:
         with self._current:

@@ -11,6 +11,7 @@ may still touch the memory).
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +103,8 @@ class Registrations:
         self.backend = backend
         self.health = health
         self.lock = lock
-        self.active: list[Registration] = []
+        self.active: list[Registration] = []  # sorted by address (they never overlap)
+        self._starts: list[int] = []  # their addresses, for bisect: a lookup per transfer is O(log n)
 
     @property
     def bytes(self) -> int:
@@ -117,7 +119,8 @@ class Registrations:
             raise TransferSubmitError(f"register: dtype {array.dtype} is not a fixed-size byte layout ferry copies")
         ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
         with self.lock:
-            for other in self.active:
+            at = bisect.bisect_left(self._starts, ptr)
+            for other in self.active[max(at - 1, 0):at + 1]:  # only neighbours can overlap
                 if ptr < other._ptr + other._nbytes and other._ptr < ptr + nbytes:
                     raise FerryError("this memory overlaps an active registration")
             try:
@@ -126,14 +129,15 @@ class Registrations:
                 self.health.note(exc)
                 raise FerryError(f"could not pin the array in place: {exc}") from exc
             registration = Registration(self, array, _token=_FACTORY)
-            self.active.append(registration)
+            self.active.insert(at, registration)
+            self._starts.insert(at, ptr)
         return registration
 
     def covering(self, ptr: int, nbytes: int) -> Registration | None:
         """The active registration covering ``[ptr, ptr + nbytes)``, if any."""
-        for registration in self.active:
-            if registration.covers(ptr, nbytes):
-                return registration
+        at = bisect.bisect_right(self._starts, ptr) - 1  # the last one starting at or before ptr
+        if at >= 0 and self.active[at].covers(ptr, nbytes):
+            return self.active[at]
         return None
 
     def unregister(self, registration: Registration) -> None:
@@ -143,7 +147,8 @@ class Registrations:
                 return
             check_releasable(registration)
             registration._released = True
-            self.active.remove(registration)
+            at = self.active.index(registration, bisect.bisect_left(self._starts, registration._ptr))
+            del self.active[at], self._starts[at]
             if self.health.refusal is None:
                 try:
                     self.backend.host_unregister(registration._ptr)
@@ -162,3 +167,4 @@ class Registrations:
                     self.health.note(exc)
             registration._released = True
         self.active.clear()
+        self._starts.clear()

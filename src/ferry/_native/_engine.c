@@ -194,6 +194,7 @@ typedef CUresult (*fn_event_synchronize)(CUevent);
 typedef CUresult (*fn_event_query)(CUevent);
 typedef CUresult (*fn_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
 typedef CUresult (*fn_memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
+typedef CUresult (*fn_stream_wait_event)(CUstream, CUevent, unsigned int);
 typedef CUresult (*fn_get_error_text)(CUresult, const char **);
 
 typedef struct {
@@ -209,6 +210,7 @@ typedef struct {
     fn_memcpy_htod_async cuMemcpyHtoDAsync;
     fn_memcpy_dtoh_async cuMemcpyDtoHAsync;
     fn_event_query cuEventQuery;
+    fn_stream_wait_event cuStreamWaitEvent;
     fn_get_error_text cuGetErrorName;   /* optional */
     fn_get_error_text cuGetErrorString; /* optional */
 } driver_t;
@@ -218,9 +220,9 @@ static const char *const DRIVER_NAMES[] = {
     "cuCtxSetCurrent",   "cuMemHostAlloc",    "cuMemFreeHost",     "cuStreamCreate",
     "cuStreamDestroy",   "cuEventCreate",     "cuEventDestroy",    "cuEventRecord",
     "cuEventSynchronize", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuEventQuery",
-    "cuGetErrorName",    "cuGetErrorString",
+    "cuStreamWaitEvent", "cuGetErrorName",    "cuGetErrorString",
 };
-#define DRIVER_REQUIRED 12 /* the first 12 are required, the two error-text calls optional */
+#define DRIVER_REQUIRED 13 /* the first 13 are required, the two error-text calls optional */
 #define N_DRIVER_NAMES ((int)(sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0])))
 
 #define MAX_DIMS 64
@@ -2202,6 +2204,7 @@ typedef struct {
     fn_event_record record;
     fn_event_query query;
     fn_event_synchronize synchronize;
+    fn_stream_wait_event wait_event;
     void *batch;   /* cuMemcpyBatchAsync, or NULL: a batch is a loop of single copies */
     int batch_abi; /* 12080 (with failIdx) or 13000 (without), when batch is set */
     int batch_refused; /* the CUresult with which the driver refused a batch's description (then batch is NULL) */
@@ -2283,6 +2286,7 @@ static PyObject *Calls_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         entry(points, "cuEventRecord", (void **)&self->record, 1) ||
         entry(points, "cuEventQuery", (void **)&self->query, 1) ||
         entry(points, "cuEventSynchronize", (void **)&self->synchronize, 1) ||
+        entry(points, "cuStreamWaitEvent", (void **)&self->wait_event, 1) ||
         entry(points, "cuMemcpyBatchAsync", &batch, 0)) {
         Py_DECREF(self);
         return NULL;
@@ -2360,6 +2364,29 @@ static PyObject *Calls_event_query(PyObject *obj, PyObject *const *args, Py_ssiz
     if (!rc) Py_RETURN_TRUE;
     if (rc == ERR_NOT_READY) Py_RETURN_FALSE;
     return calls_failed(self, "event_query", rc, 0, args, nargs);
+}
+
+/*
+ * stream_wait_events(stream, events): cuStreamWaitEvent(stream, event, 0) for each event of a list
+ * (a staged job's posted events: one per lane). A failure is reported with stage 0: waiting for an
+ * event again is harmless, so a retry waits for the whole list.
+ */
+static PyObject *Calls_stream_wait_events(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long stream;
+    if (nargs_is(nargs, 2, "stream_wait_events") || int_arg(args[0], &stream, 0)) return NULL;
+    if (!PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "stream_wait_events needs a list of event handles");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(args[1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long event;
+        if (int_arg(PyList_GetItem(args[1], i), &event, 0)) return NULL; /* borrowed */
+        CUresult rc = self->wait_event((CUstream)(uintptr_t)stream, (CUevent)(uintptr_t)event, 0);
+        if (rc) return calls_failed(self, "stream_wait_events", rc, 0, args, nargs);
+    }
+    Py_RETURN_NONE;
 }
 
 /* event_wait(event, timeout): poll until complete or timeout seconds passed; whether it completed. */
@@ -2519,6 +2546,8 @@ static PyMethodDef Calls_methods[] = {
      "until complete or timeout seconds passed"},
     {"event_synchronize", (PyCFunction)(void (*)(void))Calls_event_synchronize, METH_FASTCALL,
      "event_synchronize(event): cuEventSynchronize with the GIL released"},
+    {"stream_wait_events", (PyCFunction)(void (*)(void))Calls_stream_wait_events, METH_FASTCALL,
+     "stream_wait_events(stream, events): cuStreamWaitEvent(stream, event, 0) for each event of a list"},
     {"copy_batch", (PyCFunction)(void (*)(void))Calls_copy_batch, METH_FASTCALL,
      "copy_batch(upload, dsts, srcs, sizes, stream, event): the copies in one cuMemcpyBatchAsync (or a loop), "
      "then cuEventRecord (unless event is None)"},

@@ -241,8 +241,7 @@ class NativeEngine:
         if len(events) < inner.lanes:  # a share never enqueued its last DMA: the job failed
             job.wait_done()
             return
-        for event in events:
-            backend.stream_wait_event(stream, backend.event_from_handle(event))  # type: ignore[attr-defined]
+        backend.stream_wait_events(stream, events)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Wait for queued jobs, stop the lanes, free the slots."""
