@@ -97,8 +97,8 @@ def order_before(completion: Completion, streams: list[Any], device: Any, ordere
     A ferry array handed off by a pending upload waits for that upload's
     completion; a foreign array waits for its producer stream (an event
     recorded there), or, when it came through DLPack, for ``ordered`` (the
-    copy stream its producer already made wait). No host wait, but for a staged
-    upload on CUDA (waited for on the host). Lock held; raises DeviceError.
+    copy stream its producer already made wait). No host wait (a staged upload
+    on CUDA: only until its lanes have enqueued their last DMAs). Lock held; raises DeviceError.
     """
     backend = completion.backend
     ready = getattr(device, "_ready", None)

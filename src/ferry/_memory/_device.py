@@ -268,7 +268,7 @@ class DeviceMemory:
 
     def order_export(self, ready: Any, stream_handle: int) -> None:
         """Order a consumer's stream (an integer handle) after the pending upload record ``ready``:
-        on the device for its event; a staged job on CUDA is waited for on the host."""
+        on the device, for its event (a staged job's: the events its lanes posted)."""
         backend = self.backend
         stream = backend.stream_from_handle(stream_handle)
         extra = ready.extra
