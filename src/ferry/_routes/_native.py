@@ -55,7 +55,7 @@ class NativeJob:
     ran on its stream): until then the job is not done.
     """
 
-    __slots__ = ("_error", "_inner", "_release", "_started", "array", "device_ptr", "nbytes")
+    __slots__ = ("_done_with", "_error", "_inner", "_release", "_started", "array", "device_ptr", "joined", "nbytes")
 
     def __init__(self, array: np.ndarray[Any, Any], device_ptr: int, nbytes: int) -> None:
         self.array: Any = array  # kept alive until the record settles
@@ -65,6 +65,8 @@ class NativeJob:
         self._error: DeviceError | None = None
         self._started = threading.Event()
         self._release: Any = None  # the emulated device's use count, given back once done
+        self.joined: Any = None  # CUDA: one event standing for all the job's DMAs (NativeEngine.order_after)
+        self._done_with: Any = None  # gives `joined` back (set with it)
 
     def _start(self, inner: Any) -> None:
         self._inner = inner
@@ -123,12 +125,17 @@ class NativeJob:
         return int(self._inner.host_bytes) if self._inner is not None else 0
 
     def finished(self) -> None:
-        """The record left flight: drop the array, give the emulated use back."""
+        """The record left flight: drop the array, give the emulated use back, destroy the join
+        event (waits already made on it keep what they captured)."""
         self.array = None
         with _GIVE_BACK:
             if self._release is not None:
                 self._release()
                 self._release = None
+            joined, done_with = self.joined, self._done_with
+            self.joined = self._done_with = None
+        if joined is not None:
+            done_with(joined)
 
 
 class NativeEngine:
@@ -154,6 +161,7 @@ class NativeEngine:
             self.engine = module.Engine(direction, mode="emulated", bandwidth=backend.bandwidth,  # type: ignore[attr-defined]
                                         latency=backend.latency, **options)  # type: ignore[attr-defined]
         self._streams: list[Any] | None = None
+        self._join: Any = None  # CUDA: the stream on which a job's posted events become one event
 
     # -- the staging-engine interface ---------------------------------------------------------------
     @property
@@ -223,12 +231,16 @@ class NativeEngine:
     def order_after(self, job: NativeJob, stream: Any) -> None:
         """Order ``stream`` (a backend stream) after the whole job, on the device.
 
-        On CUDA: the stream waits for the event each lane posted after its
-        last DMA; the host waits (interruptibly) only until the lanes have
-        enqueued those DMAs. A job that failed before its last DMAs is
-        waited for on the host (its record reports the failure). On the
-        emulated device the stream's worker waits for the job. Lock held by
-        the caller (the engine stays open meanwhile).
+        On CUDA: the first time, a private *join* stream waits for the event
+        each lane posted after its last DMA (the host waits, interruptibly,
+        only until the lanes have enqueued those DMAs) and records one event,
+        the job's ``joined`` event; every stream ordered after the job then
+        waits for that one event (a consumer's stream is ordered once per
+        hand-off and again per DLPack export: one wait each, not one per
+        lane). A job that failed before its last DMAs is waited for on the
+        host (its record reports the failure). On the emulated device the
+        stream's worker waits for the job. Lock held by the caller (the
+        engine stays open meanwhile).
         """
         backend = self.backend
         if not self.cuda:
@@ -237,12 +249,33 @@ class NativeEngine:
         inner = job._inner
         if inner is None:  # it failed to start: nothing runs
             return
-        events = inner.hand_off()
-        if len(events) < inner.lanes:  # a share never enqueued its last DMA: the job failed
-            job.wait_done()
-            return
-        backend.stream_wait_events(stream, events)  # type: ignore[attr-defined]
+        if job.joined is None:
+            events = inner.hand_off()
+            if len(events) < inner.lanes:  # a share never enqueued its last DMA: the job failed
+                job.wait_done()
+                return
+            if self._join is None:
+                self._join = backend.stream_create()
+            event = backend.event_create()
+            try:
+                backend.stream_wait_events(self._join, events)  # type: ignore[attr-defined]
+                backend.event_record(event, self._join)
+            except BaseException:
+                backend.event_destroy(event)
+                raise
+            with _GIVE_BACK:
+                if job.array is None or job.joined is not None:  # finished meanwhile, or joined by another thread
+                    backend.event_destroy(event)
+                else:
+                    job.joined, job._done_with = event, backend.event_destroy
+        with _GIVE_BACK:  # finished() cannot destroy the event under this wait
+            if job.joined is not None:
+                backend.stream_wait_event(stream, job.joined)
+            # else: the record left flight, so the job's DMAs are complete
 
     def close(self) -> None:
-        """Wait for queued jobs, stop the lanes, free the slots."""
+        """Wait for queued jobs, stop the lanes, free the slots (and the join stream)."""
         self.engine.close()
+        join, self._join = self._join, None
+        if join is not None:
+            self.backend.stream_destroy(join)
