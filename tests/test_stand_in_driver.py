@@ -1,0 +1,136 @@
+"""The CUDA backend's bookkeeping on a stand-in driver, on any machine with a C compiler.
+
+``benchmarks/fake_cuda.c`` is a ``libcuda.so.1`` whose calls return at once (copies are a memcpy
+inside the call, events are always complete, streams are tokens). ``cuda.bindings`` and the compiled
+extension load it like the real driver, so ferry's CUDA backend, its compiled calls and the native
+engine in CUDA mode run here without a GPU. It cannot show anything about ordering on a device (the
+GPU tests do); what it shows is the calls ferry makes and the resources it takes and gives back.
+Each case runs in a subprocess with ``LD_LIBRARY_PATH`` pointing at the stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ferry import _native
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "benchmarks" / "fake_cuda.c"
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the stand-in driver"),
+    pytest.mark.skipif(not SOURCE.exists(), reason="benchmarks/fake_cuda.c is not here"),
+    pytest.mark.skipif(_native.load() is None, reason="the compiled extension is not built here"),
+]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("fake-cuda")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(SOURCE), "-ldl"],
+                   check=True)
+    return folder
+
+
+def run(stand_in: Path, code: str) -> str:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(stand_in), PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("FERRY_NATIVE", None)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_a_staged_hand_off_joins_the_lanes_events_once_and_gives_everything_back(stand_in: Path) -> None:
+    out = run(stand_in, """
+        import numpy as np
+        import ferry
+        from ferry import testing
+
+        rt = ferry.Runtime("cuda")
+        info = rt.info()
+        assert info["backend"] == "cuda" and info["staging_engine"].startswith("native"), info
+        backend = testing.backend_of(rt)
+        seen = {"wait": 0, "lists": [], "created": 0, "destroyed": 0, "streams": [], "streams_gone": []}
+        wait, waits = backend.stream_wait_event, backend.stream_wait_events
+        create, destroy = backend.event_create, backend.event_destroy
+        stream_create, stream_destroy = backend.stream_create, backend.stream_destroy
+
+        def count(key, fn):
+            def wrapper(*args):
+                seen[key] += 1
+                return fn(*args)
+            return wrapper
+
+        def listed(stream, events):
+            seen["lists"].append(list(events))
+            return waits(stream, events)
+
+        backend.stream_wait_event = count("wait", wait)
+        backend.stream_wait_events = listed
+        backend.event_create = count("created", create)
+        backend.event_destroy = count("destroyed", destroy)
+        def made():
+            stream = stream_create()
+            seen["streams"].append(int(stream))
+            return stream
+
+        def gone(stream):
+            seen["streams_gone"].append(int(stream))
+            return stream_destroy(stream)
+
+        backend.stream_create, backend.stream_destroy = made, gone
+        jobs = 4
+        for i in range(jobs):
+            data = (np.arange(8 << 20) % (251 - i)).astype(np.uint8)
+            pending = rt.upload(data)  # above direct_bytes: the native lanes
+            handed = pending.hand_off(7)  # a consumer stream (a token here)
+            capsule = handed.__dlpack__(stream=9)  # a second consumer: ordered again
+            del capsule
+            _, dev = pending.wait()
+            assert np.array_equal(rt.to_host(dev), data)
+        rt.close()
+        made_here = len(seen["streams"])
+        all_gone = all(s in seen["streams_gone"] for s in seen["streams"])
+        print(seen["wait"], seen["created"], seen["destroyed"], made_here, int(all_gone))
+        print(*(len(events) for events in seen["lists"]))
+        print(*(len(set(events)) == len(events) and all(events) for events in seen["lists"]))
+    """)
+    singles, created, destroyed, streams, all_gone = (int(v) for v in out.splitlines()[0].split())
+    lists = out.splitlines()[1].split()
+    assert len(lists) == 4 and all(int(n) >= 2 for n in lists)  # one list per job, one event per lane
+    assert all(flag == "True" for flag in out.splitlines()[2].split())  # distinct, non-null events
+    assert created == destroyed == 4  # one joined event per job, destroyed once the job settled
+    assert singles == 3 * 4  # the export stream, the hand-off's stream, the DLPack consumer: one wait each
+    assert streams == 1 and all_gone  # the join stream is made once, for every job, and destroyed at close
+
+
+def test_the_compiled_calls_and_the_native_engine_run_on_the_cuda_backend(stand_in: Path) -> None:
+    out = run(stand_in, """
+        import numpy as np
+        import ferry
+
+        rt = ferry.Runtime("cuda")
+        info = rt.info()
+        print(info["fast_path"].split()[0], info["staging_engine"].split()[0])
+        small = np.arange(4, dtype=np.float32)
+        big = np.arange(3 << 20, dtype=np.float32).reshape(1024, 3072)[:, ::3]  # strided, staged
+        for host in (small, big):
+            _, dev = rt.upload(host).wait()
+            assert np.array_equal(rt.to_host(dev), host)
+        buf = rt.pinned(small.nbytes)
+        buf.as_array()[:] = small.view(np.uint8)
+        dev = rt.empty(4, np.float32)
+        buf, dev = rt.upload_pending(buf, dev).wait()
+        assert np.array_equal(rt.to_host(dev), small)
+        buf.close()
+        rt.close()
+    """)
+    assert out.split() == ["native", "native"]
