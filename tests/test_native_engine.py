@@ -351,6 +351,20 @@ def test_hand_off_posts_one_event_per_lane_once_its_last_dma_is_enqueued(up: Any
     assert dev.tobytes() == data.tobytes()
 
 
+def test_a_posted_event_is_not_recorded_again_by_the_next_jobs(up: Any) -> None:
+    # a late hand-off must not wait for later jobs: each post takes a fresh event of its lane (the
+    # slots' own events come back every SLOTS chunks, and a later job's chunk would record them)
+    data = pattern(LANES * SLOT // 2)
+    seen: list[int] = []
+    for _ in range(12):  # fewer than the lane's hand-off events
+        job = submit(up, data, device_like(data.nbytes), chunk_bytes=SLOT // 2, hand_off=True)  # a chunk per lane
+        assert job.wait(30) and job.error is None
+        events = job.hand_off(timeout=30)
+        assert events is not None and len(events) == LANES
+        seen.extend(events)
+    assert len(set(seen)) == len(seen)
+
+
 def test_hand_off_waits_until_every_lane_enqueued_its_last_dma(up: Any) -> None:
     data = pattern(32 * SLOT // 2)
     dev = device_like(data.nbytes)

@@ -134,3 +134,39 @@ def test_the_compiled_calls_and_the_native_engine_run_on_the_cuda_backend(stand_
         rt.close()
     """)
     assert out.split() == ["native", "native"]
+
+
+def test_a_dead_context_at_settle_or_close_never_escapes(stand_in: Path) -> None:
+    # a sticky error kills the context: destroying the joined event or the join stream then fails;
+    # a wait() must still hand the objects back, and close() must still release everything
+    out = run(stand_in, """
+        import numpy as np
+        import ferry
+        from ferry import testing
+        from ferry._backends._base import DeviceError
+
+        rt = ferry.Runtime("cuda")
+        backend = testing.backend_of(rt)
+        destroy_event, destroy_stream = backend.event_destroy, backend.stream_destroy
+
+        def dead(*args):
+            raise DeviceError("CUDA_ERROR_ILLEGAL_ADDRESS (stand-in)", code=700, sticky=True)
+
+        data = (np.arange(8 << 20) % 253).astype(np.uint8)
+        kept = np.zeros(4096, np.uint8)
+        registration = rt.register(kept)
+        pending = rt.upload(data)
+        pending.hand_off(7)
+        backend.event_destroy = dead  # the joined event cannot be destroyed
+        source, dev = pending.wait()
+        assert source is data and dev.state == "owned"
+        backend.event_destroy = destroy_event
+        pending = rt.upload(data)
+        pending.hand_off(7)
+        pending.wait()
+        backend.stream_destroy = dead  # the join stream cannot be destroyed
+        rt.close()
+        backend.stream_destroy = destroy_stream
+        print(rt.closed, registration.active)
+    """)
+    assert out.split() == ["True", "False"]

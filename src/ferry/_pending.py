@@ -202,7 +202,8 @@ class PendingUpload(Pending[tuple[Host, Device]], Generic[Host, Device]):
     __slots__ = ()
 
     def hand_off(self, stream: Any = None) -> Device:
-        """Hand the destination to GPU work before the copy is known complete (no host wait).
+        """Hand the destination to GPU work before the copy is known complete (the host does not
+        wait for the copy; a staged upload: only for its host copies).
 
         With ``stream`` (an int handle, a ``torch.cuda.Stream``, a
         ``cupy.cuda.Stream``, or anything with ``__cuda_stream__``), that

@@ -268,15 +268,20 @@ class DeviceMemory:
 
     def order_export(self, ready: Any, stream_handle: int) -> None:
         """Order a consumer's stream (an integer handle) after the pending upload record ``ready``:
-        on the device, for its event (a staged job's: the events its lanes posted)."""
+        on the device, for its event (a staged job's: the event its lanes' posted events were joined
+        into). Takes the runtime's lock: the record cannot settle, nor the runtime close, meanwhile
+        (a record that settled, or a closed runtime, has nothing left to wait for)."""
         backend = self.backend
-        stream = backend.stream_from_handle(stream_handle)
-        extra = ready.extra
-        if extra is not None and extra.job is not None:
-            if extra.order_after is not None:
-                extra.order_after(stream)
-        elif ready.event is not None:
-            backend.stream_wait_event(stream, ready.event)
+        with self.lock:
+            if ready.done or not self.health.device_usable or self.health.closed:
+                return
+            stream = backend.stream_from_handle(stream_handle)
+            extra = ready.extra
+            if extra is not None and extra.job is not None:
+                if extra.order_after is not None:
+                    extra.order_after(stream)
+            elif ready.event is not None:
+                backend.stream_wait_event(stream, ready.event)
 
     def _free(self, ptr: int, nbytes: int) -> None:
         users = self.users.pop(ptr, None)

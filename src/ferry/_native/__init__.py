@@ -46,7 +46,7 @@ BATCH_ENV_VAR = "FERRY_MEMCPY_BATCH"
 """Environment variable: ``0`` makes the fast path submit a batch as a loop of single copies."""
 
 # cuGetProcAddress resolves each name to the ABI of this CUDA version: 12.0 gives the _v2
-# entry points (cuMemcpyHtoDAsync_v2, cuStreamDestroy_v2, cuStreamWriteValue32_v2, ...).
+# entry points (cuMemcpyHtoDAsync_v2, cuStreamDestroy_v2, ...).
 _ABI_VERSION = 12000
 
 

@@ -76,21 +76,23 @@
  *
  * Stream-order hand-off: posted events
  * ------------------------------------
- * A job submitted with hand_off=True has each of its shares *post*, once,
- * the event its lane records right after the share's last DMA (the slot's
- * event, recorded for that chunk). job.hand_off() sleeps until every share
- * posted (every lane has *enqueued* its part: the host copies are done, the
- * last DMAs may still run) and lists those events; a consumer stream that
- * waits for each (cuStreamWaitEvent) is ordered after every DMA of the job,
- * on the device. The lane may record a posted event again (its slot reused
- * by a later chunk on the same stream): a wait made after that only waits
- * longer, never less. Events are waited while the engine is open (it frees
- * them when its lanes exit; abandoned slots keep theirs forever). A share
- * that never enqueues its last DMA (its job failed, or never ran) posts
- * nothing, so a hand-off never waits for a failed job: the job's error says
- * what happened. Stream memory operations (cuStreamWaitValue32 on words the
- * lanes write) did this before; they are invisible to the scheduler and can
- * deadlock a consumer stream against a lane's own DMA, which an H200 did.
+ * A job submitted with hand_off=True has each of its shares *post*, once, an
+ * event its lane records right after the share's last DMA: one of the lane's
+ * HANDOFF_EVENTS hand-off events, taken in turn (not the slot's own event,
+ * which the lane records again for every later chunk in that slot).
+ * job.hand_off() sleeps until every share posted (every lane has *enqueued*
+ * its part: the host copies are done, the last DMAs may still run) and lists
+ * those events; a consumer stream that waits for each (cuStreamWaitEvent) is
+ * ordered after every DMA of the job, on the device. The lane records a
+ * hand-off event again only HANDOFF_EVENTS posts later; a wait made after
+ * that (a hand-off that late) only waits longer, on the same stream, never
+ * less. Events are waited while the engine is open: its lanes free them when
+ * they exit, and hand_off() refuses a closed engine. A share that never enqueues its last
+ * DMA (its job failed, or never ran) posts nothing, so a hand-off never
+ * waits for a failed job: the job's error says what happened. Stream memory
+ * operations (cuStreamWaitValue32 on words the lanes write) did this before;
+ * they are invisible to the scheduler and can deadlock a consumer stream
+ * against a lane's own DMA, which an H200 did.
  *
  * Failure
  * -------
@@ -168,11 +170,9 @@ typedef void *CUcontext;
 typedef unsigned long long CUdeviceptr;
 
 #define CU_MEMHOSTALLOC_PORTABLE 0x01u
-#define CU_MEMHOSTALLOC_DEVICEMAP 0x02u
 #define CU_STREAM_NON_BLOCKING 0x1u
 #define CU_EVENT_BLOCKING_SYNC 0x1u
 #define CU_EVENT_DISABLE_TIMING 0x2u
-#define CU_STREAM_WRITE_VALUE_DEFAULT 0x0u
 
 #define ERR_INVALID_VALUE 1
 #define ERR_OUT_OF_MEMORY 2
@@ -184,7 +184,6 @@ typedef unsigned long long CUdeviceptr;
 typedef CUresult (*fn_ctx_set_current)(CUcontext);
 typedef CUresult (*fn_mem_host_alloc)(void **, size_t, unsigned int);
 typedef CUresult (*fn_mem_free_host)(void *);
-typedef CUresult (*fn_mem_host_get_device_pointer)(CUdeviceptr *, void *, unsigned int);
 typedef CUresult (*fn_stream_create)(CUstream *, unsigned int);
 typedef CUresult (*fn_stream_destroy)(CUstream);
 typedef CUresult (*fn_event_create)(CUevent *, unsigned int);
@@ -224,11 +223,15 @@ static const char *const DRIVER_NAMES[] = {
 };
 #define DRIVER_REQUIRED 13 /* the first 13 are required, the two error-text calls optional */
 #define N_DRIVER_NAMES ((int)(sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0])))
+/* driver_t is filled by position from DRIVER_NAMES: one pointer per name, in the same order */
+_Static_assert(sizeof(driver_t) == sizeof(DRIVER_NAMES) / sizeof(DRIVER_NAMES[0]) * sizeof(void *),
+               "driver_t and DRIVER_NAMES must list the same entry points");
 
 #define MAX_DIMS 64
 #define MAX_LANES 64
 #define MAX_SLOTS 64
 #define SLICE_NS 50000000LL /* wait() checks signals at least this often */
+#define HANDOFF_EVENTS 16   /* per lane: a posted event is recorded again only 16 posts later */
 
 static int is_sticky_cuda(int code) {
     return code == 700 || code == 701 || code == 702 || (code >= 714 && code <= 719) || code == 999;
@@ -564,6 +567,9 @@ typedef struct lane {
     int broken;
     err_t broken_err;
     abandoned_t *abandoned; /* emulated only: freed once the stream worker is joined */
+    void *handoff[HANDOFF_EVENTS]; /* CUevent or emu_event_t*: recorded after a posting share's last DMA */
+    int nhandoff;                  /* how many were made (all, once set up) */
+    unsigned handoff_next;         /* the next to record (lane thread only) */
 } lane_t;
 
 typedef struct engine {
@@ -835,6 +841,17 @@ static int d_enqueue(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr dev, 
     return rc;
 }
 
+/* A posting share's hand-off event: recorded right after its last DMA, on the lane's stream. */
+static int d_post_record(lane_t *L, void **ev) {
+    engine_t *eng = L->eng;
+    *ev = L->handoff[L->handoff_next++ % HANDOFF_EVENTS];
+    if (eng->emulated) return emu_record(L, *ev);
+    driver_lock(eng);
+    int rc = eng->drv.cuEventRecord(*ev, L->stream);
+    driver_unlock(eng);
+    return rc;
+}
+
 static int d_sync(lane_t *L, slot_t *slot) {
     engine_t *eng = L->eng;
     if (eng->emulated) return emu_sync(L, slot->ev);
@@ -1072,10 +1089,19 @@ static void run_upload(lane_t *L, share_t *s) {
             lane_recover(L);
             break;
         }
-        if (s->posts && k + s->stride >= job->nchunks) post_share(s, slot->ev); /* its last DMA: hand off */
-        at_max(&job->t_enqueue_last, now_ns());
         L->cursor++;
         L->cur_last = slot;
+        if (s->posts && k + s->stride >= job->nchunks) { /* its last DMA: hand off */
+            void *ev;
+            rc = d_post_record(L, &ev);
+            if (rc) {
+                fail_with(L, job, rc, "cuEventRecord (hand-off)");
+                lane_recover(L);
+                break;
+            }
+            post_share(s, ev);
+        }
+        at_max(&job->t_enqueue_last, now_ns());
         k += s->stride;
     }
     if (L->cur_last) {
@@ -1115,7 +1141,17 @@ static void run_download(lane_t *L, share_t *s) {
                 break;
             }
             issued++;
-            if (s->posts && issued == n) post_share(s, slot->ev); /* its last DMA: hand off */
+            if (s->posts && issued == n) { /* its last DMA: hand off */
+                void *ev;
+                rc = d_post_record(L, &ev);
+                if (rc) {
+                    fail_with(L, job, rc, "cuEventRecord (hand-off)");
+                    lane_recover(L);
+                    broke = 1;
+                    break;
+                }
+                post_share(s, ev);
+            }
             at_max(&job->t_enqueue_last, now_ns());
         }
         if (broke || i >= issued) break; /* failed elsewhere: nothing more was issued */
@@ -1161,6 +1197,19 @@ static int lane_setup(lane_t *L, err_t *e) {
         }
     }
     if (alloc_slots(L, e)) return -1;
+    for (; L->nhandoff < HANDOFF_EVENTS; L->nhandoff++) {
+        void **ev = &L->handoff[L->nhandoff];
+        if (eng->emulated) {
+            *ev = calloc(1, sizeof(emu_event_t));
+            rc = *ev ? 0 : ERR_OUT_OF_MEMORY;
+        } else {
+            rc = eng->drv.cuEventCreate((CUevent *)ev, CU_EVENT_DISABLE_TIMING);
+        }
+        if (rc) {
+            make_err(eng, rc, "creating a hand-off event", e);
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -1179,6 +1228,13 @@ static void lane_teardown(lane_t *L) {
     for (int j = 0; j < L->nslots; j++) d_slot_free(L, L->slots[j].ptr, L->slots[j].ev);
     if (L->nslots) atomic_fetch_sub(&eng->held_bytes, (long long)eng->slot_bytes * L->nslots);
     L->nslots = 0;
+    for (int j = 0; j < L->nhandoff; j++) { /* waits made on them keep what they captured */
+        if (eng->emulated)
+            free(L->handoff[j]);
+        else
+            eng->drv.cuEventDestroy((CUevent)L->handoff[j]);
+    }
+    L->nhandoff = 0;
     if (!eng->emulated && L->stream) {
         eng->drv.cuStreamDestroy(L->stream);
         L->stream = NULL;
@@ -1607,10 +1663,10 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     unsigned long long host_ptr, dev_ptr;
     Py_ssize_t nbytes, itemsize, chunk_bytes = 0;
     PyObject *shape_obj, *strides_obj;
-    int record = 0;
+    int hand_off = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&nOOn|n$p", kwlist, address_converter, &host_ptr,
                                      address_converter, &dev_ptr, &nbytes, &shape_obj, &strides_obj, &itemsize,
-                                     &chunk_bytes, &record))
+                                     &chunk_bytes, &hand_off))
         return NULL;
     if (check_open(self)) return NULL;
     engine_t *eng = self->eng;
@@ -1695,7 +1751,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     atomic_init(&job->done, nl == 0);
     atomic_init(&job->failed, 0);
     atomic_init(&job->remaining, nl);
-    atomic_init(&job->unposted, record ? nl : 0);
+    atomic_init(&job->unposted, hand_off ? nl : 0);
     atomic_init(&job->host_bytes, 0);
     atomic_init(&job->refs, 1 + nl);
     job->t_submit = now_ns();
@@ -1750,7 +1806,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         s->job = job;
         s->first = (size_t)i;
         s->stride = (size_t)nl;
-        s->posts = record;
+        s->posts = hand_off;
     }
     for (int i = 0; i < nl; i++) {
         lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
@@ -2053,6 +2109,10 @@ static PyObject *Job_hand_off(PyObject *obj, PyObject *args, PyObject *kwds) {
         if (posted) break;
         if (now_ns() >= deadline) Py_RETURN_NONE;
         if (PyErr_CheckSignals() < 0) return NULL;
+    }
+    if (eo->closed || !eo->eng) { /* its lanes freed the events: a closed engine ran every job to the end */
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return NULL;
     }
     void *events[MAX_LANES];
     pthread_mutex_lock(&job->mu);

@@ -109,6 +109,9 @@ class Calls:
     def event_wait(self, event: int, timeout: float, /) -> bool:
         """Poll until complete (GIL released, signals checked every 2 ms) or ``timeout`` seconds passed."""
     def event_synchronize(self, event: int, /) -> None: ...
+    def stream_wait_events(self, stream: int, events: list[int], /) -> None:
+        """``cuStreamWaitEvent(stream, event, 0)`` for each event of the list (a failure goes to
+        ``on_error`` with stage 0: waiting again is harmless)."""
     def copy_batch(
         self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: int, event: int | None, /
     ) -> None:

@@ -30,6 +30,7 @@ stream waits for the job on its worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +136,8 @@ class NativeJob:
             joined, done_with = self.joined, self._done_with
             self.joined = self._done_with = None
         if joined is not None:
-            done_with(joined)
+            with contextlib.suppress(DeviceError):  # a dead context: nothing left to give back
+                done_with(joined)
 
 
 class NativeEngine:
@@ -247,7 +249,7 @@ class NativeEngine:
             backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
             return
         inner = job._inner
-        if inner is None:  # it failed to start: nothing runs
+        if inner is None or job.array is None:  # it failed to start, or finished: nothing runs
             return
         if job.joined is None:
             events = inner.hand_off()
@@ -278,4 +280,5 @@ class NativeEngine:
         self.engine.close()
         join, self._join = self._join, None
         if join is not None:
-            self.backend.stream_destroy(join)
+            with contextlib.suppress(DeviceError):  # a dead context: the stream went with it
+                self.backend.stream_destroy(join)
