@@ -170,3 +170,34 @@ def test_a_dead_context_at_settle_or_close_never_escapes(stand_in: Path) -> None
         print(rt.closed, registration.active)
     """)
     assert out.split() == ["True", "False"]
+
+
+def test_a_staged_hand_off_waits_for_the_host_copies_without_the_runtimes_lock(stand_in: Path) -> None:
+    # the lanes are held before their first chunk (the engine's own hold, which the stand-in keeps):
+    # a hand-off then waits for them, and meanwhile other threads keep using the runtime
+    out = run(stand_in, """
+        import threading
+        import numpy as np
+        import ferry
+        from ferry import testing
+
+        rt = ferry.Runtime("cuda")
+        data = (np.arange(8 << 20) % 241).astype(np.uint8)
+        handed = []
+        with testing.hold(rt, "upload"):
+            pending = rt.upload(data)
+            waiter = threading.Thread(target=lambda: handed.append(pending.hand_off(7)))
+            waiter.start()
+            waiter.join(0.3)
+            blocked = waiter.is_alive()  # waiting for the lanes' host copies
+            other = threading.Thread(target=lambda: rt.empty(1 << 20, np.uint8))
+            other.start()
+            other.join(10)
+            free = not other.is_alive()  # the runtime's lock was not held meanwhile
+        waiter.join(30)
+        _, dev = pending.wait()
+        assert handed and handed[0] is dev and np.array_equal(rt.to_host(dev), data)
+        rt.close()
+        print(blocked, free)
+    """)
+    assert out.split() == ["True", "True"]

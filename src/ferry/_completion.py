@@ -179,7 +179,7 @@ class Extras:
     an upload handed off before completing.
     """
 
-    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after")
+    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "ready_to_order")
 
     own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
 
@@ -194,6 +194,8 @@ class Extras:
         self.handed: Any = None
         self.order_after: Callable[[Any], None] | None = None  # a job's: make a stream wait for all of it
         self.export_stream: Any = None  # a job's: the stream an export names once it waited for the job
+        # a job's: sleep, without the runtime's lock, until order_after would not wait on the host
+        self.ready_to_order: Callable[[], None] | None = None
 
 
 class SharedEvent:
@@ -1053,6 +1055,9 @@ class Completion:
         from ._device_array import DeviceArray
         from ._interop._cai import stream_handle_of
 
+        extra = handle._record.extra
+        if extra is not None and extra.ready_to_order is not None and not handle._record.done:
+            extra.ready_to_order()  # a staged upload's host copies: waited for outside the lock
         with self.lock:
             self.health.check_open()
             record = handle._record

@@ -272,6 +272,9 @@ class DeviceMemory:
         into). Takes the runtime's lock: the record cannot settle, nor the runtime close, meanwhile
         (a record that settled, or a closed runtime, has nothing left to wait for)."""
         backend = self.backend
+        extra = ready.extra
+        if extra is not None and extra.ready_to_order is not None and not ready.done:
+            extra.ready_to_order()  # a staged upload's host copies: waited for outside the lock
         with self.lock:
             if ready.done or not self.health.device_usable or self.health.closed:
                 return

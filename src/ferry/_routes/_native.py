@@ -77,6 +77,16 @@ class NativeJob:
         self._error = error
         self._started.set()
 
+    def wait_posted(self) -> None:
+        """Sleep (no lock held, interruptibly) until every lane of a CUDA job has enqueued its last
+        DMA, so that :meth:`NativeEngine.order_after` then does not wait under the runtime's lock.
+        At once for a job that posts nothing (the emulated device), finished, or never started."""
+        inner = self._inner
+        if inner is None or self.array is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the engine closed meanwhile: the caller sees the runtime closed
+            inner.hand_off()
+
     def is_done(self) -> bool:
         """Whether the job finished (its DMAs complete, or it failed). Never blocks."""
         inner = self._inner

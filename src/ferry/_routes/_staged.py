@@ -539,6 +539,7 @@ class StagedRoute:
             after = self._order_stream if not engine.cuda else None
             job = engine.submit(alias, request.device._ptr, after=after)
             request.extra.order_after = lambda stream: engine.order_after(job, stream)
+            request.extra.ready_to_order = job.wait_posted
             request.extra.export_stream = request.stream
         else:
             job = engine.submit(alias, request.device._ptr)
