@@ -288,7 +288,9 @@ def test_wait_releases_the_gil(up: Any) -> None:
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
-def test_wait_is_interruptible(up: Any) -> None:
+@pytest.mark.parametrize("sleep", ["wait", "hand_off"])
+def test_a_sleeping_job_call_is_interruptible(up: Any, sleep: str) -> None:
+    # held with more chunks per lane than slots: the job neither completes nor posts until release
     class SignalledError(Exception):
         pass
 
@@ -296,17 +298,17 @@ def test_wait_is_interruptible(up: Any) -> None:
         raise SignalledError
 
     up.hold()
-    job = submit(up, pattern(1 << 20), device_like(1 << 20))
+    job = submit(up, pattern(16 * SLOT), device_like(16 * SLOT), chunk_bytes=SLOT // 2, hand_off=True)
     previous = signal.signal(signal.SIGALRM, handler)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)
         with pytest.raises(SignalledError):
-            job.wait()
+            getattr(job, sleep)()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         up.release()
-    assert job.wait(30) and job.error is None
+    assert job.hand_off(timeout=30) is not None and job.wait(30) and job.error is None
 
 
 def test_timeline_and_the_spinning_knobs() -> None:
@@ -387,28 +389,6 @@ def test_downloads_hand_off_too(down: Any) -> None:
     events = job.hand_off(timeout=30)
     assert events is not None and len(events) == job.lanes
     assert job.wait(30) and job.error is None and np.array_equal(out, data)
-
-
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
-def test_hand_off_is_interruptible(up: Any) -> None:
-    class SignalledError(Exception):
-        pass
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SignalledError
-
-    up.hold()
-    job = submit(up, pattern(16 * SLOT), device_like(16 * SLOT), chunk_bytes=SLOT // 2, hand_off=True)
-    previous = signal.signal(signal.SIGALRM, handler)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
-        with pytest.raises(SignalledError):
-            job.hand_off()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        up.release()
-    assert job.hand_off(timeout=30) is not None and job.wait(30) and job.error is None
 
 
 # -- failures -------------------------------------------------------------------------------------------

@@ -2007,68 +2007,89 @@ static PyObject *Job_done(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     return PyBool_FromLong(atomic_load_explicit(&self->job->done, memory_order_acquire));
 }
 
+/* timeout (None or seconds) -> an absolute deadline (0: already passed); -1 with an exception */
+static int deadline_of(PyObject *timeout_obj, int64_t *deadline) {
+    *deadline = INT64_MAX;
+    if (timeout_obj == Py_None) return 0;
+    double t = PyFloat_AsDouble(timeout_obj);
+    if (t == -1.0 && PyErr_Occurred()) return -1;
+    if (t != t) {
+        PyErr_SetString(PyExc_ValueError, "timeout must not be NaN");
+        return -1;
+    }
+    *deadline = t <= 0 ? 0 : t > 1e9 ? INT64_MAX : now_ns() + (int64_t)(t * 1e9);
+    return 0;
+}
+
+static int job_is_done(job_t *job) { return atomic_load_explicit(&job->done, memory_order_acquire); }
+static int job_is_posted(job_t *job) { return atomic_load_explicit(&job->unposted, memory_order_acquire) == 0; }
+
+/*
+ * Sleep on the job's condition variable (GIL released, in slices of SLICE_NS, Python signals checked
+ * between them) until holds(job) or the deadline: 1 when it holds, 0 at the deadline, -1 with the
+ * exception a signal handler raised. Every change of done or unposted broadcasts under job->mu.
+ */
+static int job_sleep(job_t *job, int (*holds)(job_t *), int64_t deadline) {
+    for (;;) {
+        int ok;
+        int64_t slice_end = now_ns() + SLICE_NS;
+        if (slice_end > deadline) slice_end = deadline;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = ts_of(slice_end);
+        pthread_mutex_lock(&job->mu);
+        while (!(ok = holds(job))) {
+            if (pthread_cond_timedwait(&job->cv, &job->mu, &ts) == ETIMEDOUT) {
+                ok = holds(job);
+                break;
+            }
+        }
+        pthread_mutex_unlock(&job->mu);
+        Py_END_ALLOW_THREADS
+        if (ok) return 1;
+        if (now_ns() >= deadline) return 0;
+        if (PyErr_CheckSignals() < 0) return -1;
+    }
+}
+
+static int job_of_this_process(JobObject *self) {
+    if (((EngineObject *)self->engine)->pid == getpid()) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
+    return -1;
+}
+
 static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     JobObject *self = (JobObject *)obj;
     static char *kwlist[] = {"timeout", NULL};
     PyObject *timeout_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj)) return NULL;
     job_t *job = self->job;
-    if (atomic_load_explicit(&job->done, memory_order_acquire)) Py_RETURN_TRUE;
-    int64_t deadline = INT64_MAX;
-    if (timeout_obj != Py_None) {
-        double t = PyFloat_AsDouble(timeout_obj);
-        if (t == -1.0 && PyErr_Occurred()) return NULL;
-        if (t != t) {
-            PyErr_SetString(PyExc_ValueError, "timeout must not be NaN");
-            return NULL;
-        }
-        if (t <= 0) Py_RETURN_FALSE;
-        deadline = t > 1e9 ? INT64_MAX : now_ns() + (int64_t)(t * 1e9);
-    }
+    if (job_is_done(job)) Py_RETURN_TRUE;
+    int64_t deadline;
+    if (deadline_of(timeout_obj, &deadline)) return NULL;
+    if (deadline == 0) Py_RETURN_FALSE;
+    if (job_of_this_process(self)) return NULL;
     EngineObject *eo = (EngineObject *)self->engine;
-    if (eo->pid != getpid()) {
-        PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
-        return NULL;
-    }
     int64_t spin_ns = eo->eng ? eo->eng->spin_ns : 0;
     if (spin_ns > 0) {
         int done = 0;
         Py_BEGIN_ALLOW_THREADS
         int64_t until = now_ns() + spin_ns;
         if (until > deadline) until = deadline;
-        while (!(done = atomic_load_explicit(&job->done, memory_order_acquire)) && now_ns() < until) {
+        while (!(done = job_is_done(job)) && now_ns() < until) {
         }
         Py_END_ALLOW_THREADS
         if (done) Py_RETURN_TRUE;
     }
-    for (;;) {
-        int done;
-        int64_t slice_end = now_ns() + SLICE_NS;
-        if (slice_end > deadline) slice_end = deadline;
-        Py_BEGIN_ALLOW_THREADS
-        struct timespec ts = ts_of(slice_end);
-        pthread_mutex_lock(&job->mu);
-        while (!(done = atomic_load_explicit(&job->done, memory_order_acquire))) {
-            if (pthread_cond_timedwait(&job->cv, &job->mu, &ts) == ETIMEDOUT) {
-                done = atomic_load_explicit(&job->done, memory_order_acquire);
-                break;
-            }
-        }
-        pthread_mutex_unlock(&job->mu);
-        Py_END_ALLOW_THREADS
-        if (done) Py_RETURN_TRUE;
-        if (now_ns() >= deadline) Py_RETURN_FALSE;
-        if (PyErr_CheckSignals() < 0) return NULL;
-    }
+    int rc = job_sleep(job, job_is_done, deadline);
+    if (rc < 0) return NULL;
+    return PyBool_FromLong(rc);
 }
 
 /*
- * The hand-off: sleep (GIL released, in slices, signals checked between them) until every share of
- * the job posted, then list the events they posted. Each was recorded on its lane's stream right
- * after the share's last DMA, so a stream that waits for all of them (cuStreamWaitEvent) runs after
- * every DMA of the job. A later record of the same event (the lane reusing that slot) only moves
- * the wait later on the same stream, never earlier. A share that never enqueued its last DMA (the
- * job failed) posts nothing: check the job's error.
+ * The hand-off: sleep until every share of the job posted, then list the events they posted. Each
+ * was recorded on its lane's stream right after the share's last DMA, so a stream that waits for
+ * all of them (cuStreamWaitEvent) runs after every DMA of the job. A share that never enqueued its
+ * last DMA (the job failed) posts nothing: check the job's error.
  */
 static PyObject *Job_hand_off(PyObject *obj, PyObject *args, PyObject *kwds) {
     JobObject *self = (JobObject *)obj;
@@ -2076,40 +2097,12 @@ static PyObject *Job_hand_off(PyObject *obj, PyObject *args, PyObject *kwds) {
     PyObject *timeout_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj)) return NULL;
     job_t *job = self->job;
-    int64_t deadline = INT64_MAX;
-    if (timeout_obj != Py_None) {
-        double t = PyFloat_AsDouble(timeout_obj);
-        if (t == -1.0 && PyErr_Occurred()) return NULL;
-        if (t != t) {
-            PyErr_SetString(PyExc_ValueError, "timeout must not be NaN");
-            return NULL;
-        }
-        deadline = t <= 0 ? 0 : t > 1e9 ? INT64_MAX : now_ns() + (int64_t)(t * 1e9);
-    }
+    int64_t deadline;
+    if (deadline_of(timeout_obj, &deadline) || job_of_this_process(self)) return NULL;
+    int rc = job_sleep(job, job_is_posted, deadline);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
     EngineObject *eo = (EngineObject *)self->engine;
-    if (eo->pid != getpid()) {
-        PyErr_SetString(PyExc_RuntimeError, "this job belongs to another process (a fork)");
-        return NULL;
-    }
-    for (;;) {
-        int posted;
-        int64_t slice_end = now_ns() + SLICE_NS;
-        if (slice_end > deadline) slice_end = deadline;
-        Py_BEGIN_ALLOW_THREADS
-        struct timespec ts = ts_of(slice_end);
-        pthread_mutex_lock(&job->mu);
-        while (!(posted = atomic_load_explicit(&job->unposted, memory_order_acquire) == 0)) {
-            if (pthread_cond_timedwait(&job->cv, &job->mu, &ts) == ETIMEDOUT) {
-                posted = atomic_load_explicit(&job->unposted, memory_order_acquire) == 0;
-                break;
-            }
-        }
-        pthread_mutex_unlock(&job->mu);
-        Py_END_ALLOW_THREADS
-        if (posted) break;
-        if (now_ns() >= deadline) Py_RETURN_NONE;
-        if (PyErr_CheckSignals() < 0) return NULL;
-    }
     if (eo->closed || !eo->eng) { /* its lanes freed the events: a closed engine ran every job to the end */
         PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
         return NULL;
