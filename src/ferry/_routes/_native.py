@@ -13,11 +13,14 @@ device side must wait for a producer makes those streams wait on the device
 (``cuStreamWaitEvent``) before the job is submitted. A consumer (a hand-off,
 a DLPack export with a stream, a later transfer of the same array) is
 ordered after the whole job on the device too: a job is submitted with
-``hand_off=True``, so each lane *posts* the event it records right after its
-share's last DMA, and :meth:`NativeEngine.order_after` makes the consumer's
-stream wait for each posted event. It waits on the host only until every
+``hand_off=True``, so each lane *posts* an event it records right after its
+share's last DMA (one of the lane's own hand-off events, which no later chunk
+records). :meth:`NativeEngine.order_after` joins them once: a private stream
+waits for every posted event and records the job's one ``joined`` event,
+which each consumer's stream then waits for. The host waits only until every
 lane has *enqueued* its last DMA (the host copies are done; the DMAs may
-still run), because an event stands for nothing before it is recorded; a
+still run), because an event stands for nothing before it is recorded, and
+it waits without the runtime's lock (:meth:`NativeJob.wait_posted`); a
 ``ferry.prefetch`` batch uploaded a step ahead is long past that. Stream
 memory operations (a ``cuStreamWaitValue32`` on words the lanes wrote) did
 this until 2026-11-30; CUDA documents that the order they set is invisible
