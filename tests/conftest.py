@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -191,3 +192,28 @@ def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+# -- optional GPU libraries, for the GPU tests -----------------------------------------------------------
+
+
+@pytest.fixture
+def torch() -> Any:
+    """PyTorch with a CUDA device, or the test is skipped saying why."""
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    return torch
+
+
+@pytest.fixture
+def cupy() -> Any:
+    """CuPy, or the test is skipped saying why."""
+    try:
+        import cupy
+    except ImportError:
+        pytest.skip("CuPy is not installed")
+    return cupy

@@ -34,26 +34,6 @@ def gpu() -> Iterator[ferry.Runtime]:
         runtime.close()
 
 
-@pytest.fixture
-def torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        pytest.skip("PyTorch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA device")
-    return torch
-
-
-@pytest.fixture
-def cupy() -> Any:
-    try:
-        import cupy
-    except ImportError:
-        pytest.skip("CuPy is not installed")
-    return cupy
-
-
 def churn(rt: ferry.Runtime, nbytes: int) -> None:
     """Take the pool's free blocks of this size and write other bytes into them."""
     rt.poll()  # issues the frees of arrays dropped since the last call

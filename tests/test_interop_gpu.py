@@ -20,15 +20,6 @@ def gpu() -> ferry.Runtime:
     return ferry.Runtime("cuda")
 
 
-@pytest.fixture
-def cupy():  # type: ignore[no-untyped-def]
-    try:
-        import cupy
-    except ImportError:
-        pytest.skip("CuPy is not installed")
-    return cupy
-
-
 def test_a_cupy_producer_then_an_immediate_download_returns_the_right_bytes(gpu, cupy) -> None:  # type: ignore[no-untyped-def]
     n = 64 << 20
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -101,17 +92,6 @@ def test_a_torch_producer_on_a_side_stream_then_a_download_through_dlpack(gpu) -
             del view
     finally:
         gpu.close()
-
-
-@pytest.fixture
-def torch():  # type: ignore[no-untyped-def]
-    try:
-        import torch
-    except ImportError:
-        pytest.skip("PyTorch is not installed")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA device")
-    return torch
 
 
 def test_an_upload_handed_off_to_a_torch_stream_is_read_there(gpu, torch) -> None:  # type: ignore[no-untyped-def]
