@@ -12,7 +12,9 @@
  *
  * FAKECUDA_VERSION (default 13000) is what cuDriverGetVersion says; below 12080 there is no
  * cuMemcpyBatchAsync, from 12080 to 12090 it has the 12.8 signature (with failIdx), from 13000 the
- * 13.0 one. fake_counts() reports how many copies, batches and event calls were made.
+ * 13.0 one. FAKECUDA_NOCOPY=1 makes the three single copies skip their memcpy (host costs of large
+ * transfers without the copy's time; the bytes are then wrong). fake_counts() reports how many copies,
+ * batches and event calls were made.
  *
  *   gcc -O2 -shared -fPIC -o libcuda.so.1 fake_cuda.c -ldl
  */
@@ -29,6 +31,12 @@ static __thread void *current_ctx;
 static char ctx_token, stream_tokens[4096];
 static int next_stream;
 static unsigned long long n_copies, n_batches, n_batched, n_records, n_queries;
+
+static int no_copy(void) {
+    static int v = -1;
+    if (v < 0) v = getenv("FAKECUDA_NOCOPY") && atoi(getenv("FAKECUDA_NOCOPY"));
+    return v;
+}
 
 static int driver_version(void) {
     const char *v = getenv("FAKECUDA_VERSION");
@@ -127,19 +135,19 @@ CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
 
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
     (void)s;
-    memcpy((void *)(uintptr_t)d, h, n);
+    if (!no_copy()) memcpy((void *)(uintptr_t)d, h, n);
     n_copies++;
     return 0;
 }
 CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
     (void)s;
-    memcpy(h, (const void *)(uintptr_t)d, n);
+    if (!no_copy()) memcpy(h, (const void *)(uintptr_t)d, n);
     n_copies++;
     return 0;
 }
 CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s_, size_t n, void *s) {
     (void)s;
-    memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s_, n);
+    if (!no_copy()) memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s_, n);
     n_copies++;
     return 0;
 }

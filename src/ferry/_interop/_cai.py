@@ -124,12 +124,16 @@ def foreign_from(obj: Any, cai: dict[str, Any], *, write: bool) -> Foreign:
     return Foreign(obj, int(ptr or 0), count * dtype.itemsize, shape, dtype, stream, bool(readonly))
 
 
-def foreign_from_dlpack(obj: Any, device_index: int, copy_stream: int) -> Foreign:
+def foreign_from_dlpack(
+    obj: Any, device_index: int, copy_stream: int, device: tuple[int, int] | None = None
+) -> Foreign:
     """Consume ``obj.__dlpack__(stream=<ferry's copy stream>)``: the producer orders that
-    stream after its pending work, so no event is needed here."""
+    stream after its pending work, so no event is needed here. ``device``: what
+    ``obj.__dlpack_device__()`` said, when the caller asked already."""
     from ._dlpack import KDL_CUDA, Imported
 
-    device = tuple(obj.__dlpack_device__())
+    if device is None:
+        device = tuple(obj.__dlpack_device__())
     if device != (KDL_CUDA, device_index):
         raise TransferSubmitError(
             f"the {type(obj).__name__} lives on DLPack device {device}, not CUDA device {device_index}"

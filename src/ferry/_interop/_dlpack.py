@@ -129,6 +129,36 @@ def _destructor_address() -> int:
 _DESTRUCTOR = _destructor_address()
 
 
+def _compiled() -> tuple[Any, Any, Any]:
+    """``(dlpack_export, dlpack_import, dlpack_release)`` of the extension, or Nones where ctypes
+    serves: no extension, or ``FERRY_NATIVE=0`` (which keeps the ctypes path tested)."""
+    from .. import _native
+
+    _engine = _native.load()
+    if _engine is None:
+        return None, None, None
+    export = getattr(_engine, "dlpack_export", None)
+    consume = getattr(_engine, "dlpack_import", None)
+    release = getattr(_engine, "dlpack_release", None)
+    if export is None or consume is None or release is None:  # an older binary: all three from ctypes
+        return None, None, None
+    return export, consume, release
+
+
+_export, _import_capsule, _release_tensor = _compiled()
+
+
+def live_exports() -> int:
+    """Exported tensors whose consumer has not released them yet (both the compiled and the ctypes ones)."""
+    compiled = 0
+    if _export is not None:
+        from .._native import _engine
+
+        compiled = int(_engine.dlpack_exports_live())
+    with _lock:
+        return len(_exports) + compiled
+
+
 def dtype_to_dl(dtype: np.dtype[Any]) -> DLDataType:
     code = _CODES.get(dtype.kind)
     if code is None or dtype.fields is not None:
@@ -146,7 +176,13 @@ def dl_to_dtype(dl: DLDataType) -> np.dtype[Any]:
 
 
 def export_capsule(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], device: tuple[int, int]) -> Any:
-    """A ``dltensor`` capsule over ``ptr``; ``owner`` stays alive until the consumer is done."""
+    """A ``dltensor`` capsule over ``ptr``; ``owner`` stays alive until the consumer is done
+    (compiled where the extension is built: the tensor holds the reference)."""
+    if _export is not None:
+        code = _CODES.get(dtype.kind)
+        if code is None or dtype.fields is not None:
+            raise BufferError(f"dtype {dtype} has no DLPack equivalent")
+        return _export(owner, ptr, shape, code, dtype.itemsize * 8, device[0], device[1])
     managed = DLManagedTensor()
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     managed.dl_tensor.data = ptr
@@ -163,10 +199,33 @@ def export_capsule(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype
     return _api.PyCapsule_New(address, _NAME, _DESTRUCTOR)
 
 
+
+
 class Imported:
-    """A consumed capsule: the description, and the deleter to call once ferry is done."""
+    """A consumed capsule: the description, and the deleter to call once ferry is done.
+
+    The capsule is read and renamed ``used_dltensor`` (the producer's
+    destructor then leaves the tensor alone) in one compiled call where the
+    extension is built, else through ctypes; either way :meth:`release`
+    calls the tensor's deleter once, with the GIL released.
+    """
+
+    __slots__ = ("_done", "device", "dtype", "managed", "ptr", "shape", "strides")
 
     def __init__(self, capsule: Any) -> None:
+        if _import_capsule is not None:
+            try:
+                managed, ptr, dtype, dev_id, shape, strides, code, bits, lanes = _import_capsule(capsule)
+            except ValueError as exc:
+                raise TransferSubmitError(f"__dlpack__ did not return a usable 'dltensor' capsule: {exc}") from None
+            self.managed: Any = managed
+            self.device = (dtype, dev_id)
+            self.shape: tuple[int, ...] = shape
+            self.strides: tuple[int, ...] | None = strides
+            self.ptr: int = ptr
+            self.dtype = dl_to_dtype(DLDataType(code, bits, lanes))
+            self._done = False
+            return
         raw = ctypes.c_void_p(id(capsule))  # the capsule object's address (CPython)
         if not _api.PyCapsule_IsValid(raw, _NAME):
             raise TransferSubmitError("__dlpack__ did not return an unused 'dltensor' capsule")
@@ -187,6 +246,9 @@ class Imported:
         if self._done:
             return
         self._done = True
+        if isinstance(self.managed, int):
+            _release_tensor(self.managed)
+            return
         deleter = self.managed.contents.deleter
         if deleter:
             deleter(self.managed)

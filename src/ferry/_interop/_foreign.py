@@ -35,14 +35,21 @@ def expect(obj: Any, kind: type, call: str, name: str, what: str) -> None:
         raise TransferSubmitError(f"{call}: {name} must be {what}, got {type(obj).__name__}{hint}")
 
 
-def dlpack_device_type(obj: Any) -> int | None:
-    """The DLPack device type of ``obj`` (2: CUDA), or None if it speaks no DLPack."""
+def dlpack_device(obj: Any) -> tuple[int, int] | None:
+    """``obj.__dlpack_device__()`` as ``(type, index)`` (type 2: CUDA), or None if it speaks no DLPack."""
     if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
         return None
     try:
-        return int(obj.__dlpack_device__()[0])
+        kind, index = obj.__dlpack_device__()
+        return int(kind), int(index)
     except Exception:
         return None
+
+
+# Types whose CUDA Array Interface names no stream (version < 3, as PyTorch's): one of their arrays
+# that also speaks DLPack goes through DLPack without its interface being read (PyTorch computes it
+# in Python). A library's interface version is a property of its type, learned at the first read.
+_NO_STREAM_CAI: set[type] = set()
 
 
 def device_side(
@@ -60,11 +67,15 @@ def device_side(
         if problem:
             raise TransferSubmitError(problem)
         return obj
-    cai = interface_of(obj)
-    if dlpack_device_type(obj) == _KDL_CUDA and (cai is None or int(cai.get("version", 0)) < 3):
+    dl = dlpack_device(obj)
+    kind = type(obj)
+    cai = None if dl is not None and dl[0] == _KDL_CUDA and kind in _NO_STREAM_CAI else interface_of(obj)
+    if dl is not None and dl[0] == _KDL_CUDA and (cai is None or int(cai.get("version", 0)) < 3):
         # DLPack orders ferry's stream after the producer (a CUDA Array Interface
         # before version 3 names no stream, so it cannot)
-        return foreign_from_dlpack(obj, int(backend.device), backend.stream_handle(stream))
+        if cai is not None:
+            _NO_STREAM_CAI.add(kind)
+        return foreign_from_dlpack(obj, int(backend.device), backend.stream_handle(stream), dl)
     if cai is not None:
         return foreign_from(obj, cai, write=write)
     expect(obj, DeviceArray, call, name, DEVICE)

@@ -3707,12 +3707,155 @@ static PyObject *mod_dlpack_deleter(PyObject *Py_UNUSED(mod), PyObject *release)
     return PyLong_FromVoidPtr((void *)dlpack_deleter);
 }
 
+/* ---- DLPack import -----------------------------------------------------------------------------
+ * dlpack_import(capsule): a consumer's read of an unused "dltensor" capsule, in one call (ctypes
+ * takes a dozen): the description, then the capsule renamed "used_dltensor" so that its producer's
+ * destructor leaves the tensor alone; the consumer owes the deleter (dlpack_release). */
+static PyObject *int64_tuple(const int64_t *values, int n) {
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(values[i]);
+        if (!v || PyTuple_SetItem(t, i, v)) {
+            Py_DECREF(t);
+            return NULL;
+        }
+    }
+    return t;
+}
+
+static PyObject *mod_dlpack_import(PyObject *Py_UNUSED(mod), PyObject *capsule) {
+    if (!PyCapsule_IsValid(capsule, "dltensor")) {
+        PyErr_SetString(PyExc_ValueError, "not an unused 'dltensor' capsule");
+        return NULL;
+    }
+    dl_managed_tensor *managed = (dl_managed_tensor *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (!managed) return NULL;
+    int ndim = managed->ndim;
+    if (ndim < 0 || ndim > 64 || (ndim && !managed->shape)) {
+        PyErr_Format(PyExc_ValueError, "a DLPack tensor with %d dimensions and no shape", ndim);
+        return NULL;
+    }
+    PyObject *shape = int64_tuple(managed->shape, ndim);
+    if (!shape) return NULL;
+    PyObject *strides = managed->strides ? int64_tuple(managed->strides, ndim) : Py_NewRef(Py_None);
+    if (!strides) {
+        Py_DECREF(shape);
+        return NULL;
+    }
+    if (PyCapsule_SetName(capsule, "used_dltensor")) {
+        Py_DECREF(shape);
+        Py_DECREF(strides);
+        return NULL;
+    }
+    unsigned long long ptr = (unsigned long long)(uintptr_t)managed->data + managed->byte_offset;
+    return Py_BuildValue("(NKiiNNiii)", PyLong_FromVoidPtr(managed), ptr, (int)managed->device_type,
+                         (int)managed->device_id, shape, strides, (int)managed->code, (int)managed->bits,
+                         (int)managed->lanes);
+}
+
+/* ---- DLPack export -----------------------------------------------------------------------------
+ * dlpack_export(owner, ptr, shape, code, bits, device_type, device_id): a "dltensor" capsule over ptr
+ * (C-contiguous, no strides) whose tensor holds a reference to owner until its deleter runs. The
+ * deleter drops that reference with the GIL (from any thread) and frees the tensor; once the
+ * interpreter is finalized it does nothing (a consumer such as PyTorch may free a tensor at exit:
+ * the process is ending). An unconsumed capsule's destructor calls the deleter. */
+typedef struct {
+    dl_managed_tensor managed;
+    int64_t shape[];
+} exported_tensor;
+
+static atomic_long exported_live; /* tensors exported and not yet deleted */
+
+static void exported_deleter(void *tensor) {
+    exported_tensor *t = (exported_tensor *)tensor;
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF((PyObject *)t->managed.manager_ctx);
+    PyGILState_Release(gil);
+    free(t);
+    atomic_fetch_sub(&exported_live, 1);
+}
+
+static PyObject *mod_dlpack_exports_live(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(atomic_load(&exported_live));
+}
+
+static PyObject *mod_dlpack_export(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long ptr, code, bits, device_type, device_id;
+    if (nargs_is(nargs, 7, "dlpack_export") || int_arg(args[1], &ptr, 0) || int_arg(args[3], &code, 0) ||
+        int_arg(args[4], &bits, 0) || int_arg(args[5], &device_type, 0) || int_arg(args[6], &device_id, 0))
+        return NULL;
+    PyObject *shape = args[2];
+    if (!PyTuple_Check(shape) || PyTuple_Size(shape) > 64) {
+        PyErr_SetString(PyExc_TypeError, "dlpack_export: shape must be a tuple of at most 64 ints");
+        return NULL;
+    }
+    Py_ssize_t ndim = PyTuple_Size(shape);
+    exported_tensor *t = calloc(1, sizeof *t + (size_t)(ndim ? ndim : 1) * sizeof(int64_t));
+    if (!t) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        long long d = PyLong_AsLongLong(PyTuple_GetItem(shape, i));
+        if (d == -1 && PyErr_Occurred()) {
+            free(t);
+            return NULL;
+        }
+        t->shape[i] = d;
+    }
+    t->managed.data = (void *)(uintptr_t)ptr;
+    t->managed.device_type = (int32_t)device_type;
+    t->managed.device_id = (int32_t)device_id;
+    t->managed.ndim = (int32_t)ndim;
+    t->managed.code = (uint8_t)code;
+    t->managed.bits = (uint8_t)bits;
+    t->managed.lanes = 1;
+    t->managed.shape = t->shape;
+    t->managed.strides = NULL;
+    t->managed.byte_offset = 0;
+    t->managed.deleter = exported_deleter;
+    PyObject *capsule = PyCapsule_New(&t->managed, "dltensor", dlpack_capsule_destructor);
+    if (!capsule) {
+        free(t);
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    t->managed.manager_ctx = args[0];
+    atomic_fetch_add(&exported_live, 1);
+    return capsule;
+}
+
+/* dlpack_release(managed): call an imported tensor's deleter (the GIL released, as ctypes would). */
+static PyObject *mod_dlpack_release(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    dl_managed_tensor *managed = (dl_managed_tensor *)PyLong_AsVoidPtr(arg);
+    if (!managed) {
+        if (PyErr_Occurred()) return NULL;
+        PyErr_SetString(PyExc_ValueError, "dlpack_release: NULL tensor");
+        return NULL;
+    }
+    void (*deleter)(void *) = managed->deleter;
+    if (deleter) {
+        Py_BEGIN_ALLOW_THREADS
+        deleter(managed);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"dlpack_capsule_destructor", mod_dlpack_capsule_destructor, METH_NOARGS,
      "dlpack_capsule_destructor() -> the address of a DLPack capsule destructor that keeps a pending exception"},
     {"dlpack_deleter", mod_dlpack_deleter, METH_O,
      "dlpack_deleter(release) -> the address of a DLManagedTensor deleter that calls release(address) while the "
      "interpreter runs, and does nothing after"},
+    {"dlpack_import", mod_dlpack_import, METH_O,
+     "dlpack_import(capsule) -> (managed, ptr, device_type, device_id, shape, strides or None, code, bits, lanes) "
+     "of an unused 'dltensor' capsule, renamed 'used_dltensor'"},
+    {"dlpack_release", mod_dlpack_release, METH_O, "dlpack_release(managed): call an imported tensor's deleter"},
+    {"dlpack_export", (PyCFunction)(void (*)(void))mod_dlpack_export, METH_FASTCALL,
+     "dlpack_export(owner, ptr, shape, code, bits, device_type, device_id) -> a 'dltensor' capsule (C order) "
+     "whose tensor keeps owner alive until its deleter runs"},
+    {"dlpack_exports_live", mod_dlpack_exports_live, METH_NOARGS,
+     "dlpack_exports_live() -> tensors dlpack_export made whose deleter has not run"},
     {"is_sticky", mod_is_sticky, METH_O, "is_sticky(code) -> whether a CUDA error code poisons the context"},
     {"entry_point_names", mod_entry_point_names, METH_NOARGS,
      "entry_point_names() -> the driver entry points mode='cuda' needs (the last two are optional)"},

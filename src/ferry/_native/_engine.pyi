@@ -20,6 +20,19 @@ def dlpack_capsule_destructor() -> int:
     """The address of a DLPack capsule destructor (C) that calls an unconsumed tensor's deleter
     and keeps an exception pending in the consumer intact."""
 
+def dlpack_import(capsule: Any, /) -> tuple[int, int, int, int, tuple[int, ...], tuple[int, ...] | None, int, int, int]:
+    """(managed, ptr, device_type, device_id, shape, strides or None, code, bits, lanes); renames the capsule."""
+
+def dlpack_export(owner: Any, ptr: int, shape: tuple[int, ...], code: int, bits: int, device_type: int,
+                  device_id: int, /) -> Any:
+    """A 'dltensor' capsule (C order) whose tensor keeps ``owner`` alive until its deleter runs."""
+
+def dlpack_exports_live() -> int:
+    """Tensors ``dlpack_export`` made whose deleter has not run."""
+
+def dlpack_release(managed: int, /) -> None:
+    """Call an imported tensor's deleter."""
+
 def dlpack_deleter(release: Callable[[int], None], /) -> int:
     """The address of a ``DLManagedTensor`` deleter (C) that calls ``release(address)`` while the
     interpreter runs and does nothing once it is finalized (``release`` is kept for good)."""
