@@ -54,7 +54,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from . import _native, _waiting
 from ._backends._base import Backend, DeviceError
+from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
+from ._interop._cai import stream_handle_of
 from ._retire import RetirementQueue
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED
 
@@ -1052,9 +1054,6 @@ class Completion:
     # -- hand-off and futures -----------------------------------------------------------------------
     def hand_off(self, handle: _Pending[Any], stream: Any) -> Any:
         """See :meth:`ferry.PendingUpload.hand_off`."""
-        from ._device_array import DeviceArray
-        from ._interop._cai import stream_handle_of
-
         extra = handle._record.extra
         if extra is not None and extra.ready_to_order is not None and not handle._record.done:
             extra.ready_to_order()  # a staged upload's host copies: waited for outside the lock

@@ -29,6 +29,8 @@ import numpy as np
 
 from ._backends._base import DeviceError
 from ._errors import BufferMovedError
+from ._interop._cai import export_cai
+from ._interop._dlpack import export_capsule
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
 
 if TYPE_CHECKING:
@@ -138,8 +140,6 @@ class DeviceArray:
         it; the caller never waits). :meth:`record_stream` after the export
         names the streams instead.
         """
-        from ._interop._cai import export_cai
-
         return export_cai(self)
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -166,8 +166,6 @@ class DeviceArray:
         no stream is known, and the rule of ``__cuda_array_interface__``
         applies.
         """
-        from ._interop._dlpack import export_capsule
-
         if copy:
             raise BufferError("ferry exports its memory without copies")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():

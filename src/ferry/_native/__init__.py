@@ -222,6 +222,16 @@ def host_copies() -> tuple[
     return module.copy_in, module.address_of, module.memcopy
 
 
+def data_reader() -> Callable[[Any], int] | None:
+    """The compiled read of an exact ``numpy.ndarray``'s data pointer (``ndarray.ctypes.data`` costs
+    about a microsecond), or ``None`` where the extension or a verified array layout is missing."""
+    module = load()
+    if module is None or not array_layout():
+        return None
+    read: Callable[[Any], int] = module.data_of
+    return read
+
+
 def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | None:
     """``(clear, restore)`` of an exact ``numpy.ndarray``'s writeable flag, compiled: ``clear(array)``
     says whether it was writeable and clears it, ``restore(array)`` sets it (for an array that owns

@@ -557,6 +557,7 @@ typedef struct lane {
     share_t *head, *tail;
     int stopping;
     atomic_int queued; /* shares in the queue, for the idle spin (read without the mutex) */
+    int sleeping;      /* in pthread_cond_wait on cv (under mu): a submitter must signal */
     /* lane-private from here */
     CUstream stream;
     emu_stream_t *es;
@@ -1275,7 +1276,9 @@ static void *lane_main(void *arg) {
                 pthread_mutex_lock(&L->mu);
                 continue;
             }
+            L->sleeping = 1; /* under mu: a submitter that queues after this signals */
             pthread_cond_wait(&L->cv, &L->mu);
+            L->sleeping = 0;
         }
         share_t *s = L->head;
         if (!s) {
@@ -1808,6 +1811,11 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         s->stride = (size_t)nl;
         s->posts = hand_off;
     }
+    /* Queue every share, then wake the lanes that sleep, outside their mutexes (a lane woken while
+     * its mutex is held would only block on it again: a second wake-up, costly on a VM). A lane
+     * that is busy or polling finds its share without a signal. */
+    lane_t *sleepers[MAX_LANES];
+    int nsleep = 0;
     for (int i = 0; i < nl; i++) {
         lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
         pthread_mutex_lock(&L->mu);
@@ -1817,10 +1825,11 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
             L->head = shares[i];
         L->tail = shares[i];
         atomic_fetch_add_explicit(&L->queued, 1, memory_order_release);
-        pthread_cond_signal(&L->cv);
+        if (L->sleeping) sleepers[nsleep++] = L;
         pthread_mutex_unlock(&L->mu);
     }
     pthread_mutex_unlock(&eng->mu);
+    for (int i = 0; i < nsleep; i++) pthread_cond_signal(&sleepers[i]->cv);
     return (PyObject *)jo;
 fail:
     free(job);
@@ -3602,6 +3611,16 @@ static PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args,
     return PyLong_FromVoidPtr(address);
 }
 
+/* data_of(ndarray) -> its data pointer, read from NumPy's array struct: the caller vouches that it is
+ * an exact numpy.ndarray (needs set_array_layout; ndarray.ctypes.data costs a microsecond). */
+static PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array) {
+    if (array_data_offset < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "data_of needs a verified array layout (set_array_layout)");
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(array_data(array));
+}
+
 /* memcopy(dst, src, nbytes): memcpy between two host addresses (the GIL kept: small copies). */
 static PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long dst, src, n;
@@ -3870,6 +3889,8 @@ static PyMethodDef module_methods[] = {
      "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
     {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL, "memcopy(dst, src, nbytes): memcpy"},
+    {"data_of", mod_data_of, METH_O,
+     "data_of(ndarray) -> its data pointer (an exact numpy.ndarray, vouched by the caller; needs set_array_layout)"},
     {"set_handle_errors", mod_set_handle_errors, METH_O,
      "set_handle_errors(waited_error): the exception class a handle's second wait() raises"},
     {"new_record", (PyCFunction)(void (*)(void))mod_new_record, METH_FASTCALL,

@@ -44,6 +44,9 @@ def copy_in(dst: int, capacity: int, array: Any, nbytes: int = -1, /) -> int:
     """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken).
     ``nbytes >= 0``: the caller vouches for an exact ``numpy.ndarray`` of that size (struct reads)."""
 
+def data_of(array: Any, /) -> int:
+    """An exact ``numpy.ndarray``'s data pointer, read from its struct (needs ``set_array_layout``)."""
+
 def address_of(array: Any, capacity: int, nbytes: int = -1, /) -> int:
     """The address of a writable C-contiguous buffer of at most ``capacity`` bytes, or 0 (not taken)."""
 

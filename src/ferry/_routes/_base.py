@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .._native import writeable_flags
+from .._native import data_reader, writeable_flags
 
 if TYPE_CHECKING:
     from .._completion import Extras, Record
@@ -129,6 +129,11 @@ class HostLeases:
     _unlease = give
 
 
+_data_of = data_reader()
+
+
 def array_ptr(array: np.ndarray[Any, Any]) -> int:
-    """The address of an array's first byte."""
+    """The address of an array's first byte (compiled for an exact ``numpy.ndarray``)."""
+    if _data_of is not None and type(array) is np.ndarray:
+        return _data_of(array)
     return int(array.ctypes.data)

@@ -22,7 +22,7 @@ from .._completion import Extras
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import device_side, give_back, order_before, release_import
 from .._state import IN_FLIGHT, OWNED
-from ._base import HostCopy, HostLeases
+from ._base import HostCopy, HostLeases, array_ptr
 from ._direct import DirectRoute
 from ._registered import RegisteredRoute
 from ._small import SmallRoute
@@ -149,7 +149,7 @@ class HostRoutes:
         nbytes, config = host.nbytes, self.config
         registration = None
         if nbytes and host.flags.c_contiguous and self.registrations.active:
-            registration = self.registrations.covering(int(host.ctypes.data), nbytes)
+            registration = self.registrations.covering(array_ptr(host), nbytes)
         route: Any
         if registration is not None:
             route = self.registered

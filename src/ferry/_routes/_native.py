@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._backends._base import DeviceError
+from ._base import array_ptr
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -67,18 +68,20 @@ class NativeJob:
         self.nbytes = nbytes
         self._inner: Any = None
         self._error: DeviceError | None = None
-        self._started = threading.Event()
+        self._started: threading.Event | None = None  # set up when the job starts later (emulated)
         self._release: Any = None  # the emulated device's use count, given back once done
         self.joined: Any = None  # CUDA: one event standing for all the job's DMAs (NativeEngine.order_after)
         self._done_with: Any = None  # gives `joined` back (set with it)
 
     def _start(self, inner: Any) -> None:
         self._inner = inner
-        self._started.set()
+        if self._started is not None:
+            self._started.set()
 
     def _fail_to_start(self, error: DeviceError) -> None:
         self._error = error
-        self._started.set()
+        if self._started is not None:
+            self._started.set()
 
     def wait_posted(self) -> None:
         """Sleep (no lock held, interruptibly) until every lane of a CUDA job has enqueued its last
@@ -103,7 +106,8 @@ class NativeJob:
     def wait_done(self, timeout: float | None = None) -> bool:
         """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed."""
         if self._inner is None:
-            if not self._started.wait(timeout):
+            started = self._started
+            if started is not None and not started.wait(timeout):
                 return False
             if self._inner is None:
                 return True  # failed to start
@@ -219,7 +223,7 @@ class NativeEngine:
             self._arm_fault()
             target = backend.native_target(device_ptr, nbytes)  # type: ignore[attr-defined]
             job._release = lambda: backend.native_release(device_ptr, nbytes)  # type: ignore[attr-defined]
-        host = int(array.ctypes.data)
+        host = array_ptr(array)
         shape, strides, itemsize = tuple(array.shape), tuple(array.strides), int(array.itemsize)
         engine = self.engine
         hand_off = self.cuda
@@ -233,6 +237,7 @@ class NativeEngine:
         if after is None:
             start()
         else:
+            job._started = threading.Event()
             backend.stream_wait_host(after, start)  # type: ignore[attr-defined]
         return job
 
