@@ -54,6 +54,9 @@ def test_a_staged_hand_off_joins_the_lanes_events_once_and_gives_everything_back
         import ferry
         from ferry import testing
 
+        from ferry._routes._native import NativeJob
+
+        NativeJob.dmas_complete = lambda self: False  # as on a GPU, where the DMAs are still running
         rt = ferry.Runtime("cuda")
         info = rt.info()
         assert info["backend"] == "cuda" and info["staging_engine"].startswith("native"), info
@@ -110,6 +113,37 @@ def test_a_staged_hand_off_joins_the_lanes_events_once_and_gives_everything_back
     assert created == destroyed == 4  # one joined event per job, destroyed once the job settled
     assert singles == 3 * 4  # the export stream, the hand-off's stream, the DLPack consumer: one wait each
     assert streams == 1 and all_gone  # the join stream is made once, for every job, and destroyed at close
+
+
+def test_a_hand_off_of_a_finished_staged_upload_orders_nothing_on_the_device(stand_in: Path) -> None:
+    # a batch uploaded ahead is usually complete when it is handed off: its DMAs are done, so the
+    # consumer's stream needs no wait and the lanes' events no join
+    out = run(stand_in, """
+        import numpy as np
+        import ferry
+        from ferry import testing
+
+        rt = ferry.Runtime("cuda")
+        backend = testing.backend_of(rt)
+        calls = []
+        for name in ("stream_wait_event", "stream_wait_events", "event_record", "event_create"):
+            def spy(*args, _name=name, _fn=getattr(backend, name)):
+                calls.append(_name)
+                return _fn(*args)
+            setattr(backend, name, spy)
+        data = (np.arange(8 << 20) % 239).astype(np.uint8)
+        pending = rt.upload(data)  # above direct_bytes: the native lanes
+        assert pending._record.extra.job.wait_done(30)  # the engine finished; nobody asked the handle
+        assert not pending._record.done
+        handed = pending.hand_off(7)
+        capsule = handed.__dlpack__(stream=9)
+        del capsule
+        _, dev = pending.wait()
+        assert dev is handed and np.array_equal(rt.to_host(dev), data)
+        rt.close()
+        print(len(calls), *calls)
+    """)
+    assert out.split() == ["0"]
 
 
 def test_the_compiled_calls_and_the_native_engine_run_on_the_cuda_backend(stand_in: Path) -> None:

@@ -93,6 +93,12 @@ class NativeJob:
         with contextlib.suppress(RuntimeError):  # the engine closed meanwhile: the caller sees the runtime closed
             inner.hand_off()
 
+    def dmas_complete(self) -> bool:
+        """Whether the job is done: every DMA completed, or it failed (its record reports that).
+        Either way nothing on the device is left to order a stream after. Never blocks."""
+        inner = self._inner
+        return inner is not None and bool(inner.done())
+
     def is_done(self) -> bool:
         """Whether the job finished (its DMAs complete, or it failed). Never blocks."""
         inner = self._inner
@@ -251,10 +257,13 @@ class NativeEngine:
     def order_after(self, job: NativeJob, stream: Any) -> None:
         """Order ``stream`` (a backend stream) after the whole job, on the device.
 
-        On CUDA: the first time, a private *join* stream waits for the event
-        each lane posted after its last DMA (the host waits, interruptibly,
-        only until the lanes have enqueued those DMAs) and records one event,
-        the job's ``joined`` event; every stream ordered after the job then
+        On CUDA, a job already done needs no ordering (its DMAs completed, or
+        it failed and its record says so): nothing is enqueued, which is the
+        common case of a batch uploaded ahead. Otherwise, the first time, a
+        private *join* stream waits for the event each lane posted after its
+        last DMA (the host waits, interruptibly, only until the lanes have
+        enqueued those DMAs) and records one event, the job's ``joined``
+        event; every stream ordered after the job then
         waits for that one event (a consumer's stream is ordered once per
         hand-off and again per DLPack export: one wait each, not one per
         lane). A job that failed before its last DMAs is waited for on the
@@ -269,6 +278,8 @@ class NativeEngine:
         inner = job._inner
         if inner is None or job.array is None:  # it failed to start, or finished: nothing runs
             return
+        if job.joined is None and job.dmas_complete():
+            return  # done already (a prefetched batch, usually): no device wait, no join
         if job.joined is None:
             events = inner.hand_off()
             if len(events) < inner.lanes:  # a share never enqueued its last DMA: the job failed
