@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -110,6 +111,13 @@ def measure(rt: Any, torch: Any, n: int, reps: int) -> None:
 
         timed(f"ferry: rt.upload({mib} MiB pageable, ring output) submit", lambda: ring[0],
               lambda d: rt.upload(host, d), into_ring, reps // 2)
+        timed(f"ferry: rt.upload({mib} MiB pageable, ring output) submit + wait", lambda: ring[0],
+              lambda d: into_ring(rt.upload(host, d)), nothing, reps // 2)
+        pinned = rt.pinned(n)
+        target = pinned.as_array()
+        timed(f"host: memmove {mib} MiB pageable -> pinned", lambda: None,
+              lambda _x: ctypes.memmove(target.ctypes.data, host.ctypes.data, n), nothing, reps // 2)
+        pinned.close()
         timed("ferry: rt.empty (pool)", lambda: None, lambda _x: rt.empty(n // 4, np.float32),
               lambda d: d.close(), reps)
         if torch is not None:
