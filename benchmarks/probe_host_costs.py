@@ -99,6 +99,9 @@ def measure(rt: Any, torch: Any, n: int, reps: int) -> None:
         dev = rt.to_device(host)
         timed("ferry: rt.download(ferry array, registered out) submit", lambda: dev,
               lambda x: rt.download(x, out), lambda h: h.wait(), reps)
+        loose = np.empty(n // 4, np.float32)
+        timed("ferry: rt.download(ferry array, pageable out) submit + wait", lambda: dev,
+              lambda x: rt.download(x, loose).wait(), nothing, reps // 2)
         timed("ferry: wait of a finished download (registered)",
               lambda: _finished(rt.download(dev, out)), lambda h: h.wait(), nothing, reps)
         dev.close()
