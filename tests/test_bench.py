@@ -95,6 +95,32 @@ def test_pipeline_catches_results_that_were_not_written(emu: ferry.Runtime, smal
     assert checks and all(c.passed is None for c in checks.values())  # an invalid row is not measured
 
 
+def test_pipeline_contenders_take_turns_round_by_round(emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a drift of the machine must land on every contender alike: one untimed round, then each timed
+    # round runs every contender once
+    plan = _pipeline.Plan([_pipeline.Config(8 * MiB, 1e-3)], steps=3, warmup=3, repeats=2)
+    monkeypatch.setattr(_pipeline, "plan", lambda emulated, quick: plan)
+    order: list[str] = []
+
+    def spying(fn: Any) -> Any:
+        def spy(run: Any, *args: Any, **kwargs: Any) -> str:
+            order.append(fn.__name__ + ("_ring" if kwargs.get("ring") else ""))
+            note: str = fn(run, *args, **kwargs)
+            return note
+
+        return spy
+
+    for name in ("run_work_only", "run_transfers_only", "run_ferry", "run_prefetch"):
+        monkeypatch.setattr(_pipeline, name, spying(getattr(_pipeline, name)))
+    ctx = _context(emu, [])
+    GROUPS["pipeline"](ctx)
+    one_round = ["run_work_only", "run_transfers_only", "run_ferry", "run_ferry_ring", "run_prefetch"]
+    assert order == one_round * 3
+    rows = {(r.impl, r.route): r for r in ctx.results}
+    for impl, route in [("floor", "work_only"), ("ferry", "fresh"), ("ferry", "prefetch")]:
+        assert rows[(impl, route)].valid is True and len(rows[(impl, route)].samples) == 2
+
+
 def test_a_contender_that_raises_is_reported_and_the_rest_run(emu: ferry.Runtime, small_plan: None,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(run: Any, *, ring: bool) -> str:

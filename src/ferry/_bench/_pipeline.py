@@ -30,8 +30,10 @@ Contenders (one ``Result`` each per configuration, ``impl``/``route``):
 
 Timing: a run is ``warmup + steps`` steps; its sample is the wall time from
 the arrival of result ``warmup - 1`` to the arrival of the last result,
-divided by ``steps`` (the steady state, ramp-up excluded). One untimed run
-first, then the timed runs; the median is reported.
+divided by ``steps`` (the steady state, ramp-up excluded). Each contender of
+a configuration runs once untimed, then the timed runs go round by round,
+every contender once per round, so that a drift of the machine (clocks, other
+tenants) lands on all of them alike; the median is reported.
 
 Verification, outside the timed region: batch k holds ``4096 * (k + 1) +
 (i % 4096)`` at element i, so the expected result of every step is known in
@@ -648,7 +650,8 @@ def run_torch_best(run: Run, torch: Any, pinned_outs: list[Any]) -> str:
 
 
 def group_pipeline(ctx: Any) -> None:
-    """Run every configuration's contenders; one ``Result`` per contender and configuration."""
+    """Run every configuration's contenders, interleaved round by round; one ``Result`` per contender
+    and configuration."""
     import ferry
 
     emulated = ctx.rt.backend == "emulated"
@@ -671,6 +674,7 @@ def group_pipeline(ctx: Any) -> None:
                 except Exception as exc:
                     why_no_work[key] = f"no device work: {exc!r}"
             work = works.get(key)
+            contenders: list[Contender] = []
             for impl, route in CONTENDERS:
                 ctx.progress(f"pipeline: {impl} {route} [{config.label}]")
                 result = Result("pipeline", impl, route, "both", config.nbytes, config=config.label)
@@ -685,8 +689,21 @@ def group_pipeline(ctx: Any) -> None:
                 if impl == "torch" and route == "best" and not pinned_outs and torch is not None:
                     pinned_outs = [torch.empty(batches.n, dtype=torch.float32, pin_memory=True)
                                    for _ in range(total)]
-                _contend(result, p, work, batches, outs, pinned_outs, shifts, ctx, torch, prefetch)
-            del batches, outs, pinned_outs
+                contenders.append(Contender(result, p, work, batches, outs, pinned_outs, ctx, torch, prefetch))
+            with contextlib.ExitStack() as registered:
+                if any(c.registers for c in contenders):
+                    # ferry's analog of PyTorch's pinned result tensors: the reused outputs are
+                    # registered once, untimed, so each result is one DMA with no host copy
+                    for out in outs:
+                        registered.enter_context(ctx.rt.register(out))
+                try:
+                    for attempt in range(1 + p.repeats):  # the first round is untimed
+                        for contender in contenders:
+                            contender.run(float(next(shifts)), timed=attempt > 0)
+                finally:
+                    for contender in contenders:
+                        contender.finish()
+            del batches, outs, pinned_outs, contenders
             gc.collect()
     finally:
         for work in works.values():
@@ -705,76 +722,104 @@ def _why_skip(impl: str, route: str, ctx: Any, torch: Any, prefetch: Any) -> str
     return ""
 
 
-def _contend(
-    result: Result, p: Plan, work: Work, batches: Batches, outs: list[Any], pinned_outs: list[Any],
-    shifts: Any, ctx: Any, torch: Any, prefetch: Any,
-) -> None:
-    """One untimed run, then ``p.repeats`` timed runs, each verified in full."""
-    impl, route = result.impl, result.route
-    rt = ctx.rt
-    total = p.warmup + p.steps
-    resident: list[Any] = []
-    if route == "work_only":
-        resident = [work.resident(batches.arrays[j]) for j in range(RING)]
-    landing = pinned_outs if route == "best" else outs
-    notes: list[str] = []
-    valid = True
-    runs: list[Run] = []
-    pinned_in_place = contextlib.ExitStack()
-    if impl in ("ferry", "floor") and route != "work_only":
-        # ferry's analog of PyTorch's pinned result tensors: the reused outputs are registered once,
-        # untimed, so each result is one DMA with no host copy (the registered route)
-        for out in outs:
-            pinned_in_place.enter_context(rt.register(out))
-    try:
-        for attempt in range(1 + p.repeats):
-            shift = float(next(shifts))
+class Contender:
+    """One contender of one configuration: its runs, each verified in full, and its result.
+
+    ``registers``: it downloads into the shared outputs, which the caller
+    registers once (``rt.register``) for every such contender. A run that
+    raises or verifies wrong makes the contender invalid: its later runs are
+    skipped, what it left in flight is waited for.
+    """
+
+    def __init__(self, result: Result, p: Plan, work: Work, batches: Batches, outs: list[Any],
+                 pinned_outs: list[Any], ctx: Any, torch: Any, prefetch: Any) -> None:
+        self.result, self.p, self.work, self.batches = result, p, work, batches
+        self.outs, self.pinned_outs, self.ctx, self.torch, self.prefetch = outs, pinned_outs, ctx, torch, prefetch
+        route = result.route
+        self.registers = result.impl in ("ferry", "floor") and route != "work_only"
+        self.resident: list[Any] = []
+        if route == "work_only":
+            self.resident = [work.resident(batches.arrays[j]) for j in range(RING)]
+        self.landing = pinned_outs if route == "best" else outs
+        self.notes: list[str] = []
+        self.valid = True
+
+    def run(self, shift: float, *, timed: bool) -> None:
+        """One run (skipped once invalid); a timed one adds its per-step sample."""
+        if not self.valid:
+            return
+        result, p, work, batches = self.result, self.p, self.work, self.batches
+        impl, route = result.impl, result.route
+        rt = self.ctx.rt
+        total = p.warmup + p.steps
+        run: Run | None = None
+        try:
             if route != "work_only":
-                poison([o.numpy() for o in landing] if route == "best" else landing)
-            run = Run(rt, work, batches, outs, total, shift, [])
-            runs.append(run)
+                poison([o.numpy() for o in self.landing] if route == "best" else self.landing)
+            run = Run(rt, work, batches, self.outs, total, shift, [])
             if route == "work_only":
-                note = run_work_only(run, resident)
+                note = run_work_only(run, self.resident)
             elif route == "transfers_only":
                 note = run_transfers_only(run)
             elif impl == "ferry" and route in ("fresh", "ring"):
                 note = run_ferry(run, ring=route == "ring")
             elif route == "prefetch":
-                note = run_prefetch(run, prefetch)
+                note = run_prefetch(run, self.prefetch)
             elif route == "cuda":
-                note = run_torch_cuda(run, torch)
+                note = run_torch_cuda(run, self.torch)
             else:
-                note = run_torch_best(run, torch, pinned_outs)
-            if note and note not in notes:
-                notes.append(note)
+                note = run_torch_best(run, self.torch, self.pinned_outs)
+            if note and note not in self.notes:
+                self.notes.append(note)
             if len(run.stamps) != total:
                 raise RuntimeError(f"{len(run.stamps)} results arrived, not {total}")
             identity = route == "transfers_only" or work.kind == "emulated"
             scale, offset = (1.0, 0.0) if identity else (work.scale, shift)
             if route == "work_only":  # the last step's result, fetched untimed
-                j = (total - 1) % len(resident)
+                j = (total - 1) % len(self.resident)
                 last = rt.download(run.last).wait()[1]
                 wrong = [] if batches.check(last, j, scale, offset) else [total - 1]
             else:
-                hosts = [o.numpy() for o in landing] if route == "best" else landing
+                hosts = [o.numpy() for o in self.landing] if route == "best" else self.landing
                 wrong = [k for k in range(total) if not batches.check(hosts[k], k, scale, offset)]
             if wrong:
-                valid = False
-                notes.append(f"run {attempt}: wrong results at steps {wrong[:8]}")
-                break
-            if attempt:
+                self.valid = False
+                self.notes.append(f"run with shift {shift:g}: wrong results at steps {wrong[:8]}")
+                return
+            if timed:
                 result.samples.append((run.stamps[-1] - run.stamps[p.warmup - 1]) / p.steps)
             run.handles.clear()
-    except Exception as exc:
-        valid = False
-        notes.append(f"error: {exc!r}")
-        if runs:
-            runs[-1].drain()
-    finally:
-        del resident
-        rt.poll()
-        pinned_in_place.close()
-    result.valid = valid
-    if route == "work_only":
-        notes.insert(0, work.detail)
-    result.note = "; ".join(notes)
+        except Exception as exc:
+            self.valid = False
+            self.notes.append(f"error: {exc!r}")
+            if run is not None:
+                run.drain()
+
+    def finish(self) -> None:
+        """Give the resident inputs back; the result's validity and notes."""
+        self.resident = []
+        self.ctx.rt.poll()
+        result = self.result
+        result.valid = self.valid
+        notes = list(self.notes)
+        if result.route == "work_only":
+            notes.insert(0, self.work.detail)
+        result.note = "; ".join(notes)
+
+
+def _contend(
+    result: Result, p: Plan, work: Work, batches: Batches, outs: list[Any], pinned_outs: list[Any],
+    shifts: Any, ctx: Any, torch: Any, prefetch: Any,
+) -> None:
+    """One contender alone: one untimed run, then ``p.repeats`` timed runs, each verified in full
+    (``benchmarks/probe_pipeline.py`` interleaves contenders itself)."""
+    contender = Contender(result, p, work, batches, outs, pinned_outs, ctx, torch, prefetch)
+    with contextlib.ExitStack() as registered:
+        if contender.registers:
+            for out in outs:
+                registered.enter_context(ctx.rt.register(out))
+        try:
+            for attempt in range(1 + p.repeats):
+                contender.run(float(next(shifts)), timed=attempt > 0)
+        finally:
+            contender.finish()
