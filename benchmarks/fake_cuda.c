@@ -32,11 +32,14 @@ static char ctx_token, stream_tokens[4096];
 static int next_stream;
 static unsigned long long n_copies, n_batches, n_batched, n_records, n_queries;
 
-static int no_copy(void) {
-    static int v = -1;
-    if (v < 0) v = getenv("FAKECUDA_NOCOPY") && atoi(getenv("FAKECUDA_NOCOPY"));
-    return v;
+static int skip_copies; /* FAKECUDA_NOCOPY, read once when the library loads (before any thread) */
+
+__attribute__((constructor)) static void read_environment(void) {
+    const char *v = getenv("FAKECUDA_NOCOPY");
+    skip_copies = v && atoi(v);
 }
+
+static int no_copy(void) { return skip_copies; }
 
 static int driver_version(void) {
     const char *v = getenv("FAKECUDA_VERSION");

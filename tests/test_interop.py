@@ -4,6 +4,7 @@ without a host wait, and the upload hand-off. Emulated analogues of the GPU test
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,6 +157,86 @@ def test_dlpack_round_trip_and_release(rt: ferry.Runtime) -> None:
     del pending, source
     gc.collect()
     assert alive() is None  # the deleter ran once the transfer was settled
+
+
+class Capsuled:
+    """A DLPack producer handing out a prepared capsule (the tensor's dtype and layout are the test's)."""
+
+    def __init__(self, capsule: object, device: tuple[int, int]) -> None:
+        self.capsule, self.device = capsule, device
+
+    def __dlpack__(self, stream: object = None) -> object:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+
+def _compiled_export() -> Any:
+    module = ferry._native._import()[0]  # even under FERRY_NATIVE=0: only the capsule is made with it
+    if module is None or not hasattr(module, "dlpack_export"):
+        pytest.skip("the compiled extension is not built here")
+    return module.dlpack_export
+
+
+def test_a_refused_dlpack_dtype_releases_the_producers_tensor(emu: ferry.Runtime) -> None:
+    import gc
+    import weakref
+
+    from ferry._interop import _dlpack
+
+    export = _compiled_export()
+    dev = emu.empty(8, np.uint16)
+    owner = emu.empty(8, np.uint16)  # the producer's tensor: alive while its capsule is unreleased
+    alive = weakref.ref(owner)
+    before = _dlpack.live_exports()
+    bfloat16 = Capsuled(export(owner, owner.ptr, (8,), 4, 16, 2, emu.device), (2, emu.device))  # kDLBfloat
+    del owner
+    with pytest.raises(ferry.TransferSubmitError, match="DLPack dtype"):
+        emu.upload(np.zeros(8, np.uint16), bfloat16)
+    del bfloat16
+    gc.collect()
+    assert alive() is None and _dlpack.live_exports() == before  # consumed, refused, released
+    assert dev.state == "owned"
+
+
+def test_a_dlpack_import_reads_strides_and_the_byte_offset() -> None:
+    # a producer's tensor made by hand (ctypes): strided, with a byte offset; read by the compiled
+    # import (or by ctypes under FERRY_NATIVE=0), renamed once, its deleter called once
+    import ctypes
+
+    from ferry._interop import _dlpack
+
+    deleted: list[int] = []
+    deleter = _dlpack._DELETER(lambda managed: deleted.append(1))
+    managed = _dlpack.DLManagedTensor()
+    shape = (ctypes.c_int64 * 2)(3, 5)
+    strides = (ctypes.c_int64 * 2)(1, 3)  # Fortran order, in elements
+    managed.dl_tensor.data = 1 << 20
+    managed.dl_tensor.device = _dlpack.DLDevice(2, 0)
+    managed.dl_tensor.ndim = 2
+    managed.dl_tensor.dtype = _dlpack.DLDataType(2, 32, 1)  # float32
+    managed.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    managed.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    managed.dl_tensor.byte_offset = 256
+    managed.deleter = deleter
+    capsule = _dlpack._api.PyCapsule_New(ctypes.addressof(managed), b"dltensor", None)
+    imported = _dlpack.Imported(capsule)
+    assert imported.ptr == (1 << 20) + 256
+    assert (imported.shape, imported.strides, imported.dtype, imported.device) == (
+        (3, 5), (1, 3), np.dtype(np.float32), (2, 0))
+    with pytest.raises(ferry.TransferSubmitError, match="unused"):
+        _dlpack.Imported(capsule)  # renamed: a capsule is consumed once
+    assert deleted == []
+    imported.release()
+    imported.release()
+    assert deleted == [1]
+
+
+def test_a_dlpack_export_refuses_a_dtype_dlpack_cannot_describe() -> None:
+    export = _compiled_export()
+    with pytest.raises(ValueError, match="bits"):
+        export(object(), 4096, (3,), 2, 256, 2, 0)  # 256 bits do not fit DLPack's 8-bit field
 
 
 def test_an_unconsumed_capsule_releases_its_array(rt: ferry.Runtime) -> None:

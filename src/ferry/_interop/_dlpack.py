@@ -2,8 +2,9 @@
 
 A DLPack capsule carries a ``DLManagedTensor``: the tensor's description plus
 a deleter the consumer calls when it is done with the memory. Exporting, ferry
-allocates the structure with ctypes, keeps the exported array alive in a
-registry until the deleter runs (or until the capsule dies unconsumed), and
+makes the structure (in the extension, the tensor holding a reference to the
+exported array; with ctypes, a registry holding it) and keeps the array alive
+until the deleter runs (or until the capsule dies unconsumed), and
 honours the producer obligation of ``__dlpack__(stream=...)``: if an upload
 into the array may still be running (a hand-off), the consumer's stream is
 made to wait for it on the device (a staged upload on CUDA is waited for on
@@ -199,8 +200,6 @@ def export_capsule(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype
     return _api.PyCapsule_New(address, _NAME, _DESTRUCTOR)
 
 
-
-
 class Imported:
     """A consumed capsule: the description, and the deleter to call once ferry is done.
 
@@ -215,15 +214,19 @@ class Imported:
     def __init__(self, capsule: Any) -> None:
         if _import_capsule is not None:
             try:
-                managed, ptr, dtype, dev_id, shape, strides, code, bits, lanes = _import_capsule(capsule)
-            except ValueError as exc:
-                raise TransferSubmitError(f"__dlpack__ did not return a usable 'dltensor' capsule: {exc}") from None
+                managed, ptr, dev_type, dev_id, shape, strides, code, bits, lanes = _import_capsule(capsule)
+            except ValueError:
+                raise TransferSubmitError("__dlpack__ did not return an unused 'dltensor' capsule") from None
+            try:  # the capsule is ours now: a tensor refused here is released here
+                self.dtype = dl_to_dtype(DLDataType(code, bits, lanes))
+            except BaseException:
+                _release_tensor(managed)
+                raise
             self.managed: Any = managed
-            self.device = (dtype, dev_id)
+            self.device = (dev_type, dev_id)
             self.shape: tuple[int, ...] = shape
             self.strides: tuple[int, ...] | None = strides
             self.ptr: int = ptr
-            self.dtype = dl_to_dtype(DLDataType(code, bits, lanes))
             self._done = False
             return
         raw = ctypes.c_void_p(id(capsule))  # the capsule object's address (CPython)

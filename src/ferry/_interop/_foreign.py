@@ -48,7 +48,10 @@ def dlpack_device(obj: Any) -> tuple[int, int] | None:
 
 # Types whose CUDA Array Interface names no stream (version < 3, as PyTorch's): one of their arrays
 # that also speaks DLPack goes through DLPack without its interface being read (PyTorch computes it
-# in Python). A library's interface version is a property of its type, learned at the first read.
+# in Python). A library's interface version is a property of its type, learned at the first read;
+# a wrapper type that forwards interfaces of several versions then always takes DLPack, which orders
+# the copy after the producer as well. A later array the interface would have refused (PyTorch's
+# with requires_grad) is refused by its __dlpack__ instead, as clearly.
 _NO_STREAM_CAI: set[type] = set()
 
 

@@ -135,8 +135,9 @@
  *   after its event was synchronized, and is freed only at close after
  *   every DMA completed. Abandoned slots are never reused.
  * - The lane's slot ring, cursor and busy flags are touched by the lane
- *   thread only. Queues are protected by the lane mutex, job errors by the
- *   job mutex, emulated stream state by the stream mutex; counters that
+ *   thread only. Queues (and a lane's `sleeping` flag) are protected by the
+ *   lane mutex, job errors by the job mutex, emulated stream state by the
+ *   stream mutex; counters that
  *   Python reads (done, failed, host_bytes, held/abandoned bytes) are C11
  *   atomics.
  * - A job is freed when its last reference goes: one for the Python Job
@@ -557,7 +558,7 @@ typedef struct lane {
     share_t *head, *tail;
     int stopping;
     atomic_int queued; /* shares in the queue, for the idle spin (read without the mutex) */
-    int sleeping;      /* in pthread_cond_wait on cv (under mu): a submitter must signal */
+    int sleeping;      /* in pthread_cond_wait on cv; under mu: a submitter signals only such a lane */
     /* lane-private from here */
     CUstream stream;
     emu_stream_t *es;
@@ -3762,15 +3763,23 @@ static PyObject *mod_dlpack_import(PyObject *Py_UNUSED(mod), PyObject *capsule) 
         Py_DECREF(shape);
         return NULL;
     }
-    if (PyCapsule_SetName(capsule, "used_dltensor")) {
+    unsigned long long ptr = (unsigned long long)(uintptr_t)managed->data + managed->byte_offset;
+    PyObject *address = PyLong_FromVoidPtr(managed);
+    if (!address) {
         Py_DECREF(shape);
         Py_DECREF(strides);
         return NULL;
     }
-    unsigned long long ptr = (unsigned long long)(uintptr_t)managed->data + managed->byte_offset;
-    return Py_BuildValue("(NKiiNNiii)", PyLong_FromVoidPtr(managed), ptr, (int)managed->device_type,
-                         (int)managed->device_id, shape, strides, (int)managed->code, (int)managed->bits,
-                         (int)managed->lanes);
+    PyObject *result = Py_BuildValue("(NKiiNNiii)", address, ptr, (int)managed->device_type,
+                                     (int)managed->device_id, shape, strides, (int)managed->code,
+                                     (int)managed->bits, (int)managed->lanes); /* steals the N references */
+    if (!result) return NULL;
+    /* renamed last: from here on the caller owes the deleter (nothing can fail before it returns) */
+    if (PyCapsule_SetName(capsule, "used_dltensor")) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
 }
 
 /* ---- DLPack export -----------------------------------------------------------------------------
@@ -3778,7 +3787,10 @@ static PyObject *mod_dlpack_import(PyObject *Py_UNUSED(mod), PyObject *capsule) 
  * (C-contiguous, no strides) whose tensor holds a reference to owner until its deleter runs. The
  * deleter drops that reference with the GIL (from any thread) and frees the tensor; once the
  * interpreter is finalized it does nothing (a consumer such as PyTorch may free a tensor at exit:
- * the process is ending). An unconsumed capsule's destructor calls the deleter. */
+ * the process is ending). An unconsumed capsule's destructor calls the deleter. As for dlpack_deleter
+ * above, a deleter on a thread Python does not know that races the interpreter's finalization (past
+ * the Py_IsInitialized check as it starts) may be ended by PyGILState_Ensure; the 3.11 limited API
+ * offers nothing finer (Py_IsFinalizing is in it from 3.13). */
 typedef struct {
     dl_managed_tensor managed;
     int64_t shape[];
@@ -3808,6 +3820,10 @@ static PyObject *mod_dlpack_export(PyObject *Py_UNUSED(mod), PyObject *const *ar
     PyObject *shape = args[2];
     if (!PyTuple_Check(shape) || PyTuple_Size(shape) > 64) {
         PyErr_SetString(PyExc_TypeError, "dlpack_export: shape must be a tuple of at most 64 ints");
+        return NULL;
+    }
+    if (code > 255 || bits > 255 || bits == 0) {
+        PyErr_SetString(PyExc_ValueError, "dlpack_export: a DLPack dtype has a code and 1 - 255 bits");
         return NULL;
     }
     Py_ssize_t ndim = PyTuple_Size(shape);
