@@ -370,6 +370,7 @@ class Completion:
         self.failed = 0
         self.counts: Counts = Counts()  # seq, submitted, completed: the compiled Fast's where it runs
         self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
+        self.segment_copies = SEGMENT_COPIES  # read by the compiled Fast (its batched enqueue)
         if _engine is not None:
             # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
             fast = _engine.Fast(self, DeviceError, OWNED, IN_FLIGHT, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)

@@ -2815,6 +2815,7 @@ typedef struct {
     PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
+    Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
 } FastObject;
 
 /* f(*args): the limited API of 3.11 has no PyObject_Vectorcall; CallFunctionObjArgs passes a short list on
@@ -2831,6 +2832,7 @@ static PyObject *call_args(PyObject *f, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
+static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes;
 
 #define FAST_OBJECTS 24
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
@@ -2868,6 +2870,14 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     Py_DECREF(lock);
+    PyObject *full = fast_attr(c, "segment_copies");
+    self->segment_copies = full ? PyLong_AsSsize_t(full) : -1;
+    Py_XDECREF(full);
+    if (self->segment_copies < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Fast: segment_copies must be >= 1");
+        Py_DECREF(self);
+        return NULL;
+    }
     if (!PyList_Check(self->events) || !PyList_Check(self->cross_returns) || !PyDict_Check(self->batches) ||
         !PyAnySet_Check(self->live)) {
         PyErr_SetString(PyExc_TypeError, "Fast: events and cross_returns must be lists, batches a dict, live a set");
@@ -2980,11 +2990,92 @@ static PyObject *take_device_error(FastObject *self) {
     return value;
 }
 
+/*
+ * _enqueue_batched of _completion.py, its common case in C: a copy joins this thread's open segment of
+ * the stream's batch, in the segment's last run (same copy function, a destination not yet in it).
+ * Returns the record, NULL with an error set, or NULL with no error where Python must do it (no
+ * segment yet, a full one to flush, a new run, anything not shaped as expected). Lock held.
+ */
+static PyObject *fast_batched(FastObject *self, PyObject *batch, PyObject *const *args) {
+    PyObject *stream = args[0], *copy = args[1], *dst = args[2], *nbytes = args[4];
+    PyObject *segments = NULL, *key = NULL, *records = NULL, *run = NULL, *run_copy = NULL, *seen = NULL;
+    PyObject *dsts = NULL, *srcs = NULL, *sizes = NULL, *record = NULL, *seq = NULL;
+    PyObject *segment; /* borrowed from segments */
+    int ok = 0;
+    if (!(segments = PyObject_GetAttr(batch, S_segments)) || !PyDict_Check(segments)) goto out;
+    if (!(key = PyLong_FromVoidPtr(stream))) goto out; /* id(stream) */
+    segment = PyDict_GetItem(segments, key);
+    if (!segment) goto out;
+    if (!(records = PyObject_GetAttr(segment, S_records)) || !PyList_Check(records) ||
+        PyList_Size(records) >= self->segment_copies)
+        goto out;
+    int copies = PyObject_IsTrue(nbytes);
+    if (copies < 0) goto out;
+    if (copies) {
+        if (!(run = PyObject_GetAttr(segment, S_last)) || run == Py_None) goto out;
+        if (!(run_copy = PyObject_GetAttr(run, S_copy))) goto out;
+        int same = run_copy == copy;
+        if (!same && (same = PyObject_RichCompareBool(run_copy, copy, Py_EQ)) < 0) goto out;
+        if (!same) goto out;
+        if (!(seen = PyObject_GetAttr(run, S_seen)) || !PyAnySet_Check(seen)) goto out;
+        int repeated = PySet_Contains(seen, dst);
+        if (repeated) goto out; /* a destination twice in a run (or an error): Python starts a new run */
+        if (!(dsts = PyObject_GetAttr(run, S_dsts)) || !(srcs = PyObject_GetAttr(run, S_srcs)) ||
+            !(sizes = PyObject_GetAttr(run, S_sizes)) || !PyList_Check(dsts) || !PyList_Check(srcs) ||
+            !PyList_Check(sizes))
+            goto out;
+    }
+    /* from here on the record goes in; nothing above changed anything */
+    if (!(seq = PyLong_FromLongLong(self->seq + 1))) goto out;
+    PyObject *fields[7] = {seq, Py_None, stream, args[5], args[6], args[7], nbytes};
+    if (!(record = record_make(fields))) goto out;
+    set_field(&((RecordObject *)record)->batch, segment);
+    if (PyList_Append(records, record)) goto out;
+    if (copies && (PySet_Add(seen, dst) || PyList_Append(dsts, dst) || PyList_Append(srcs, args[3]) ||
+                   PyList_Append(sizes, nbytes))) {
+        goto out; /* out of memory mid-append: the record is in the segment, which is what Python does first */
+    }
+    if (PySet_Add(self->live, record)) goto out;
+    self->seq++;
+    self->submitted++;
+    ok = 1;
+out:
+    Py_XDECREF(segments);
+    Py_XDECREF(key);
+    Py_XDECREF(records);
+    Py_XDECREF(run);
+    Py_XDECREF(run_copy);
+    Py_XDECREF(seen);
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    Py_XDECREF(sizes);
+    Py_XDECREF(seq);
+    if (ok) return record;
+    Py_XDECREF(record);
+    return NULL;
+}
+
 /* enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: see the essay above. */
 static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 8, "enqueue")) return NULL;
-    if (PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8); /* a batch may be open here */
+    if (PyDict_Size(self->batches)) { /* a batch may be open on this thread */
+        int due = fast_maintenance_due(self);
+        if (due < 0) return NULL;
+        if (!due) {
+            PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+            if (!ident) return NULL;
+            PyObject *batch = PyDict_GetItem(self->batches, ident); /* borrowed */
+            Py_DECREF(ident);
+            if (batch) {
+                Py_INCREF(batch);
+                PyObject *record = fast_batched(self, batch, args);
+                Py_DECREF(batch);
+                if (record || PyErr_Occurred()) return record;
+            }
+        }
+        return call_args(self->slow_enqueue, args, 8);
+    }
     int due = fast_maintenance_due(self);
     if (due < 0) return NULL;
     Py_ssize_t n = PyList_Size(self->events);
@@ -3969,7 +4060,12 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_doomed = PyUnicode_InternFromString("_doomed")) || !(S_refusal = PyUnicode_InternFromString("refusal")) ||
         !(S_event_wait = PyUnicode_InternFromString("event_wait")) ||
         !(S_own_event = PyUnicode_InternFromString("own_event")) || !(S_state = PyUnicode_InternFromString("_state")) ||
-        !(S_leases = PyUnicode_InternFromString("_leases")))
+        !(S_leases = PyUnicode_InternFromString("_leases")) ||
+        !(S_segments = PyUnicode_InternFromString("segments")) ||
+        !(S_records = PyUnicode_InternFromString("records")) || !(S_last = PyUnicode_InternFromString("last")) ||
+        !(S_copy = PyUnicode_InternFromString("copy")) || !(S_seen = PyUnicode_InternFromString("seen")) ||
+        !(S_dsts = PyUnicode_InternFromString("dsts")) || !(S_srcs = PyUnicode_InternFromString("srcs")) ||
+        !(S_sizes = PyUnicode_InternFromString("sizes")))
         goto fail;
     HandleType = (PyTypeObject *)PyType_FromSpec(&Handle_spec);
     if (!HandleType) goto fail;
