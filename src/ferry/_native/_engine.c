@@ -2791,11 +2791,16 @@ static PyType_Spec Record_spec = {
  * emulated device's, are called as Python callables). Whatever is not the common case goes to the
  * Python method the Fast was built with, before anything is changed:
  *
- * - enqueue: maintenance due (a retiring record, a deferred free, a doomed pool block), a batch open
- *   on any thread, or no pooled event -> Completion.enqueue. A copy that raises DeviceError goes to
- *   Completion.copy_failed(record, exc) (which raises what enqueue raises); anything else propagates.
- * - wait: a timeout, a record that is not a plain one (shared, batched, done, failed, spun on, without
- *   an event, with extras that are not own_event) or a runtime that refuses calls -> Completion.wait.
+ * - enqueue: maintenance due (a retiring record, a deferred free, a doomed pool block) or no pooled
+ *   event -> Completion.enqueue. With a batch open on the calling thread, a copy that joins the
+ *   stream's open segment in its last run is recorded there in C (Completion._enqueue_batched's common
+ *   case); a first copy, a full segment or a new run -> Completion.enqueue. A copy that raises
+ *   DeviceError goes to Completion.copy_failed(record, exc) (which raises what enqueue raises);
+ *   anything else propagates.
+ * - wait: a batched record whose shared event a batch-mate already proved is settled and claimed in C
+ *   (its shared event back to the pool after its last user). Otherwise a timeout, a record that is
+ *   not a plain one (shared, batched, done, failed, spun on, without an event, with extras that are
+ *   not own_event) or a runtime that refuses calls -> Completion.wait.
  *   The spin is the Python one (SPIN_BASE, then the rest of the budget); a record still not complete
  *   after it is marked spun and goes to Completion.wait (which sleeps). A DeviceError from the spin
  *   goes to Completion._failed; the claim then raises as in Python.
@@ -2832,7 +2837,8 @@ static PyObject *call_args(PyObject *f, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
-static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes;
+static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
+    *S_event;
 
 #define FAST_OBJECTS 24
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
@@ -3169,10 +3175,46 @@ static void drop_waiter(RecordObject *r) {
 }
 
 /* settle(), inline, for a plain pinned record (no extras, no shared event). Lock held. */
+static int fast_settle_states(FastObject *self, RecordObject *r);
+
 static int fast_settle_plain(FastObject *self, RecordObject *r) {
     set_field(&r->settled, Py_True);
     if (PyList_Append(self->events, r->event)) return -1;
     set_field(&r->event, Py_None);
+    return fast_settle_states(self, r);
+}
+
+/* settle() for a batched record (no extras): its shared event goes back to the pool after its last user. */
+static int fast_settle_shared(FastObject *self, RecordObject *r) {
+    set_field(&r->settled, Py_True);
+    PyObject *shared = r->shared;
+    Py_INCREF(shared);
+    set_field(&r->shared, Py_None);
+    PyObject *users = PyObject_GetAttr(shared, S_users);
+    long k = users ? PyLong_AsLong(users) : -1;
+    Py_XDECREF(users);
+    int rc = -1;
+    if (k == -1 && PyErr_Occurred()) goto out;
+    PyObject *left = PyLong_FromLong(k - 1);
+    if (!left) goto out;
+    rc = PyObject_SetAttr(shared, S_users, left);
+    Py_DECREF(left);
+    if (rc) goto out;
+    if (k - 1 == 0) {
+        PyObject *event = PyObject_GetAttr(shared, S_event);
+        rc = event ? PyList_Append(self->events, event) : -1;
+        Py_XDECREF(event);
+        if (rc) goto out;
+    }
+    set_field(&r->event, Py_None);
+    rc = fast_settle_states(self, r);
+out:
+    Py_DECREF(shared);
+    return rc;
+}
+
+/* The objects of a settled record handed back: moved ones owned, leased ones one lease fewer. */
+static int fast_settle_states(FastObject *self, RecordObject *r) {
     Py_ssize_t n = PyTuple_Size(r->moved);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (PyObject_SetAttr(PyTuple_GetItem(r->moved, i), S_state, self->owned)) return -1;
@@ -3195,6 +3237,8 @@ static int fast_settle_plain(FastObject *self, RecordObject *r) {
     return 0;
 }
 
+static PyObject *fast_claim(FastObject *self, RecordObject *r);
+
 /* wait(record, timeout=None) -> the record's result: see the essay above. */
 static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
@@ -3205,6 +3249,18 @@ static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t narg
     if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(args[0]) != RecordType)
         return call_args(self->slow_wait, args, nargs);
     RecordObject *r = (RecordObject *)args[0];
+    if (r->shared != Py_None && r->batch == Py_None && r->extra == Py_None && r->error == Py_None &&
+        r->done == Py_False) {
+        /* a batched record whose shared event a batch-mate proved: settle and claim it here */
+        int proved = attr_true(r->shared, S_done);
+        if (proved < 0) return NULL;
+        if (!proved) return call_args(self->slow_wait, args, nargs);
+        int refused = fast_refused(self);
+        if (refused) return refused < 0 ? NULL : call_args(self->slow_wait, args, nargs);
+        if (add_waiters(r, 1)) return NULL;
+        set_field(&r->done, Py_True);
+        return fast_claim(self, r);
+    }
     if (r->shared != Py_None || r->batch != Py_None || r->done != Py_False || r->error != Py_None ||
         r->spun != Py_False || r->event == Py_None)
         return call_args(self->slow_wait, args, nargs);
@@ -3249,6 +3305,11 @@ static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t narg
         return res;
     }
     set_field(&r->done, Py_True);
+    return fast_claim(self, r);
+}
+
+/* A done record the caller attends (waiters + 1): settle it if no one did, claim it, under the lock. */
+static PyObject *fast_claim(FastObject *self, RecordObject *r) {
     if (fast_lock(self)) {
         drop_waiter(r);
         return NULL;
@@ -3259,6 +3320,8 @@ static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t narg
         int ok = PySet_Discard(self->live, (PyObject *)r) >= 0;
         if (ok && r->extra == Py_None && r->shared == Py_None) {
             ok = fast_settle_plain(self, r) == 0;
+        } else if (ok && r->extra == Py_None) {
+            ok = fast_settle_shared(self, r) == 0;
         } else if (ok) {
             PyObject *s = PyObject_CallFunctionObjArgs(self->settle, (PyObject *)r, NULL);
             ok = s != NULL;
@@ -3307,7 +3370,8 @@ static PyMethodDef Fast_methods[] = {
     {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
      "enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: Completion.enqueue in C"},
     {"wait", (PyCFunction)(void (*)(void))Fast_wait, METH_FASTCALL,
-     "wait(record, timeout=None) -> result: Completion.wait in C for a plain record"},
+     "wait(record, timeout=None) -> result: Completion.wait in C for a plain record (and a batched one whose "
+     "shared event is proved)"},
     {"pinned", (PyCFunction)(void (*)(void))Fast_pinned, METH_FASTCALL,
      "pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: "
      "Completion.submit_pinned in C"},
@@ -4065,7 +4129,8 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_records = PyUnicode_InternFromString("records")) || !(S_last = PyUnicode_InternFromString("last")) ||
         !(S_copy = PyUnicode_InternFromString("copy")) || !(S_seen = PyUnicode_InternFromString("seen")) ||
         !(S_dsts = PyUnicode_InternFromString("dsts")) || !(S_srcs = PyUnicode_InternFromString("srcs")) ||
-        !(S_sizes = PyUnicode_InternFromString("sizes")))
+        !(S_sizes = PyUnicode_InternFromString("sizes")) || !(S_done = PyUnicode_InternFromString("done")) ||
+        !(S_users = PyUnicode_InternFromString("users")) || !(S_event = PyUnicode_InternFromString("event")))
         goto fail;
     HandleType = (PyTypeObject *)PyType_FromSpec(&Handle_spec);
     if (!HandleType) goto fail;
