@@ -69,3 +69,49 @@ def test_a_failure_inside_a_batch_fails_the_transfers_sharing_its_event(emu: fer
         failed += 1
     assert failed == 3 and emu.stats().failed == 3  # completion of none can be proven
     assert dev.state == "abandoned"
+
+
+def test_a_finalizer_that_polls_a_batched_handle_mid_submission_is_safe(emu: ferry.Runtime) -> None:
+    # a garbage collection can run inside a submission (any allocation), and a finalizer may poll a
+    # handle of the open batch, which flushes the segment the submission is joining: the submission
+    # must then start a new segment, never write into the flushed one
+    import gc
+
+    handles: list[ferry.Pending[object]] = []
+    armed = [False]
+    polls = [0]
+
+    class Trap:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: only the collector frees it
+
+        def __del__(self) -> None:
+            if armed[0]:
+                if handles:
+                    polls[0] += 1
+                    handles[-1].is_ready()
+                Trap()  # the next collection finds another
+
+    n = 300
+    devs = [emu.empty(8, np.uint8) for _ in range(n)]
+    bufs = [emu.pinned(8) for _ in range(n)]
+    for i, b in enumerate(bufs):
+        b.as_array()[:] = i % 251
+    threshold = gc.get_threshold()
+    try:
+        with emu.batch():
+            armed[0] = True
+            Trap()
+            gc.set_threshold(1)
+            for b, d in zip(bufs, devs, strict=True):
+                handles.append(emu.upload_pending(b, d))
+            armed[0] = False
+    finally:
+        armed[0] = False
+        gc.set_threshold(*threshold)
+        gc.collect()
+    assert polls[0] > 0  # the finalizer did run inside the submissions
+    results = [h.wait(timeout=30) for h in handles]
+    assert all(np.all(emu.to_host(d) == i % 251) for i, (_, d) in enumerate(results))
+    stats = emu.stats()
+    assert stats.submitted == stats.completed and stats.in_flight == 0

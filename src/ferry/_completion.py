@@ -370,7 +370,7 @@ class Completion:
         self.failed = 0
         self.counts: Counts = Counts()  # seq, submitted, completed: the compiled Fast's where it runs
         self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
-        self.segment_copies = SEGMENT_COPIES  # read by the compiled Fast (its batched enqueue)
+        self.segment_copies = SEGMENT_COPIES  # a full batch segment: fixed here, read by Fast too
         if _engine is not None:
             # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
             fast = _engine.Fast(self, DeviceError, OWNED, IN_FLIGHT, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
@@ -501,7 +501,7 @@ class Completion:
         counts.seq += 1
         record = new_record(counts.seq, None, stream, moved, leased, result, nbytes)
         segment = batch.segments.get(id(stream))
-        if segment is not None and len(segment.records) >= SEGMENT_COPIES:
+        if segment is not None and len(segment.records) >= self.segment_copies:
             # a full segment goes to the device now; this record starts the next one (never flushed in
             # its own submission: its submitter has not moved its objects' states yet)
             self._flush_segment(batch, segment.key)

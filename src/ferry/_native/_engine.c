@@ -3000,18 +3000,25 @@ static PyObject *take_device_error(FastObject *self) {
  * _enqueue_batched of _completion.py, its common case in C: a copy joins this thread's open segment of
  * the stream's batch, in the segment's last run (same copy function, a destination not yet in it).
  * Returns the record, NULL with an error set, or NULL with no error where Python must do it (no
- * segment yet, a full one to flush, a new run, anything not shaped as expected). Lock held.
+ * segment yet, a full one to flush, a new run, containers of other types); an attribute that cannot
+ * be read raises. The record is made first, as in Python: its allocation may collect garbage, and a
+ * finalizer may poll a handle of this batch, which flushes (and drops) the segment. Lock held.
  */
 static PyObject *fast_batched(FastObject *self, PyObject *batch, PyObject *const *args) {
     PyObject *stream = args[0], *copy = args[1], *dst = args[2], *nbytes = args[4];
     PyObject *segments = NULL, *key = NULL, *records = NULL, *run = NULL, *run_copy = NULL, *seen = NULL;
     PyObject *dsts = NULL, *srcs = NULL, *sizes = NULL, *record = NULL, *seq = NULL;
-    PyObject *segment; /* borrowed from segments */
+    PyObject *segment = NULL;
     int ok = 0;
+    /* the record first, as in Python: its allocation may collect garbage, whose finalizers may flush */
+    if (!(seq = PyLong_FromLongLong(self->seq + 1))) goto out;
+    PyObject *fields[7] = {seq, Py_None, stream, args[5], args[6], args[7], nbytes};
+    if (!(record = record_make(fields))) goto out;
     if (!(segments = PyObject_GetAttr(batch, S_segments)) || !PyDict_Check(segments)) goto out;
     if (!(key = PyLong_FromVoidPtr(stream))) goto out; /* id(stream) */
     segment = PyDict_GetItem(segments, key);
     if (!segment) goto out;
+    Py_INCREF(segment); /* held to the end, whatever the calls below run */
     if (!(records = PyObject_GetAttr(segment, S_records)) || !PyList_Check(records) ||
         PyList_Size(records) >= self->segment_copies)
         goto out;
@@ -3032,9 +3039,6 @@ static PyObject *fast_batched(FastObject *self, PyObject *batch, PyObject *const
             goto out;
     }
     /* from here on the record goes in; nothing above changed anything */
-    if (!(seq = PyLong_FromLongLong(self->seq + 1))) goto out;
-    PyObject *fields[7] = {seq, Py_None, stream, args[5], args[6], args[7], nbytes};
-    if (!(record = record_make(fields))) goto out;
     set_field(&((RecordObject *)record)->batch, segment);
     if (PyList_Append(records, record)) goto out;
     if (copies && (PySet_Add(seen, dst) || PyList_Append(dsts, dst) || PyList_Append(srcs, args[3]) ||
@@ -3046,6 +3050,7 @@ static PyObject *fast_batched(FastObject *self, PyObject *batch, PyObject *const
     self->submitted++;
     ok = 1;
 out:
+    Py_XDECREF(segment);
     Py_XDECREF(segments);
     Py_XDECREF(key);
     Py_XDECREF(records);
