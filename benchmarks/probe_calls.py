@@ -37,7 +37,8 @@ def main() -> None:
     buf, dev = rt.pinned(16), rt.empty(16, np.uint8)
     hptr, dptr = buf.ptr, dev.ptr
     lib = ctypes.CDLL("libcuda.so.1")
-    q, rec, cp, sync = lib.cuEventQuery, lib.cuEventRecord, lib.cuMemcpyHtoDAsync_v2, lib.cuEventSynchronize
+    cp = getattr(lib, "cuMemcpyHtoDAsync_v2", None) or lib.cuMemcpyHtoDAsync  # the stand-in driver has no _v2
+    q, rec, sync = lib.cuEventQuery, lib.cuEventRecord, lib.cuEventSynchronize
     q.argtypes = [ctypes.c_void_p]
     rec.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     cp.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -60,7 +61,38 @@ def main() -> None:
             lambda: (d.cuMemcpyHtoDAsync(dptr, hptr, 16, stream), d.cuEventRecord(event, stream),
                      be.event_wait(event, 1.0)), 5000),
     }
+    calls = be._calls
+    if calls is not None:  # the compiled path's own calls, no Python between them
+        rows["compiled htod_record+event_wait 16 B"] = per_call(
+            lambda: (calls.htod_record(dptr, hptr, 16, st_i, ev_i), calls.event_wait(ev_i, 1.0)), 5000)
+        rows["compiled htod_record+event_synchronize 16 B"] = per_call(
+            lambda: (calls.htod_record(dptr, hptr, 16, st_i, ev_i), calls.event_synchronize(ev_i)), 5000)
+
+    def ctypes_poll() -> None:
+        cp(dptr, hptr, 16, st_i)
+        rec(ev_i, st_i)
+        while q(ev_i) == 600:
+            pass
+
+    rows["ctypes   copy+record+query loop 16 B"] = per_call(ctypes_poll, 5000)
     box = {"b": buf, "d": dev}
+    up = rt.upload_pending
+    split = {"submit": 0.0, "wait": 0.0, "n": 0}
+
+    def ferry_split() -> None:
+        clock = time.perf_counter
+        t0 = clock()
+        p = up(box["b"], box["d"])
+        t1 = clock()
+        box["b"], box["d"] = p.wait()
+        t2 = clock()
+        split["submit"] += t1 - t0
+        split["wait"] += t2 - t1
+        split["n"] += 1
+
+    per_call(ferry_split, 5000)
+    rows["ferry upload_pending alone (in the loop)"] = split["submit"] / split["n"] * 1e9
+    rows["ferry wait alone (in the loop)"] = split["wait"] / split["n"] * 1e9
 
     def ferry_rt() -> None:
         box["b"], box["d"] = rt.upload_pending(box["b"], box["d"]).wait()

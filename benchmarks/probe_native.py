@@ -261,7 +261,8 @@ def memmove(dst: int, src: int, nbytes: int) -> None:
 
 
 def fmt_timeline(t: dict[str, Any]) -> str:
-    keys = ("start_first", "start_last", "copy_last", "enqueue_last", "done", "wait")
+    keys = ("start_first", "start_last", "copy_last", "enqueue_last", "done", "wait", "enqueues", "enqueue_us",
+            "lock_wait_us")
     return " ".join(f"{k}={t[k]:.0f}" if t.get(k) is not None else f"{k}=-" for k in keys)
 
 

@@ -320,8 +320,10 @@ def test_timeline_and_the_spinning_knobs() -> None:
         assert job.chunks > 2 * LANES  # several chunks per lane
         assert job.wait(30) and job.error is None
         t = job.timeline()
-        assert set(t) == {"start_first", "start_last", "copy_last", "enqueue_last", "done"}
+        assert set(t) == {"start_first", "start_last", "copy_last", "enqueue_last", "done", "enqueues", "enqueue_us",
+                          "lock_wait_us"}
         assert all(v is not None for v in t.values())
+        assert t["enqueues"] == job.chunks and t["enqueue_us"] > 0 and t["lock_wait_us"] >= 0
         assert 0 <= t["start_first"] <= t["start_last"] <= t["done"]
         assert t["copy_last"] <= t["enqueue_last"] <= t["done"]
         assert dev.tobytes() == data.tobytes()
