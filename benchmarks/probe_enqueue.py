@@ -24,6 +24,7 @@ from cuda.bindings import driver as d
 
 import ferry
 from ferry import testing
+from ferry._native._engine import memcopy
 
 
 def check(result: Any) -> Any:
@@ -52,6 +53,7 @@ def main() -> None:
     ev_plain = be.event_create(blocking=False)
     ev_blocking = be.event_create(blocking=True)
     stop = threading.Event()
+    source = np.ones(1 << 20, np.uint8)
 
     def busy() -> None:
         a, b = np.ones(8 << 20, np.uint8), np.zeros(8 << 20, np.uint8)
@@ -65,17 +67,22 @@ def main() -> None:
         time.sleep(0.05)
         print(f"-- {nbusy} other threads copying host memory")
         print(f"{'what':44s} " + " ".join(f"{n:>9d}B" for n in sizes))
-        for label, host, ev, upload in (
-            ("h2d portable pinned, blocking-sync event", portable, ev_blocking, True),
-            ("h2d portable pinned, spinning event", portable, ev_plain, True),
-            ("h2d plain pinned, spinning event", plain, ev_plain, True),
-            ("h2d portable pinned, no event", portable, 0, True),
-            ("d2h portable pinned, blocking-sync event", portable, ev_blocking, False),
+        for label, host, ev, upload, before in (
+            ("h2d portable pinned, blocking-sync event", portable, ev_blocking, True, None),
+            ("h2d portable pinned, spinning event", portable, ev_plain, True, None),
+            ("h2d plain pinned, spinning event", plain, ev_plain, True, None),
+            ("h2d portable pinned, no event", portable, 0, True, None),
+            ("d2h portable pinned, blocking-sync event", portable, ev_blocking, False, None),
+            # what a lane does: its chunk's host copy (1 MiB into the pinned slot) right before the enqueue
+            ("h2d after a 1 MiB memcpy into the slot", portable, ev_blocking, True, False),
+            ("h2d after a 1 MiB streaming copy", portable, ev_blocking, True, True),
         ):
             row = []
             for n in sizes:
                 samples = []
                 for _ in range(args.repeat):
+                    if before is not None:
+                        memcopy(portable, source.ctypes.data, source.nbytes, before)
                     t0 = time.perf_counter()
                     if upload:
                         calls.htod_record(dev, host, n, stream, ev)
@@ -97,7 +104,17 @@ def main() -> None:
         for t in threads:
             t.join()
         stop.clear()
+    a, b = np.ones(8 << 20, np.uint8), np.zeros(8 << 20, np.uint8)
+    for nt in (False, True):
+        best = min(timed(lambda nt=nt: memcopy(b.ctypes.data, a.ctypes.data, a.nbytes, nt)) for _ in range(20))
+        print(f"8 MiB host copy, {'streaming' if nt else 'memcpy'}: {a.nbytes / best / 1e9:.1f} GB/s")
     rt.close()
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ Exit status 2: no usable GPU or the extension is missing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import json
 import os
@@ -204,12 +205,14 @@ class Shape:
     idle_spin_us: float = 0.0
     min_chunks: int = 1
     serialize: bool = True
+    nontemporal: bool = True
 
     def __str__(self) -> str:
         return (
             f"{self.lanes} lanes x {self.slots} slots x {self.slot_mib:g} MiB, >= {self.min_chunks} chunk(s)/lane, "
             f"spin {self.spin_us:g} us, idle spin {self.idle_spin_us:g} us, "
-            f"{'serialized' if self.serialize else 'concurrent'} enqueues"
+            f"{'serialized' if self.serialize else 'concurrent'} enqueues, "
+            f"{'streaming' if self.nontemporal else 'cached'} chunk copies"
         )
 
 
@@ -281,6 +284,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "idle_spin_us": shape.idle_spin_us,
         "min_chunks_per_lane": shape.min_chunks,
         "serialize_driver": shape.serialize,
+        "nontemporal": shape.nontemporal,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent-enqueues", action="store_true", help="let lanes call the driver concurrently (no spinlock)"
     )
     parser.add_argument("--timeline", action="store_true", help="print the median run's timeline per size")
+    parser.add_argument("--no-nt", action="store_true", help="chunk copies through the cache (memcpy), not streaming")
+    parser.add_argument("--nt-ab", action="store_true", help="also run the shape with the other kind of chunk copy")
     parser.add_argument(
         "--focus",
         action="store_true",
@@ -430,8 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         args.idle_spin_us,
         args.min_chunks,
         not args.concurrent_enqueues,
+        not args.no_nt,
     )
     shapes = [first]
+    if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
+        shapes.append(dataclasses.replace(first, nontemporal=args.no_nt))
     if args.sweep:
         shapes += [
             Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)

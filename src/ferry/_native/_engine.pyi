@@ -59,7 +59,7 @@ def clear_writeable(array: Any, /) -> bool:
 def set_writeable(array: Any, /) -> None:
     """The ``numpy.ndarray``'s writeable flag back (needs :func:`set_array_layout`)."""
 
-def memcopy(dst: int, src: int, nbytes: int, /) -> None:
+def memcopy(dst: int, src: int, nbytes: int, nontemporal: bool = False, /) -> None:
     """``memcpy`` between two host addresses."""
 
 @final
@@ -193,6 +193,7 @@ class Engine:
         idle_spin_us: float = 0.0,
         min_chunks_per_lane: int = 1,
         serialize_driver: bool = True,
+        nontemporal: bool = True,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
