@@ -34,8 +34,8 @@ Exit status 2: no usable GPU or the extension is missing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ctypes
+import dataclasses
 import json
 import os
 import statistics
@@ -206,13 +206,15 @@ class Shape:
     min_chunks: int = 1
     serialize: bool = True
     nontemporal: bool = True
+    driver_thread: bool = True
 
     def __str__(self) -> str:
         return (
             f"{self.lanes} lanes x {self.slots} slots x {self.slot_mib:g} MiB, >= {self.min_chunks} chunk(s)/lane, "
             f"spin {self.spin_us:g} us, idle spin {self.idle_spin_us:g} us, "
             f"{'serialized' if self.serialize else 'concurrent'} enqueues, "
-            f"{'streaming' if self.nontemporal else 'cached'} chunk copies"
+            f"{'streaming' if self.nontemporal else 'cached'} chunk copies, "
+            f"{'a driver thread' if self.driver_thread else 'lanes call the driver'}"
         )
 
 
@@ -285,6 +287,8 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "min_chunks_per_lane": shape.min_chunks,
         "serialize_driver": shape.serialize,
         "nontemporal": shape.nontemporal,
+        "driver_thread": shape.driver_thread,
+        "wait_spin_us": args.wait_spin_us,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
@@ -405,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", action="store_true", help="print the median run's timeline per size")
     parser.add_argument("--no-nt", action="store_true", help="chunk copies through the cache (memcpy), not streaming")
     parser.add_argument("--nt-ab", action="store_true", help="also run the shape with the other kind of chunk copy")
+    parser.add_argument("--no-driver-thread", action="store_true", help="lanes call the driver themselves")
+    parser.add_argument("--dt-ab", action="store_true", help="also run the shape with the driver thread toggled")
+    parser.add_argument("--wait-spin-us", type=float, default=0.0, help="Job.wait polls this long before sleeping")
     parser.add_argument(
         "--focus",
         action="store_true",
@@ -437,10 +444,13 @@ def main(argv: list[str] | None = None) -> int:
         args.min_chunks,
         not args.concurrent_enqueues,
         not args.no_nt,
+        not args.no_driver_thread,
     )
     shapes = [first]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
         shapes.append(dataclasses.replace(first, nontemporal=args.no_nt))
+    if args.dt_ab:  # the same shape with (or without) the driver thread, right after
+        shapes.append(dataclasses.replace(first, driver_thread=args.no_driver_thread))
     if args.sweep:
         shapes += [
             Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)

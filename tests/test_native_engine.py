@@ -49,16 +49,25 @@ def make(direction: str, **kw: Any) -> Any:
     return Engine(direction, **opts)
 
 
-@pytest.fixture
-def up() -> Iterator[Any]:
-    engine = make("upload")
+# The engine's two ways to reach the driver and copy: one driver thread and streaming copies (the
+# default, what a roomy machine runs), and lanes that call the driver themselves with cached copies.
+THREADS = [
+    pytest.param({"driver_thread": True, "nontemporal": True}, id="driver-thread"),
+    pytest.param({"driver_thread": False, "nontemporal": False}, id="lanes-call"),
+]
+
+
+@pytest.fixture(params=THREADS)
+def up(request: pytest.FixtureRequest) -> Iterator[Any]:
+    engine = make("upload", **request.param)
+    assert engine.driver_thread is request.param["driver_thread"]
     yield engine
     engine.close()
 
 
-@pytest.fixture
-def down() -> Iterator[Any]:
-    engine = make("download")
+@pytest.fixture(params=THREADS)
+def down(request: pytest.FixtureRequest) -> Iterator[Any]:
+    engine = make("download", **request.param)
     yield engine
     engine.close()
 
@@ -311,9 +320,12 @@ def test_a_sleeping_job_call_is_interruptible(up: Any, sleep: str) -> None:
     assert job.hand_off(timeout=30) is not None and job.wait(30) and job.error is None
 
 
-def test_timeline_and_the_spinning_knobs() -> None:
-    with contextlib.closing(make("upload", spin_us=50, idle_spin_us=50, min_chunks_per_lane=3)) as up:
-        assert up.spin_us == 50
+@pytest.mark.parametrize("driver_thread", [True, False])
+def test_timeline_and_the_spinning_knobs(driver_thread: bool) -> None:
+    engine = make("upload", spin_us=50, idle_spin_us=50, min_chunks_per_lane=3, wait_spin_us=300,
+                  driver_thread=driver_thread)
+    with contextlib.closing(engine) as up:
+        assert up.spin_us == 50 and up.wait_spin_us == 300 and up.driver_thread is driver_thread
         data = pattern(2 << 20)
         dev = device_like(data.nbytes)
         job = submit(up, data, dev)
@@ -589,6 +601,8 @@ def test_engine_arguments_are_checked() -> None:
         Engine("upload", mode="cuda", context=1, entry_points={})
     with pytest.raises(ValueError, match="spin"):
         Engine("upload", spin_us=-1)
+    with pytest.raises(ValueError, match="wait_spin_us"):
+        Engine("upload", wait_spin_us=2e6)
     with pytest.raises(ValueError, match="min_chunks_per_lane"):
         Engine("upload", min_chunks_per_lane=0)
     with pytest.raises(TypeError):

@@ -39,7 +39,7 @@ from ._parts import Parts
 from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
 from ._routes._peer import copy_between
 from ._routes._pinned import submit_pinned
-from ._routes._staged import StagingConfig, engine_status
+from ._routes._staged import StagingConfig, engine_status, engine_threads_status
 from ._state import OWNED
 from ._stats import RuntimeStats, snapshot
 
@@ -161,6 +161,7 @@ class Runtime:
         info["pinned_pool_bytes"] = self._pool.held_bytes
         info["pinned_free_bytes"] = self._pool.free_bytes
         info["staging_engine"] = engine_status(self._parts.staging)
+        info["staging_threads"] = engine_threads_status(self._parts.staging)
         info["device_pool"] = self._memory.kind
         return info
 

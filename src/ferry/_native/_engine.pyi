@@ -194,6 +194,8 @@ class Engine:
         min_chunks_per_lane: int = 1,
         serialize_driver: bool = True,
         nontemporal: bool = True,
+        driver_thread: bool = True,
+        wait_spin_us: float = 0.0,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
@@ -217,6 +219,12 @@ class Engine:
     def spin_us(self) -> float:
         """CUDA lanes poll a slot's event (``cuEventQuery``), and ``Job.wait`` polls the job, this long
         before sleeping on it (0: always sleep at once)."""
+    @property
+    def wait_spin_us(self) -> float:
+        """``Job.wait`` polls the job this long before sleeping (the larger of this and :attr:`spin_us`)."""
+    @property
+    def driver_thread(self) -> bool:
+        """Whether one driver thread makes every enqueue of the lanes (see ``_engine.c``)."""
     def submit(
         self,
         host_ptr: int,

@@ -475,6 +475,17 @@ def engine_status(config: StagingConfig) -> str:
     return _native.status()
 
 
+def engine_threads_status(config: StagingConfig) -> str:
+    """The threads of a runtime's staging engine, in one line (``info()['staging_threads']``)."""
+    if engine_status(config) != "native":
+        return f"{config.lanes} Python lanes per direction"
+    from ._native import engine_threads
+
+    driver_thread, wait_spin_us = engine_threads(config.lanes)
+    detail = "one driver thread makes their enqueues" if driver_thread else "each calls the driver"
+    return f"{config.lanes} native lanes per direction, {detail}; a wait polls {wait_spin_us:g} us, then sleeps"
+
+
 class StagedRoute:
     """Chunks through the lanes of one engine per direction (see the module docstring).
 
