@@ -881,9 +881,10 @@ static inline void driver_unlock(const engine_t *eng) {
  * first: the thread is up before the job's first copy ends). Emulated engines run it too, so the
  * CPU-only tests cover it.
  */
-enum { DREQ_ENQUEUE, DREQ_POST };
+enum { DREQ_ENQUEUE, DREQ_POST, DREQ_SYNC };
 
 #define DT_SPIN_NS 20000LL /* spin this long (a lane for its answer, the thread after its last request), then yield */
+#define DT_SYNC_NS 2000000LL /* the thread polls a slot's event this long, then the lane sleeps on it itself */
 
 typedef struct dreq {
     struct dreq *next;
@@ -893,9 +894,10 @@ typedef struct dreq {
     char *host_side;
     CUdeviceptr dev;
     size_t n;
-    void *ev;       /* DREQ_POST: the event recorded */
+    void *ev;       /* DREQ_POST: the event recorded; DREQ_SYNC: the slot's event, polled */
     const char *op; /* the failing call, where rc != 0 */
     int rc;
+    int64_t since; /* DREQ_SYNC: when the thread began polling it */
     atomic_int done;
 } dreq_t;
 
@@ -904,6 +906,7 @@ typedef struct driver_thread {
     pthread_t thread;
     atomic_int lock; /* the queue's spinlock: held for a few instructions */
     dreq_t *head, *tail;
+    dreq_t *polled; /* DREQ_SYNC requests whose event is not complete yet (the thread's own list) */
     atomic_int queued;
     atomic_int active;   /* shares the lanes run: the thread polls while any does */
     atomic_int sleeping; /* in pthread_cond_wait (set under mu) */
@@ -931,6 +934,27 @@ static void dt_wake(driver_thread_t *dt) {
 
 static int d_enqueue_now(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr dev, size_t n, const char **op);
 static int d_post_record_now(lane_t *L, void **ev);
+static int d_query(lane_t *L, void *ev);
+
+static void dt_answer(dreq_t *r, int rc) {
+    r->rc = rc;
+    atomic_store_explicit(&r->done, 1, memory_order_release); /* r belongs to the lane again */
+}
+
+/* Poll every event the lanes wait for: answer the complete ones, and the ones polled too long. */
+static void dt_poll(driver_thread_t *dt) {
+    dreq_t **at = &dt->polled;
+    while (*at) {
+        dreq_t *r = *at;
+        int rc = d_query(r->L, r->ev);
+        if (rc == ERR_NOT_READY && now_ns() - r->since < DT_SYNC_NS) {
+            at = &r->next;
+            continue;
+        }
+        *at = r->next;
+        dt_answer(r, rc); /* NOT_READY after DT_SYNC_NS: the lane sleeps on the event itself */
+    }
+}
 
 static void *dt_main(void *arg) {
     driver_thread_t *dt = arg;
@@ -956,11 +980,20 @@ static void *dt_main(void *arg) {
             spin_unlock(&dt->lock);
         }
         if (r) {
-            if (r->kind == DREQ_ENQUEUE)
-                r->rc = d_enqueue_now(r->L, r->slot, r->host_side, r->dev, r->n, &r->op);
-            else
-                r->rc = d_post_record_now(r->L, &r->ev);
-            atomic_store_explicit(&r->done, 1, memory_order_release); /* r belongs to the lane again */
+            if (r->kind == DREQ_ENQUEUE) {
+                dt_answer(r, d_enqueue_now(r->L, r->slot, r->host_side, r->dev, r->n, &r->op));
+            } else if (r->kind == DREQ_POST) {
+                dt_answer(r, d_post_record_now(r->L, &r->ev));
+            } else {
+                r->since = now_ns();
+                r->next = dt->polled;
+                dt->polled = r;
+            }
+            idle_since = last_work = now_ns();
+            continue;
+        }
+        if (dt->polled) { /* a lane waits for a DMA: poll it (and keep polling the queue) */
+            dt_poll(dt);
             idle_since = last_work = now_ns();
             continue;
         }
@@ -1137,8 +1170,37 @@ static int d_post_record(lane_t *L, void **ev) {
     return rc;
 }
 
+/* cuEventQuery (emulated: the same on the lane's stream): 0, ERR_NOT_READY, or the failure. */
+static int d_query(lane_t *L, void *ev) {
+    engine_t *eng = L->eng;
+    if (eng->emulated) {
+        emu_stream_t *es = L->es;
+        emu_event_t *e = ev;
+        pthread_mutex_lock(&es->mu);
+        int rc = e->done < e->recorded ? ERR_NOT_READY : e->error;
+        pthread_mutex_unlock(&es->mu);
+        return rc ? rc : atomic_load(&eng->poison);
+    }
+    driver_lock(eng);
+    int rc = eng->drv.cuEventQuery((CUevent)ev);
+    driver_unlock(eng);
+    return rc;
+}
+
+/* Wait for a slot's DMA: the driver thread polls it where there is one (a lane's wake-up from a
+ * blocking event costs tens of microseconds on a VM); past DT_SYNC_NS the lane sleeps on it. */
 static int d_sync(lane_t *L, slot_t *slot) {
     engine_t *eng = L->eng;
+    driver_thread_t *dt = eng->dt;
+    if (dt) {
+        dreq_t r;
+        memset(&r, 0, sizeof r);
+        r.kind = DREQ_SYNC;
+        r.L = L;
+        r.ev = slot->ev;
+        int rc = dt_call(dt, &r);
+        if (rc != ERR_NOT_READY) return rc;
+    }
     if (eng->emulated) return emu_sync(L, slot->ev);
     if (eng->spin_ns > 0) { /* a DMA about to end: polling beats a sleeping thread's wake-up */
         int64_t until = now_ns() + eng->spin_ns;
