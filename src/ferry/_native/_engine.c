@@ -608,6 +608,7 @@ typedef struct lane {
     int stopping;
     atomic_int queued; /* shares in the queue, for the idle spin (read without the mutex) */
     int sleeping;      /* in pthread_cond_wait on cv; under mu: a submitter signals only such a lane */
+    atomic_int answer_sleeping; /* asleep on cv for the driver thread's answer (set under mu) */
     /* lane-private from here */
     CUstream stream;
     emu_stream_t *es;
@@ -885,6 +886,7 @@ enum { DREQ_ENQUEUE, DREQ_POST, DREQ_SYNC };
 
 #define DT_SPIN_NS 20000LL /* spin this long (a lane for its answer, the thread after its last request), then yield */
 #define DT_SYNC_NS 2000000LL /* the thread polls a slot's event this long, then the lane sleeps on it itself */
+#define DT_LANE_SLEEP_NS 100000LL /* a lane waits this long for an answer awake (a DMA's tail), then sleeps */
 
 typedef struct dreq {
     struct dreq *next;
@@ -937,8 +939,14 @@ static int d_post_record_now(lane_t *L, void **ev);
 static int d_query(lane_t *L, void *ev);
 
 static void dt_answer(dreq_t *r, int rc) {
+    lane_t *L = r->L; /* read before done: r lives on the lane's stack */
     r->rc = rc;
-    atomic_store_explicit(&r->done, 1, memory_order_release); /* r belongs to the lane again */
+    atomic_store(&r->done, 1); /* seq_cst: r belongs to the lane again; then read answer_sleeping */
+    if (atomic_load(&L->answer_sleeping)) {
+        pthread_mutex_lock(&L->mu);
+        pthread_cond_broadcast(&L->cv);
+        pthread_mutex_unlock(&L->mu);
+    }
 }
 
 /* Poll every event the lanes wait for: answer the complete ones, and the ones polled too long. */
@@ -1035,12 +1043,24 @@ static int dt_call(driver_thread_t *dt, dreq_t *r) {
     spin_unlock(&dt->lock);
     atomic_fetch_add(&dt->queued, 1); /* seq_cst: then read sleeping */
     dt_wake(dt);
-    int64_t yield_after = now_ns() + DT_SPIN_NS;
+    int64_t t0 = now_ns();
     while (!atomic_load_explicit(&r->done, memory_order_acquire)) {
-        if (now_ns() < yield_after)
+        int64_t t = now_ns() - t0;
+        if (t < DT_SPIN_NS) {
             cpu_relax();
-        else
+        } else if (t < DT_LANE_SLEEP_NS) {
             sched_yield(); /* more runnable threads than CPUs: let the driver thread run */
+        } else { /* a long DMA: sleep until the thread answers (it signals a sleeping lane) */
+            lane_t *L = r->L;
+            pthread_mutex_lock(&L->mu);
+            atomic_store(&L->answer_sleeping, 1); /* seq_cst: pairs with dt_answer's store of done */
+            if (!atomic_load(&r->done)) {
+                struct timespec ts = ts_of(now_ns() + SLICE_NS); /* a safety net: answers are signalled */
+                pthread_cond_timedwait(&L->cv, &L->mu, &ts);
+            }
+            atomic_store(&L->answer_sleeping, 0);
+            pthread_mutex_unlock(&L->mu);
+        }
     }
     return r->rc;
 }
