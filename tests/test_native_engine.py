@@ -766,3 +766,39 @@ def test_cuda_hand_off_by_posted_events(cuda_env: tuple[Any, Any, dict[str, int]
             backend.stream_destroy(consumer)
             backend.mem_free(copy)
             backend.mem_free(ptr)
+
+
+def test_the_runtime_runs_a_driver_thread_where_cpus_are_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry._routes import _native as native_route
+
+    monkeypatch.delenv("FERRY_DRIVER_THREAD", raising=False)
+    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 16)
+    assert native_route.engine_threads(12) == (True, native_route.WAIT_SPIN_US)
+    assert native_route.engine_threads(14) == (False, 0.0)  # 14 lanes + 3 > 16 CPUs
+    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 2)
+    assert native_route.engine_threads(2) == (False, 0.0)
+    monkeypatch.setenv("FERRY_DRIVER_THREAD", "1")
+    assert native_route.engine_threads(2) == (True, native_route.WAIT_SPIN_US)
+    monkeypatch.setenv("FERRY_DRIVER_THREAD", "0")
+    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 64)
+    assert native_route.engine_threads(12) == (False, 0.0)
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_a_runtime_with_either_thread_shape_moves_the_bytes(monkeypatch: pytest.MonkeyPatch, forced: str) -> None:
+    import ferry
+
+    monkeypatch.setenv("FERRY_DRIVER_THREAD", forced)
+    config = ferry.StagingConfig(lanes=3, slot_bytes=256 << 10, direct_bytes=64 << 10, min_chunk_bytes=64 << 10)
+    with ferry.Runtime("emulated", staging=config) as rt:
+        info = rt.info()
+        if info["staging_engine"] != "native":
+            pytest.skip("the runtime does not run the compiled engine here")
+        assert ("one driver thread" in info["staging_threads"]) is (forced == "1")
+        data = pattern((3 << 20) + 77)
+        data, dev = rt.upload(data).wait()
+        back = rt.download(dev).wait()[1]
+        assert back.tobytes() == data.tobytes()
+        strided = data[: (3 << 20)].reshape(3, -1)[:, ::3]  # non-contiguous, chunked along the axes
+        strided, sdev = rt.upload(strided).wait()
+        assert rt.download(sdev).wait()[1].tobytes() == np.ascontiguousarray(strided).tobytes()
