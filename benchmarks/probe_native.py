@@ -207,6 +207,7 @@ class Shape:
     serialize: bool = True
     nontemporal: bool = True
     driver_thread: bool = True
+    one_stream: bool = True
 
     def __str__(self) -> str:
         return (
@@ -215,6 +216,7 @@ class Shape:
             f"{'serialized' if self.serialize else 'concurrent'} enqueues, "
             f"{'streaming' if self.nontemporal else 'cached'} chunk copies, "
             f"{'a driver thread' if self.driver_thread else 'lanes call the driver'}"
+            f"{' (one DMA stream)' if self.driver_thread and self.one_stream else ''}"
         )
 
 
@@ -288,6 +290,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "serialize_driver": shape.serialize,
         "nontemporal": shape.nontemporal,
         "driver_thread": shape.driver_thread,
+        "one_stream": shape.one_stream,
         "wait_spin_us": args.wait_spin_us,
     }
     up = Engine("upload", **kw)
@@ -411,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nt-ab", action="store_true", help="also run the shape with the other kind of chunk copy")
     parser.add_argument("--no-driver-thread", action="store_true", help="lanes call the driver themselves")
     parser.add_argument("--dt-ab", action="store_true", help="also run the shape with the driver thread toggled")
+    parser.add_argument("--lane-streams", action="store_true", help="each lane's DMAs on its own stream")
+    parser.add_argument("--stream-ab", action="store_true", help="also run the shape with the other stream choice")
     parser.add_argument("--wait-spin-us", type=float, default=0.0, help="Job.wait polls this long before sleeping")
     parser.add_argument(
         "--focus",
@@ -445,10 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         not args.concurrent_enqueues,
         not args.no_nt,
         not args.no_driver_thread,
+        not args.lane_streams,
     )
     shapes = [first]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
         shapes.append(dataclasses.replace(first, nontemporal=args.no_nt))
+    if args.stream_ab:  # the same shape with the lanes' own streams (or one stream), right after
+        shapes.append(dataclasses.replace(first, one_stream=args.lane_streams))
     if args.dt_ab:  # the same shape with (or without) the driver thread, right after
         shapes.append(dataclasses.replace(first, driver_thread=args.no_driver_thread))
     if args.sweep:

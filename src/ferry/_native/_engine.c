@@ -918,6 +918,8 @@ typedef struct driver_thread {
     pthread_cond_t cv;
     int ready; /* under mu: 1 up, -1 failed (setup_rc) */
     int setup_rc;
+    int one_stream; /* CUDA: every DMA of the engine goes on `stream`, in request order */
+    CUstream stream;
 } driver_thread_t;
 
 static inline void spin_lock(atomic_int *l) {
@@ -968,6 +970,7 @@ static void *dt_main(void *arg) {
     driver_thread_t *dt = arg;
     engine_t *eng = dt->eng;
     int rc = eng->emulated ? 0 : eng->drv.cuCtxSetCurrent(eng->ctx);
+    if (!rc && dt->one_stream && !eng->emulated) rc = eng->drv.cuStreamCreate(&dt->stream, CU_STREAM_NON_BLOCKING);
     pthread_mutex_lock(&dt->mu);
     dt->setup_rc = rc;
     dt->ready = rc ? -1 : 1;
@@ -1065,12 +1068,13 @@ static int dt_call(driver_thread_t *dt, dreq_t *r) {
     return r->rc;
 }
 
-static driver_thread_t *dt_start(engine_t *eng, int64_t idle_ns, int *rc) {
+static driver_thread_t *dt_start(engine_t *eng, int64_t idle_ns, int one_stream, int *rc) {
     *rc = 0;
     driver_thread_t *dt = calloc(1, sizeof *dt);
     if (!dt) return NULL;
     dt->eng = eng;
     dt->idle_ns = idle_ns;
+    dt->one_stream = one_stream && !eng->emulated;
     if (pthread_mutex_init(&dt->mu, NULL)) {
         free(dt);
         return NULL;
@@ -1108,9 +1112,22 @@ static void dt_stop(driver_thread_t *dt) {
     pthread_cond_signal(&dt->cv);
     pthread_mutex_unlock(&dt->mu);
     pthread_join(dt->thread, NULL);
+    if (dt->stream) dt->eng->drv.cuStreamDestroy(dt->stream); /* queued DMAs still complete */
     pthread_cond_destroy(&dt->cv);
     pthread_mutex_destroy(&dt->mu);
     free(dt);
+}
+
+/*
+ * The stream a lane's DMAs and records go on. With the driver thread in CUDA mode (one_stream), one
+ * stream for the whole engine, in request order: DMAs on several streams run at once and end together,
+ * so a download's lanes all wait for the last of them before copying out; on one stream they end one
+ * after the other and the copies out start as each lands (PCIe moves one direction no faster on
+ * several streams). A producer is then ordered before that one stream (Engine.streams()).
+ */
+static inline CUstream dma_stream(const lane_t *L) {
+    const driver_thread_t *dt = L->eng->dt;
+    return dt && dt->stream ? dt->stream : L->stream;
 }
 
 /*
@@ -1131,14 +1148,15 @@ static int d_enqueue_now(lane_t *L, slot_t *slot, char *host_side, CUdeviceptr d
         }
         goto account;
     }
+    CUstream stream = dma_stream(L);
     driver_lock(eng);
     t1 = now_ns();
     *op = eng->upload ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync";
-    rc = eng->upload ? eng->drv.cuMemcpyHtoDAsync(dev, host_side, n, L->stream)
-                     : eng->drv.cuMemcpyDtoHAsync(host_side, dev, n, L->stream);
+    rc = eng->upload ? eng->drv.cuMemcpyHtoDAsync(dev, host_side, n, stream)
+                     : eng->drv.cuMemcpyDtoHAsync(host_side, dev, n, stream);
     if (!rc) {
         *op = "cuEventRecord";
-        rc = eng->drv.cuEventRecord(slot->ev, L->stream);
+        rc = eng->drv.cuEventRecord(slot->ev, stream);
     }
     driver_unlock(eng);
 account:
@@ -1156,7 +1174,7 @@ static int d_post_record_now(lane_t *L, void **ev) {
     *ev = L->handoff[L->handoff_next++ % HANDOFF_EVENTS];
     if (eng->emulated) return emu_record(L, *ev);
     driver_lock(eng);
-    int rc = eng->drv.cuEventRecord(*ev, L->stream);
+    int rc = eng->drv.cuEventRecord(*ev, dma_stream(L));
     driver_unlock(eng);
     return rc;
 }
@@ -1806,19 +1824,19 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
                              "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us",
                              "idle_spin_us", "min_chunks_per_lane", "serialize_driver", "nontemporal",
-                             "driver_thread", "wait_spin_us", NULL};
+                             "driver_thread", "wait_spin_us", "one_stream", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
     unsigned long long context = 0;
     PyObject *entry_points = Py_None;
     double bandwidth = 25e9, latency = 5e-6, spin_us = 0, idle_spin_us = 0;
-    int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1;
+    int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 1;
     double wait_spin_us = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppd", kwlist, &direction, &mode, &lanes, &slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdp", kwlist, &direction, &mode, &lanes, &slots,
                                      &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
                                      &spin_us, &idle_spin_us, &min_chunks_per_lane,
-                                     &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us))
+                                     &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us, &one_stream))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -1924,7 +1942,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     int dt_rc = 0;
     if (driver_thread) {
         Py_BEGIN_ALLOW_THREADS
-        eng->dt = dt_start(eng, eng->idle_spin_ns > 100000 ? eng->idle_spin_ns : 100000, &dt_rc);
+        eng->dt = dt_start(eng, eng->idle_spin_ns > 100000 ? eng->idle_spin_ns : 100000, one_stream, &dt_rc);
         Py_END_ALLOW_THREADS
         if (!eng->dt) { /* the lanes call the driver themselves: slower, not wrong */
             (void)dt_rc;
@@ -2228,6 +2246,16 @@ static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     engine_t *eng = self->eng;
     PyObject *list = PyList_New(0);
     if (!list) return NULL;
+    if (eng->dt && eng->dt->stream) { /* one_stream: every DMA is on it */
+        PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)eng->dt->stream);
+        if (!v || PyList_Append(list, v)) {
+            Py_XDECREF(v);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(v);
+        return list;
+    }
     for (int i = 0; i < eng->nlanes; i++) {
         uintptr_t h = eng->emulated ? (uintptr_t)eng->lanes[i].es : (uintptr_t)eng->lanes[i].stream;
         PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)h);
@@ -2384,7 +2412,7 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
                 "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
                 "idle_spin_us=0, min_chunks_per_lane=1, serialize_driver=True, nontemporal=True, driver_thread=True, "
-                "wait_spin_us=0)"},
+                "wait_spin_us=0, one_stream=True)"},
     {0, NULL},
 };
 
