@@ -207,7 +207,7 @@ class Shape:
     serialize: bool = True
     nontemporal: bool = True
     driver_thread: bool = True
-    one_stream: bool = True
+    one_stream: bool = False
 
     def __str__(self) -> str:
         return (
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nt-ab", action="store_true", help="also run the shape with the other kind of chunk copy")
     parser.add_argument("--no-driver-thread", action="store_true", help="lanes call the driver themselves")
     parser.add_argument("--dt-ab", action="store_true", help="also run the shape with the driver thread toggled")
-    parser.add_argument("--lane-streams", action="store_true", help="each lane's DMAs on its own stream")
+    parser.add_argument("--one-stream", action="store_true", help="every DMA on the driver thread's one stream")
     parser.add_argument("--stream-ab", action="store_true", help="also run the shape with the other stream choice")
     parser.add_argument("--wait-spin-us", type=float, default=0.0, help="Job.wait polls this long before sleeping")
     parser.add_argument(
@@ -450,13 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         not args.concurrent_enqueues,
         not args.no_nt,
         not args.no_driver_thread,
-        not args.lane_streams,
+        args.one_stream,
     )
     shapes = [first]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
         shapes.append(dataclasses.replace(first, nontemporal=args.no_nt))
-    if args.stream_ab:  # the same shape with the lanes' own streams (or one stream), right after
-        shapes.append(dataclasses.replace(first, one_stream=args.lane_streams))
+    if args.stream_ab:  # the same shape with the other stream choice, right after
+        shapes.append(dataclasses.replace(first, one_stream=not args.one_stream))
     if args.dt_ab:  # the same shape with (or without) the driver thread, right after
         shapes.append(dataclasses.replace(first, driver_thread=args.no_driver_thread))
     if args.sweep:

@@ -235,3 +235,48 @@ def test_a_staged_hand_off_waits_for_the_host_copies_without_the_runtimes_lock(s
         print(blocked, free)
     """)
     assert out.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("driver_thread", ["0", "1"])
+def test_the_cuda_engine_with_and_without_its_driver_thread(stand_in: Path, driver_thread: str) -> None:
+    """The runtime's CUDA engine either way (lanes' own enqueues, or the driver thread's), and an engine
+    whose DMAs all go on the driver thread's one stream: the bytes arrive and Engine.streams() names
+    the streams a producer must be ordered before."""
+    out = run(stand_in, f"""
+        import os
+        os.environ["FERRY_DRIVER_THREAD"] = "{driver_thread}"
+        import numpy as np
+        from cuda.bindings import driver
+        import ferry
+        from ferry import _native
+        from ferry._native._engine import Engine
+        from ferry._runtime import parts_of
+
+        with ferry.Runtime("cuda") as rt:
+            a = np.random.default_rng(3).integers(0, 255, (8 << 20) + 13, dtype=np.uint8)
+            a, dev = rt.upload(a).wait()
+            assert (rt.download(dev).wait()[1] == a).all()
+            engine = parts_of(rt).staged.engine(True).engine
+            assert engine.driver_thread is ({driver_thread} == 1)
+            assert len(engine.streams()) == engine.lanes
+        driver.cuInit(0)
+        err, ctx = driver.cuDevicePrimaryCtxRetain(0)
+        points = _native.cuda_entry_points(driver)
+        for one_stream in (False, True):
+            kw = dict(mode="cuda", context=int(ctx), entry_points=points, lanes=3, slots_per_lane=2,
+                      slot_bytes=1 << 20, min_chunk_bytes=256 << 10, one_stream=one_stream)
+            up, down = Engine("upload", **kw), Engine("download", **kw)
+            assert len(up.streams()) == (1 if one_stream else 3)
+            src = np.arange(3 << 20, dtype=np.uint8)
+            mid = np.zeros_like(src)
+            back = np.zeros_like(src)
+            job = up.submit(src.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1, hand_off=True)
+            assert job.wait(10) and job.error is None
+            job = down.submit(back.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1)
+            assert job.wait(10) and job.error is None
+            assert (back == src).all()
+            up.close()
+            down.close()
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")

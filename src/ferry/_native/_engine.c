@@ -1119,11 +1119,13 @@ static void dt_stop(driver_thread_t *dt) {
 }
 
 /*
- * The stream a lane's DMAs and records go on. With the driver thread in CUDA mode (one_stream), one
- * stream for the whole engine, in request order: DMAs on several streams run at once and end together,
- * so a download's lanes all wait for the last of them before copying out; on one stream they end one
- * after the other and the copies out start as each lands (PCIe moves one direction no faster on
- * several streams). A producer is then ordered before that one stream (Engine.streams()).
+ * The stream a lane's DMAs and records go on: its own, or with Engine(one_stream=True) and the driver
+ * thread in CUDA mode one stream for the whole engine, in request order (DMAs on several streams run at
+ * once and end together, so a download's lanes all wait for the last of them before copying out; on
+ * one stream they end one after the other and the copies out start as each lands). A producer is then
+ * ordered before that one stream (Engine.streams()). Off by default: on the H200 VM (2026-11-30) it
+ * measured within the run-to-run spread of the lanes' streams (8 MiB download 18.7 against 16.7 GB/s,
+ * 64 MiB 34.3 against 37.7), so the tested path stays.
  */
 static inline CUstream dma_stream(const lane_t *L) {
     const driver_thread_t *dt = L->eng->dt;
@@ -1831,7 +1833,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     unsigned long long context = 0;
     PyObject *entry_points = Py_None;
     double bandwidth = 25e9, latency = 5e-6, spin_us = 0, idle_spin_us = 0;
-    int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 1;
+    int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 0;
     double wait_spin_us = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdp", kwlist, &direction, &mode, &lanes, &slots,
                                      &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
@@ -2412,7 +2414,7 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
                 "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
                 "idle_spin_us=0, min_chunks_per_lane=1, serialize_driver=True, nontemporal=True, driver_thread=True, "
-                "wait_spin_us=0, one_stream=True)"},
+                "wait_spin_us=0, one_stream=False)"},
     {0, NULL},
 };
 

@@ -196,7 +196,7 @@ class Engine:
         nontemporal: bool = True,
         driver_thread: bool = True,
         wait_spin_us: float = 0.0,
-        one_stream: bool = True,
+        one_stream: bool = False,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
