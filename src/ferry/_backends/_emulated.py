@@ -55,7 +55,10 @@ from ._base import DeviceError
 __all__: list[str] = []
 
 _DEVICE_BASE = 0x7E00_0000_0000  # fake device addresses live here, 2**40 apart per device
-_SYSTEM_LOCK = threading.Lock()  # one lock for every emulated device: peer copies touch two
+# One lock for every emulated device (peer copies touch two). Reentrant: a garbage collection may run
+# on a stream worker while it holds the lock, and a finalizer there may call back into the device
+# (poll a handle, which flushes a batch): with a plain lock that thread waited for itself forever.
+_SYSTEM_LOCK = threading.RLock()
 
 
 def _fresh(error: DeviceError) -> DeviceError:
