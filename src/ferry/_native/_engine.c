@@ -35,6 +35,13 @@
  * context to be current. The lane sleeps on its condition variable until a
  * *share* (the chunks of one job dealt to it) is queued.
  *
+ * With driver_thread=True (the default) the engine also runs one *driver
+ * thread*: the lanes only copy, and hand it their enqueues, hand-off records
+ * and event waits, because a lane's own driver call right after a chunk's
+ * host copy costs several times what a thread that does nothing else pays
+ * (the essay above d_enqueue's definition says how much and how it waits).
+ * Chunk copies from 64 KiB use streaming stores (copy_bytes).
+ *
  * In emulated mode (no GPU), each lane also owns a stream worker: a second
  * pthread that runs the lane's "DMAs" (memcpy, then a sleep that models
  * nbytes / bandwidth + latency) and event records in order, so
@@ -70,7 +77,7 @@
  * wait() sleeps on the condition variable with the GIL released, in slices
  * of at most 50 ms, and checks Python signals between slices
  * (PyErr_CheckSignals: a KeyboardInterrupt raised by the handler propagates
- * out of wait()). With spin_us > 0, wait() first polls done (GIL released)
+ * out of wait()). With spin_us or wait_spin_us > 0, wait() first polls done (GIL released)
  * and CUDA lanes poll a slot's event (cuEventQuery) that long before they
  * sleep: a thread's wake-up costs tens of microseconds on a VM.
  *
@@ -135,15 +142,17 @@
  *   after its event was synchronized, and is freed only at close after
  *   every DMA completed. Abandoned slots are never reused.
  * - The lane's slot ring, cursor and busy flags are touched by the lane
- *   thread only. Queues (and a lane's `sleeping` flag) are protected by the
- *   lane mutex, job errors by the job mutex, emulated stream state by the
- *   stream mutex; counters that
+ *   thread only (the driver thread reads a slot's event and records on the
+ *   lane's stream only while that lane waits for its answer). Queues (and a
+ *   lane's `sleeping` flag) are protected by the lane mutex, the driver
+ *   thread's queue by its spinlock, job errors by the job mutex, emulated
+ *   stream state by the stream mutex; counters that
  *   Python reads (done, failed, host_bytes, held/abandoned bytes) are C11
  *   atomics.
  * - A job is freed when its last reference goes: one for the Python Job
  *   object, one per share. A Python Job keeps its Engine object alive.
  * - close() waits for every queued job (it lifts a hold first), then joins
- *   the lanes. tp_dealloc of an Engine created in another process (fork)
+ *   the lanes, then stops the driver thread (no lane is left to ask it). tp_dealloc of an Engine created in another process (fork)
  *   touches neither threads nor locks: it leaks on purpose.
  */
 
