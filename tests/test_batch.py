@@ -71,6 +71,33 @@ def test_a_failure_inside_a_batch_fails_the_transfers_sharing_its_event(emu: fer
     assert dev.state == "abandoned"
 
 
+def test_the_emulated_device_is_reentrant_for_a_finalizer_on_its_own_threads(emu: ferry.Runtime) -> None:
+    """A collection can run a finalizer on an emulated stream worker while the worker holds the device's
+    lock; a finalizer that polls a handle then flushes a batch into the device from that thread. Here the
+    same thread holds the lock, submits and polls (which flushes): it must not wait for itself."""
+    import threading
+
+    from ferry._backends import _emulated
+
+    buf, dev = emu.pinned(64), emu.empty(64, np.uint8)
+    buf.as_array()[:] = 7
+    done: list[ferry.Pending[object]] = []
+
+    def inside_the_lock() -> None:
+        with _emulated._SYSTEM_LOCK:  # as a stream worker mid-operation
+            with emu.batch():
+                pending = emu.upload_pending(buf, dev)  # waits in the batch's open segment
+                pending.is_ready()  # flushes it: the device's copy call takes the lock again
+            done.append(pending)
+
+    worker = threading.Thread(target=inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert len(done) == 1, "the device's lock is not reentrant: the thread waited for itself"
+    _, dev = done[0].wait(timeout=30)
+    assert np.all(emu.to_host(dev) == 7)
+
+
 def test_a_finalizer_that_polls_a_batched_handle_mid_submission_is_safe(emu: ferry.Runtime) -> None:
     # a garbage collection can run inside a submission (any allocation), and a finalizer may poll a
     # handle of the open batch, which flushes the segment the submission is joining: the submission
