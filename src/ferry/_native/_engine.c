@@ -3244,9 +3244,7 @@ static PyType_Spec Record_spec = {
  * Python method the Fast was built with, before anything is changed:
  *
  * - enqueue: maintenance due (a retiring record, a deferred free, a doomed pool block) or no pooled
- *   event -> Completion.enqueue. Otherwise the copy and its event record are enqueued first, and the
- *   record (and, in pinned(), the tuples and the handle) are made while the device runs the copy: on a
- *   16 B round trip that host work is off the critical path. With a batch open on the calling thread, a copy that joins the
+ *   event -> Completion.enqueue. With a batch open on the calling thread, a copy that joins the
  *   stream's open segment in its last run is recorded there in C (Completion._enqueue_batched's common
  *   case); a first copy, a full segment or a new run -> Completion.enqueue. A copy that raises
  *   DeviceError goes to Completion.copy_failed(record, exc) (which raises what enqueue raises);
@@ -3521,10 +3519,6 @@ out:
 }
 
 /* enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: see the essay above. */
-static int fast_copy_first(FastObject *self, PyObject *const *a, PyObject **event_out, PyObject **exc_out);
-static PyObject *fast_record_of(FastObject *self, PyObject *const *a, PyObject *moved, PyObject *leased,
-                                PyObject *result, PyObject *event, PyObject *exc);
-
 static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 8, "enqueue")) return NULL;
@@ -3545,34 +3539,33 @@ static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t n
         }
         return call_args(self->slow_enqueue, args, 8);
     }
-    PyObject *event = NULL, *exc = NULL;
-    int taken = fast_copy_first(self, args, &event, &exc);
-    if (taken <= 0) return taken < 0 ? NULL : call_args(self->slow_enqueue, args, 8);
-    return fast_record_of(self, args, args[5], args[6], args[7], event, exc);
-}
-
-/*
- * A plain (unbatched) submission's copy, made before anything else so that the device starts on it as
- * early as it can (the record, the tuples and the handle are built while the copy runs): with no
- * maintenance due, an event from the pool, the copy and its record (a = stream, copy, dst, src,
- * nbytes). Returns 1 (enqueued: *event is the pool's event, now this copy's), 2 (the copy failed with
- * a DeviceError: *exc, *event as for 1, for Completion.copy_failed), 0 (not taken: nothing changed, the
- * slow path runs) or -1 (an error other than the device's: nothing was enqueued, the event is back).
- * No batch may be open (the caller checks).
- */
-static int fast_copy_first(FastObject *self, PyObject *const *a, PyObject **event_out, PyObject **exc_out) {
     int due = fast_maintenance_due(self);
-    if (due < 0) return -1;
+    if (due < 0) return NULL;
     Py_ssize_t n = PyList_Size(self->events);
-    if (due || n < 1) return 0;
-    PyObject *copy = a[1];
+    if (due || n < 1 || PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8);
+    PyObject *stream = args[0], *copy = args[1];
     PyObject *event = PyList_GetItem(self->events, n - 1);
     Py_INCREF(event);
     if (PyList_SetSlice(self->events, n - 1, n, NULL)) {
         Py_DECREF(event);
-        return -1;
+        return NULL;
     }
-    PyObject *cargs[5] = {a[2], a[3], a[4], a[0], event};
+    PyObject *seq = PyLong_FromLongLong(++self->seq);
+    if (!seq) {
+        PyList_Append(self->events, event);
+        Py_DECREF(event);
+        return NULL;
+    }
+    /* new_record(seq, event, stream, moved, leased, result, nbytes) */
+    PyObject *fields[7] = {seq, event, stream, args[5], args[6], args[7], args[4]};
+    PyObject *record = record_make(fields);
+    Py_DECREF(seq);
+    if (!record) {
+        PyList_Append(self->events, event);
+        Py_DECREF(event);
+        return NULL;
+    }
+    PyObject *cargs[5] = {args[2], args[3], args[4], stream, event};
     PyObject *done;
     if (PyCFunction_Check(copy) && PyCFunction_GetFunction(copy) == (PyCFunction)(void (*)(void))Calls_htod_record)
         done = Calls_htod_record(PyCFunction_GetSelf(copy), cargs, 5);
@@ -3581,61 +3574,19 @@ static int fast_copy_first(FastObject *self, PyObject *const *a, PyObject **even
         done = Calls_dtoh_record(PyCFunction_GetSelf(copy), cargs, 5);
     else
         done = call_args(copy, cargs, 5);
-    if (done) {
-        Py_DECREF(done);
-        *event_out = event;
-        return 1;
-    }
-    PyObject *exc = take_device_error(self);
-    if (!exc) { /* not the device's (a bad argument): nothing was enqueued, the event was not recorded */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (PyList_Append(self->events, event)) PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-        Py_DECREF(event);
-        return -1;
-    }
-    *event_out = event;
-    *exc_out = exc;
-    return 2;
-}
-
-/*
- * The record of a copy fast_copy_first took (steals event and exc): registered live and returned; or,
- * where the copy failed, handed to Completion.copy_failed (which raises). If the record cannot be made
- * after the copy was enqueued (no memory), the copy is waited for, the event goes back to the pool and
- * the MemoryError propagates: nothing moved, nothing is in flight.
- */
-static PyObject *fast_record_of(FastObject *self, PyObject *const *a, PyObject *moved, PyObject *leased,
-                                PyObject *result, PyObject *event, PyObject *exc) {
-    PyObject *seq = PyLong_FromLongLong(++self->seq);
-    /* new_record(seq, event, stream, moved, leased, result, nbytes) */
-    PyObject *fields[7] = {seq, event, a[0], moved, leased, result, a[4]};
-    PyObject *record = seq && moved && leased && result ? record_make(fields) : NULL;
-    Py_XDECREF(seq);
-    if (!record) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (!exc) { /* enqueued: it completes before its event can be reused */
-            PyObject *r = PyObject_CallMethod(self->backend, "event_synchronize", "O", event);
-            Py_XDECREF(r);
-            PyErr_Clear();
-        }
-        Py_XDECREF(exc);
-        if (PyList_Append(self->events, event)) PyErr_Clear();
-        Py_DECREF(event);
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
     Py_DECREF(event);
-    if (exc) {
-        PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
-        Py_DECREF(exc);
-        Py_XDECREF(r);
-        if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
+    if (!done) {
+        PyObject *exc = take_device_error(self);
+        if (exc) {
+            PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
+            Py_DECREF(exc);
+            Py_XDECREF(r);
+            if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
+        }
         Py_DECREF(record);
         return NULL;
     }
+    Py_DECREF(done);
     self->submitted++;
     if (PySet_Add(self->live, record)) {
         Py_DECREF(record);
@@ -4065,17 +4016,11 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
     }
     int upload = PyObject_IsTrue(args[8]);
     if (upload < 0) return NULL;
-    PyObject *event = NULL, *exc = NULL;
-    int taken = PyDict_Size(self->batches) ? 0 : fast_copy_first(self, args + 1, &event, &exc);
-    if (taken < 0) return NULL;
-    /* taken: the copy is on its way (or failed); the tuples and the record are made while it runs */
     PyObject *moved = upload ? PyTuple_Pack(2, host, device) : PyTuple_Pack(1, host);
     PyObject *leased = upload ? PyTuple_New(0) : PyTuple_Pack(1, device);
     PyObject *result = upload ? (Py_XINCREF(moved), moved) : PyTuple_Pack(2, device, host);
     PyObject *record = NULL;
-    if (taken) {
-        record = fast_record_of(self, args + 1, moved, leased, result, event, exc);
-    } else if (moved && leased && result) {
+    if (moved && leased && result) {
         PyObject *e[8] = {args[1], args[2], args[3], args[4], args[5], moved, leased, result};
         record = Fast_enqueue(obj, e, 8);
     }
