@@ -772,15 +772,15 @@ def test_the_runtime_runs_a_driver_thread_where_cpus_are_to_spare(monkeypatch: p
     from ferry._routes import _native as native_route
 
     monkeypatch.delenv("FERRY_DRIVER_THREAD", raising=False)
-    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(native_route, "usable_cpus", lambda: 16)
     assert native_route.engine_threads(12) == (True, native_route.WAIT_SPIN_US)
     assert native_route.engine_threads(14) == (False, 0.0)  # 14 lanes + 3 > 16 CPUs
-    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(native_route, "usable_cpus", lambda: 2)
     assert native_route.engine_threads(2) == (False, 0.0)
     monkeypatch.setenv("FERRY_DRIVER_THREAD", "1")
     assert native_route.engine_threads(2) == (True, native_route.WAIT_SPIN_US)
     monkeypatch.setenv("FERRY_DRIVER_THREAD", "0")
-    monkeypatch.setattr(native_route.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(native_route, "usable_cpus", lambda: 64)
     assert native_route.engine_threads(12) == (False, 0.0)
 
 
@@ -802,3 +802,30 @@ def test_a_runtime_with_either_thread_shape_moves_the_bytes(monkeypatch: pytest.
         strided = data[: (3 << 20)].reshape(3, -1)[:, ::3]  # non-contiguous, chunked along the axes
         strided, sdev = rt.upload(strided).wait()
         assert rt.download(sdev).wait()[1].tobytes() == np.ascontiguousarray(strided).tobytes()
+
+
+def test_lanes_sleep_through_long_dmas_and_the_driver_thread_idles_while_held() -> None:
+    """DMAs much longer than a lane's awake wait (the emulated copy of a 256 KiB slot at 0.25 GB/s takes
+    1 ms): the lanes sleep for the driver thread's answers and every byte arrives. Then, with the engine
+    held, neither the lanes nor the driver thread keep a CPU busy: the process's CPU time over a third of
+    a second stays far below it."""
+    with contextlib.closing(make("upload", bandwidth=0.25e9, latency=0.0, driver_thread=True)) as up:
+        data = pattern(4 << 20, 5)
+        dev = device_like(data.nbytes)
+        job = submit(up, data, dev)
+        assert job.wait(60) and job.error is None
+        assert dev.tobytes() == data.tobytes()
+        up.hold()
+        try:
+            held = submit(up, pattern(8 << 20, 6), device_like(8 << 20))  # more chunks than the lanes' slots
+            import time
+
+            time.sleep(0.05)  # the lanes fill their slots and block; the driver thread polls, then rests
+            start = time.process_time()
+            time.sleep(0.3)
+            busy = time.process_time() - start
+            assert not held.done()
+        finally:
+            up.release()
+        assert held.wait(60) and held.error is None
+        assert busy < 0.15, f"{busy:.3f} s of CPU in 0.3 s while held: a thread spins"

@@ -431,7 +431,7 @@ static void job_chunk(const job_t *job, size_t k, chunk_t *c) {
 static void copy_bytes(char *dst, const char *src, size_t n, int nt) {
 #if HAVE_NT_COPY
     if (nt && n >= NT_MIN_BYTES) {
-        size_t head = (16 - ((uintptr_t)dst & 15)) & 15; /* streaming stores need 16-byte aligned targets */
+        size_t head = (64 - ((uintptr_t)dst & 63)) & 63; /* aligned, whole cache lines (16 bytes needed) */
         memcpy(dst, src, head);
         dst += head;
         src += head;
@@ -896,6 +896,9 @@ enum { DREQ_ENQUEUE, DREQ_POST, DREQ_SYNC };
 #define DT_SPIN_NS 20000LL /* spin this long (a lane for its answer, the thread after its last request), then yield */
 #define DT_SYNC_NS 2000000LL /* the thread polls a slot's event this long, then the lane sleeps on it itself */
 #define DT_LANE_SLEEP_NS 100000LL /* a lane waits this long for an answer awake (a DMA's tail), then sleeps */
+#define DT_POLL_NS 2000LL /* polled events are queried this often (the driver lock is left to enqueuers between) */
+#define DT_ACTIVE_IDLE_NS 1000000LL /* no request this long while shares run: lanes held or asleep, sleep too */
+#define DT_NET_NS 1000000000LL /* a sleeping driver thread's safety net (wakes are signalled) */
 
 typedef struct dreq {
     struct dreq *next;
@@ -986,7 +989,7 @@ static void *dt_main(void *arg) {
     pthread_cond_broadcast(&dt->cv);
     pthread_mutex_unlock(&dt->mu);
     if (rc) return NULL;
-    int64_t idle_since = now_ns(), last_work = idle_since;
+    int64_t idle_since = now_ns(), last_work = idle_since, last_poll = 0;
     for (;;) {
         dreq_t *r = NULL;
         if (atomic_load_explicit(&dt->queued, memory_order_acquire)) {
@@ -1012,31 +1015,43 @@ static void *dt_main(void *arg) {
             idle_since = last_work = now_ns();
             continue;
         }
-        if (dt->polled) { /* a lane waits for a DMA: poll it (and keep polling the queue) */
-            dt_poll(dt);
-            idle_since = last_work = now_ns();
+        if (dt->polled) { /* a lane waits for a DMA: poll it every ~2 us (and the queue in between) */
+            int64_t t = now_ns();
+            if (t - last_poll >= DT_POLL_NS) {
+                dt_poll(dt);
+                last_poll = now_ns();
+            } else {
+                cpu_relax();
+            }
+            idle_since = last_work = t;
             continue;
         }
         if (atomic_load(&dt->stop)) break; /* every lane has stopped: nothing can be queued */
         int64_t t = now_ns();
-        if (atomic_load_explicit(&dt->active, memory_order_acquire) || t - idle_since < dt->idle_ns) {
-            if (atomic_load_explicit(&dt->active, memory_order_relaxed)) idle_since = t;
+        int active = atomic_load_explicit(&dt->active, memory_order_acquire);
+        /* Poll while shares run (a lane's copy ends any time now) or for idle_ns after the last one;
+         * but not past DT_ACTIVE_IDLE_NS without a request: the lanes are held, or asleep on events. */
+        if ((active || t - idle_since < dt->idle_ns) && t - last_work < DT_ACTIVE_IDLE_NS) {
+            if (active) idle_since = t;
             if (t - last_work < DT_SPIN_NS)
                 cpu_relax();
             else
-                sched_yield(); /* polls on: a lane's copy ends any time now, but leave CPUs to the lanes */
+                sched_yield(); /* leave CPUs to the lanes */
             continue;
         }
         pthread_mutex_lock(&dt->mu);
         atomic_store(&dt->sleeping, 1);
-        if (!atomic_load(&dt->queued) && !atomic_load(&dt->active) && !atomic_load(&dt->stop)) {
-            struct timespec ts = ts_of(now_ns() + SLICE_NS); /* a safety net: wakes are signalled */
-            pthread_cond_timedwait(&dt->cv, &dt->mu, &ts);
+        int woken = 0;
+        if (!atomic_load(&dt->queued) && !atomic_load(&dt->stop)) {
+            struct timespec ts = ts_of(now_ns() + DT_NET_NS); /* a safety net: wakes are signalled */
+            woken = pthread_cond_timedwait(&dt->cv, &dt->mu, &ts) == 0;
         }
         atomic_store(&dt->sleeping, 0);
         pthread_mutex_unlock(&dt->mu);
-        idle_since = last_work = now_ns();
+        if (woken) idle_since = last_work = now_ns(); /* a submission or a request: poll again */
     }
+    if (dt->stream) eng->drv.cuStreamDestroy(dt->stream); /* on the thread that made it (context current) */
+    dt->stream = NULL;
     return NULL;
 }
 
@@ -1120,8 +1135,7 @@ static void dt_stop(driver_thread_t *dt) {
     atomic_store(&dt->stop, 1);
     pthread_cond_signal(&dt->cv);
     pthread_mutex_unlock(&dt->mu);
-    pthread_join(dt->thread, NULL);
-    if (dt->stream) dt->eng->drv.cuStreamDestroy(dt->stream); /* queued DMAs still complete */
+    pthread_join(dt->thread, NULL); /* it destroyed its stream (queued DMAs still complete) */
     pthread_cond_destroy(&dt->cv);
     pthread_mutex_destroy(&dt->mu);
     free(dt);
@@ -1935,7 +1949,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         L->index = inited;
         atomic_init(&L->queued, 0);
         if (pthread_mutex_init(&L->mu, NULL)) break;
-        if (pthread_cond_init(&L->cv, NULL)) {
+        if (cond_init_monotonic(&L->cv)) { /* dt_call's timed wait uses monotonic deadlines */
             pthread_mutex_destroy(&L->mu);
             break;
         }
@@ -4244,7 +4258,7 @@ static PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py
     if (int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) || int_arg(args[2], &n, 0)) return NULL;
     int nt = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
     if (nt < 0) return NULL;
-    if (n < NT_MIN_BYTES) {
+    if (!nt || n < NT_MIN_BYTES) { /* the small route's copies keep the GIL: it holds the runtime's lock */
         memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
         Py_RETURN_NONE;
     }
@@ -4527,8 +4541,8 @@ static PyMethodDef module_methods[] = {
      "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
     {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL,
-     "memcopy(dst, src, nbytes, nontemporal=False): memcpy (the GIL released from 64 KiB); nontemporal: with the "
-     "engine's streaming stores from 64 KiB on x86-64"},
+     "memcopy(dst, src, nbytes, nontemporal=False): memcpy, the GIL held; nontemporal: the engine's streaming "
+     "stores from 64 KiB on x86-64, the GIL released"},
     {"data_of", mod_data_of, METH_O,
      "data_of(ndarray) -> its data pointer (an exact numpy.ndarray, vouched by the caller; needs set_array_layout)"},
     {"set_handle_errors", mod_set_handle_errors, METH_O,

@@ -63,17 +63,26 @@ WAIT_SPIN_US = 200.0  # a wait polls a job this long before it sleeps (what a wa
 DRIVER_THREAD_ENV = "FERRY_DRIVER_THREAD"  # "0": never, "1": always, else by the CPU count
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def engine_threads(lanes: int) -> tuple[bool, float]:
     """``(driver_thread, wait_spin_us)`` for an engine of ``lanes`` lanes on this machine.
 
-    With at least ``lanes + 3`` CPUs one driver thread makes every enqueue of the lanes (their own
-    calls, right after a chunk's host copy, cost 4 - 8x as much on the H200 VM: see ``_engine.c``) and
+    With at least ``lanes + 3`` usable CPUs (the process's affinity) one driver thread makes every
+    enqueue of the lanes (their own calls, right after a chunk's host copy, cost 4 - 8x as much on the
+    H200 VM: see ``_engine.c``) and
     a ``wait()`` polls its job for up to 200 us before sleeping (a thread wake-up there costs 30 - 60
     us). With fewer CPUs the lanes call the driver themselves and waits sleep at once.
     ``FERRY_DRIVER_THREAD=0`` or ``1`` decides instead of the CPU count.
     """
     forced = os.environ.get(DRIVER_THREAD_ENV, "").strip()
-    roomy = forced == "1" if forced in ("0", "1") else (os.cpu_count() or 1) >= lanes + _SPARE_CPUS
+    roomy = forced == "1" if forced in ("0", "1") else usable_cpus() >= lanes + _SPARE_CPUS
     return roomy, WAIT_SPIN_US if roomy else 0.0
 
 
