@@ -266,17 +266,20 @@ def test_the_cuda_engine_with_and_without_its_driver_thread(stand_in: Path, driv
             kw = dict(mode="cuda", context=int(ctx), entry_points=points, lanes=3, slots_per_lane=2,
                       slot_bytes=1 << 20, min_chunk_bytes=256 << 10, one_stream=one_stream)
             up, down = Engine("upload", **kw), Engine("download", **kw)
-            assert len(up.streams()) == (1 if one_stream else 3)
-            src = np.arange(3 << 20, dtype=np.uint8)
-            mid = np.zeros_like(src)
-            back = np.zeros_like(src)
-            job = up.submit(src.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1, hand_off=True)
-            assert job.wait(10) and job.error is None
-            job = down.submit(back.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1)
-            assert job.wait(10) and job.error is None
-            assert (back == src).all()
-            up.close()
-            down.close()
+            try:
+                assert len(up.streams()) == (1 if one_stream else 3)
+                src = np.arange(3 << 20, dtype=np.uint8)
+                mid = np.zeros_like(src)
+                back = np.zeros_like(src)
+                job = up.submit(src.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1,
+                                hand_off=True)
+                assert job.wait(10) and job.error is None
+                job = down.submit(back.ctypes.data, mid.ctypes.data, src.nbytes, src.shape, src.strides, 1)
+                assert job.wait(10) and job.error is None
+                assert (back == src).all()
+            finally:
+                up.close()
+                down.close()
         print("ok")
     """)
     assert out.strip().endswith("ok")

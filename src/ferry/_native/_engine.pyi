@@ -174,7 +174,15 @@ class Job:
 
 @final
 class Engine:
-    """The staging lanes of one direction (see ``_engine.c``)."""
+    """The staging lanes of one direction (see ``_engine.c``).
+
+    The newer knobs: ``nontemporal`` (chunk copies from 64 KiB with streaming stores, x86-64),
+    ``driver_thread`` (one thread makes the lanes' enqueues and polls the events they wait for;
+    :attr:`driver_thread` says whether it runs: a thread that fails to start leaves the lanes
+    calling the driver themselves), ``wait_spin_us`` (``Job.wait`` polls the job that long first),
+    ``one_stream`` (CUDA mode with the driver thread only, ignored otherwise: every DMA on the
+    driver thread's one stream, which :meth:`streams` then names alone).
+    """
 
     def __init__(
         self,

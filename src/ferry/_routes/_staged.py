@@ -481,7 +481,7 @@ def engine_threads_status(config: StagingConfig) -> str:
         return f"{config.lanes} Python lanes per direction"
     from ._native import engine_threads
 
-    driver_thread, wait_spin_us = engine_threads(config.lanes)
+    driver_thread, wait_spin_us = engine_threads(config.lanes)  # what an engine made now would run
     detail = "one driver thread makes their enqueues" if driver_thread else "each calls the driver"
     return f"{config.lanes} native lanes per direction, {detail}; a wait polls {wait_spin_us:g} us, then sleeps"
 
