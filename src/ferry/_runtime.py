@@ -160,8 +160,8 @@ class Runtime:
         info = dict(self._backend.info())
         info["pinned_pool_bytes"] = self._pool.held_bytes
         info["pinned_free_bytes"] = self._pool.free_bytes
-        info["staging_engine"] = engine_status(self._parts.staging)
-        info["staging_threads"] = engine_threads_status(self._parts.staging)
+        info["staging_engine"] = status = engine_status(self._parts.staging)
+        info["staging_threads"] = engine_threads_status(self._parts.staging, status)
         info["device_pool"] = self._memory.kind
         return info
 

@@ -475,9 +475,10 @@ def engine_status(config: StagingConfig) -> str:
     return _native.status()
 
 
-def engine_threads_status(config: StagingConfig) -> str:
-    """The threads of a runtime's staging engine, in one line (``info()['staging_threads']``)."""
-    if engine_status(config) != "native":
+def engine_threads_status(config: StagingConfig, status: str) -> str:
+    """The threads of a runtime's staging engine whose :func:`engine_status` is ``status``, in one line
+    (``info()['staging_threads']``)."""
+    if status != "native":
         return f"{config.lanes} Python lanes per direction"
     from ._native import engine_threads
 
