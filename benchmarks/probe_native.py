@@ -208,6 +208,7 @@ class Shape:
     nontemporal: bool = True
     driver_thread: bool = True
     one_stream: bool = False
+    min_chunk_kib: int = 256
 
     def __str__(self) -> str:
         return (
@@ -216,7 +217,8 @@ class Shape:
             f"{'serialized' if self.serialize else 'concurrent'} enqueues, "
             f"{'streaming' if self.nontemporal else 'cached'} chunk copies, "
             f"{'a driver thread' if self.driver_thread else 'lanes call the driver'}"
-            f"{' (one DMA stream)' if self.driver_thread and self.one_stream else ''}"
+            f"{' (one DMA stream)' if self.driver_thread and self.one_stream else ''}, "
+            f"min chunk {self.min_chunk_kib} KiB"
         )
 
 
@@ -283,7 +285,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "lanes": shape.lanes,
         "slots_per_lane": shape.slots,
         "slot_bytes": int(shape.slot_mib * MiB),
-        "min_chunk_bytes": args.min_chunk_kib << 10,
+        "min_chunk_bytes": shape.min_chunk_kib << 10,
         "spin_us": shape.spin_us,
         "idle_spin_us": shape.idle_spin_us,
         "min_chunks_per_lane": shape.min_chunks,
@@ -297,7 +299,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
     down = Engine("download", **kw)
     rows: list[dict[str, Any]] = []
     try:
-        print(f"\n## {shape}, min chunk {args.min_chunk_kib} KiB (staging {up.held_bytes / MiB:.0f} MiB per direction)")
+        print(f"\n## {shape} (staging {up.held_bytes / MiB:.0f} MiB per direction)")
         print(
             f"{'MiB':>6} {'chunk KiB':>9} {'h2d':>7} {'d2h':>7} {'d2h fresh':>9} {'h2d x8q':>8} {'d2h x8q':>8}"
             f"   (GB/s, median of {args.repeat}; x8q: 8 jobs queued back to back)"
@@ -330,7 +332,6 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
             row = {
                 "shape": str(shape),
                 **asdict(shape),
-                "min_chunk_kib": args.min_chunk_kib,
                 "mib": size,
                 "chunk_kib": up.chunk_bytes(n) >> 10,
                 "h2d_gbps": n / t_up / 1e9,
@@ -418,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-ab", action="store_true", help="also run the shape with the other stream choice")
     parser.add_argument("--wait-spin-us", type=float, default=0.0, help="Job.wait polls this long before sleeping")
     parser.add_argument(
+        "--chunk-sweep",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[],
+        help="also run the shape with each of these min chunk sizes (KiB, comma-separated)",
+    )
+    parser.add_argument(
         "--focus",
         action="store_true",
         help="sweep serialized/concurrent enqueues x 8/12 lanes x 1/2/4 chunks per lane x spin 0/30 us",
@@ -451,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.no_nt,
         not args.no_driver_thread,
         args.one_stream,
+        args.min_chunk_kib,
     )
     shapes = [first]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
@@ -459,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes.append(dataclasses.replace(first, one_stream=not args.one_stream))
     if args.dt_ab:  # the same shape with (or without) the driver thread, right after
         shapes.append(dataclasses.replace(first, driver_thread=args.no_driver_thread))
+    shapes += [dataclasses.replace(first, min_chunk_kib=kib) for kib in args.chunk_sweep]
     if args.sweep:
         shapes += [
             Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)

@@ -4,6 +4,9 @@ ferry.StagingConfig come from these figures (docs/benchmarks.md).
 
     PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick | --mid | --slots]
 
+``--chunks`` sweeps the smallest chunk at 1 - 8 MiB with the default lanes,
+against the direct route (the question: does a smaller chunk let a download's
+copies out start before its last DMA, and does 1 MiB gain from the lanes?).
 ``--mid`` sweeps how mid-size payloads (2-32 MiB) are cut (smallest chunk, so
 how many lanes wake) against the direct route. ``--slots`` sweeps small slots
 (which may keep a DMA'd chunk in the last-level cache until it is copied out)
@@ -55,6 +58,16 @@ def mid() -> None:
     print("direct        | " + " | ".join(measure(direct, sizes, 15)), flush=True)
 
 
+def chunks() -> None:
+    sizes = [1 * MiB, 2 * MiB, 8 * MiB]
+    configs = {"direct (default)": ferry.StagingConfig()}
+    for kib in (1024, 512, 256, 128):
+        configs[f"staged, min chunk {kib} KiB"] = ferry.StagingConfig(min_chunk_bytes=kib << 10, direct_bytes=0)
+    for _round in range(2):  # twice: a drift of the machine shows as a disagreement between rounds
+        for name, config in configs.items():
+            print(f"{name:26s} | " + " | ".join(measure(config, sizes, 25)), flush=True)
+
+
 def small_slots() -> None:
     print("lanes slot   depth | 256 MiB")
     for n_lanes, slot, d in itertools.product([8, 12, 16], [256 << 10, 512 << 10, 1 * MiB, 2 * MiB, 4 * MiB], [3, 6]):
@@ -67,6 +80,9 @@ def small_slots() -> None:
 def main() -> None:
     if "--slots" in sys.argv:
         small_slots()
+        return
+    if "--chunks" in sys.argv:
+        chunks()
         return
     if "--mid" in sys.argv:
         mid()
