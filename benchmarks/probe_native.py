@@ -209,6 +209,7 @@ class Shape:
     driver_thread: bool = True
     one_stream: bool = False
     min_chunk_kib: int = 256
+    lane_wait_us: float = 100.0
 
     def __str__(self) -> str:
         return (
@@ -218,7 +219,7 @@ class Shape:
             f"{'streaming' if self.nontemporal else 'cached'} chunk copies, "
             f"{'a driver thread' if self.driver_thread else 'lanes call the driver'}"
             f"{' (one DMA stream)' if self.driver_thread and self.one_stream else ''}, "
-            f"min chunk {self.min_chunk_kib} KiB"
+            f"min chunk {self.min_chunk_kib} KiB, lanes wait {self.lane_wait_us:g} us awake"
         )
 
 
@@ -293,6 +294,7 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "nontemporal": shape.nontemporal,
         "driver_thread": shape.driver_thread,
         "one_stream": shape.one_stream,
+        "lane_wait_us": shape.lane_wait_us,
         "wait_spin_us": args.wait_spin_us,
     }
     up = Engine("upload", **kw)
@@ -419,6 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-ab", action="store_true", help="also run the shape with the other stream choice")
     parser.add_argument("--wait-spin-us", type=float, default=0.0, help="Job.wait polls this long before sleeping")
     parser.add_argument(
+        "--lane-wait-us", type=float, default=100.0, help="lanes wait this long awake for a DMA's end, then sleep"
+    )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="also run lanes' streams / one stream x 1, 2, 4 chunks per lane x lanes awake 100 / 500 us",
+    )
+    parser.add_argument(
         "--chunk-sweep",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[],
@@ -459,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         not args.no_driver_thread,
         args.one_stream,
         args.min_chunk_kib,
+        args.lane_wait_us,
     )
     shapes = [first]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
@@ -468,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dt_ab:  # the same shape with (or without) the driver thread, right after
         shapes.append(dataclasses.replace(first, driver_thread=args.no_driver_thread))
     shapes += [dataclasses.replace(first, min_chunk_kib=kib) for kib in args.chunk_sweep]
+    if args.grid:
+        shapes += [
+            dataclasses.replace(first, one_stream=one, min_chunks=chunks, lane_wait_us=awake)
+            for one in (False, True)
+            for chunks in (1, 2, 4)
+            for awake in (100.0, 500.0)
+        ]
     if args.sweep:
         shapes += [
             Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)

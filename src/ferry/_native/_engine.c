@@ -648,6 +648,7 @@ typedef struct engine {
     int nontemporal; /* chunk copies with streaming stores (copy_bytes) */
     int serialize; /* CUDA: enqueue through g_driver_lock */
     int64_t wait_spin_ns; /* Job.wait polls done this long before sleeping (the caller's thread) */
+    int64_t lane_wait_ns; /* a lane waits this long for the driver thread's answer awake, then sleeps */
     /* the driver thread (see the essay above d_enqueue): NULL where the lanes call the driver themselves */
     struct driver_thread *dt;
     CUcontext ctx;
@@ -895,7 +896,8 @@ enum { DREQ_ENQUEUE, DREQ_POST, DREQ_SYNC };
 
 #define DT_SPIN_NS 20000LL /* spin this long (a lane for its answer, the thread after its last request), then yield */
 #define DT_SYNC_NS 2000000LL /* the thread polls a slot's event this long, then the lane sleeps on it itself */
-#define DT_LANE_SLEEP_NS 100000LL /* a lane waits this long for an answer awake (a DMA's tail), then sleeps */
+#define DT_LANE_SLEEP_NS 100000LL /* a lane waits this long for an answer awake (a DMA's tail), then sleeps:
+                                    * the default of Engine(lane_wait_us=) */
 #define DT_POLL_NS 2000LL /* polled events are queried this often (the driver lock is left to enqueuers between) */
 #define DT_ACTIVE_IDLE_NS 1000000LL /* no request this long while shares run: lanes held or asleep, sleep too */
 #define DT_NET_NS 1000000000LL /* a sleeping driver thread's safety net (wakes are signalled) */
@@ -1075,7 +1077,7 @@ static int dt_call(driver_thread_t *dt, dreq_t *r) {
         int64_t t = now_ns() - t0;
         if (t < DT_SPIN_NS) {
             cpu_relax();
-        } else if (t < DT_LANE_SLEEP_NS) {
+        } else if (t < r->L->eng->lane_wait_ns) {
             sched_yield(); /* more runnable threads than CPUs: let the driver thread run */
         } else { /* a long DMA: sleep until the thread answers (it signals a sleeping lane) */
             lane_t *L = r->L;
@@ -1849,7 +1851,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
                              "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us",
                              "idle_spin_us", "min_chunks_per_lane", "serialize_driver", "nontemporal",
-                             "driver_thread", "wait_spin_us", "one_stream", NULL};
+                             "driver_thread", "wait_spin_us", "one_stream", "lane_wait_us", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
@@ -1857,11 +1859,12 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     PyObject *entry_points = Py_None;
     double bandwidth = 25e9, latency = 5e-6, spin_us = 0, idle_spin_us = 0;
     int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 0;
-    double wait_spin_us = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdp", kwlist, &direction, &mode, &lanes, &slots,
+    double wait_spin_us = 0, lane_wait_us = DT_LANE_SLEEP_NS / 1e3;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdpd", kwlist, &direction, &mode, &lanes, &slots,
                                      &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
                                      &spin_us, &idle_spin_us, &min_chunks_per_lane,
-                                     &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us, &one_stream))
+                                     &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us, &one_stream,
+                                     &lane_wait_us))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -1889,8 +1892,8 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         return NULL;
     }
     if (!(spin_us >= 0 && spin_us <= 1e6 && idle_spin_us >= 0 && idle_spin_us <= 1e6 && wait_spin_us >= 0 &&
-          wait_spin_us <= 1e6)) {
-        PyErr_SetString(PyExc_ValueError, "spin_us, idle_spin_us and wait_spin_us must be in [0, 1e6]");
+          wait_spin_us <= 1e6 && lane_wait_us >= 0 && lane_wait_us <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError, "spin_us, idle_spin_us, wait_spin_us and lane_wait_us must be in [0, 1e6]");
         return NULL;
     }
     if (min_chunks_per_lane < 1 || min_chunks_per_lane > 64) {
@@ -1926,6 +1929,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     eng->serialize = !emulated && serialize_driver;
     eng->nontemporal = nontemporal;
     eng->wait_spin_ns = (int64_t)(wait_spin_us * 1e3);
+    eng->lane_wait_ns = (int64_t)(lane_wait_us * 1e3);
     eng->ctx = (CUcontext)(uintptr_t)context;
     eng->drv = drv;
     eng->pid = getpid();
@@ -2388,6 +2392,11 @@ static PyObject *Engine_get_wait_spin_us(PyObject *obj, void *Py_UNUSED(closure)
     return PyFloat_FromDouble(self->eng ? (double)self->eng->wait_spin_ns / 1e3 : 0.0);
 }
 
+static PyObject *Engine_get_lane_wait_us(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyFloat_FromDouble(self->eng ? (double)self->eng->lane_wait_ns / 1e3 : 0.0);
+}
+
 static PyObject *Engine_get_spin_us(PyObject *obj, void *Py_UNUSED(closure)) {
     EngineObject *self = (EngineObject *)obj;
     return PyFloat_FromDouble(self->eng ? (double)self->eng->spin_ns / 1e3 : 0.0);
@@ -2423,6 +2432,8 @@ static PyGetSetDef Engine_getset[] = {
     {"mode", Engine_get_mode, NULL, "'cuda' or 'emulated'", NULL},
     {"spin_us", Engine_get_spin_us, NULL, "how long an event or a job is polled before sleeping on it", NULL},
     {"wait_spin_us", Engine_get_wait_spin_us, NULL, "how long Job.wait polls the job before sleeping", NULL},
+    {"lane_wait_us", Engine_get_lane_wait_us, NULL,
+     "how long a lane waits awake for the driver thread's answer (a DMA's end) before sleeping", NULL},
     {"driver_thread", Engine_get_driver_thread, NULL,
      "whether a driver thread makes the lanes' enqueues (False: each lane calls the driver, or the engine is closed)",
      NULL},
@@ -2437,7 +2448,7 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
                 "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
                 "idle_spin_us=0, min_chunks_per_lane=1, serialize_driver=True, nontemporal=True, driver_thread=True, "
-                "wait_spin_us=0, one_stream=False)"},
+                "wait_spin_us=0, one_stream=False, lane_wait_us=100)"},
     {0, NULL},
 };
 

@@ -181,7 +181,8 @@ class Engine:
     :attr:`driver_thread` says whether it runs: a thread that fails to start leaves the lanes
     calling the driver themselves), ``wait_spin_us`` (``Job.wait`` polls the job that long first),
     ``one_stream`` (CUDA mode with the driver thread only, ignored otherwise: every DMA on the
-    driver thread's one stream, which :meth:`streams` then names alone).
+    driver thread's one stream, which :meth:`streams` then names alone), ``lane_wait_us`` (a lane
+    waits that long awake for the driver thread's answer, a DMA's end, before it sleeps).
     """
 
     def __init__(
@@ -205,6 +206,7 @@ class Engine:
         driver_thread: bool = True,
         wait_spin_us: float = 0.0,
         one_stream: bool = False,
+        lane_wait_us: float = 100.0,
     ) -> None: ...
     @property
     def held_bytes(self) -> int:
@@ -231,6 +233,10 @@ class Engine:
     @property
     def wait_spin_us(self) -> float:
         """``Job.wait`` polls the job this long before sleeping (the larger of this and :attr:`spin_us`)."""
+    @property
+    def lane_wait_us(self) -> float:
+        """How long a lane waits awake (spinning, then yielding) for the driver thread's answer
+        before it sleeps until signalled."""
     @property
     def driver_thread(self) -> bool:
         """Whether one driver thread makes every enqueue of the lanes (see ``_engine.c``)."""
