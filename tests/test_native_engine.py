@@ -829,3 +829,23 @@ def test_lanes_sleep_through_long_dmas_and_the_driver_thread_idles_while_held() 
             up.release()
         assert held.wait(60) and held.error is None
         assert busy < 0.15, f"{busy:.3f} s of CPU in 0.3 s while held: a thread spins"
+
+
+def test_a_polling_wait_polls_about_its_jobs_expected_time_then_sleeps() -> None:
+    """``wait_spin_us`` polls a job until its expected end (its bytes at 16 GB/s after submission,
+    at most 5 ms) plus the spin: a 4 MiB job that the emulated device's 0.01 GB/s per lane makes
+    last about 100 ms is mostly slept through, so the waiting thread's CPU time stays far below the wait;
+    and the wait still returns once the job is done, with every byte there."""
+    import time
+
+    with contextlib.closing(make("upload", bandwidth=0.01e9, latency=0.0, wait_spin_us=200)) as up:
+        assert up.wait_spin_us == 200
+        data = pattern(4 << 20, 9)
+        dev = device_like(data.nbytes)
+        start, cpu = time.perf_counter(), time.thread_time()
+        job = submit(up, data, dev)
+        assert job.wait(60) and job.error is None
+        wall, busy = time.perf_counter() - start, time.thread_time() - cpu
+        assert dev.tobytes() == data.tobytes()
+        assert wall > 0.05, f"the emulated 4 MiB job took {wall:.3f} s: the test's premise failed"
+        assert busy < 0.3 * wall, f"{busy:.3f} s of CPU in a {wall:.3f} s wait: the wait polled it all"
