@@ -332,30 +332,13 @@ def test_timeline_and_the_spinning_knobs(driver_thread: bool) -> None:
         assert job.chunks > 2 * LANES  # several chunks per lane
         assert job.wait(30) and job.error is None
         t = job.timeline()
-        assert set(t) == {"start_first", "start_last", "copy_last", "enqueue_last", "near", "done", "enqueues",
-                          "enqueue_us", "lock_wait_us"}
+        assert set(t) == {"start_first", "start_last", "copy_last", "enqueue_last", "done", "enqueues", "enqueue_us",
+                          "lock_wait_us"}
         assert all(v is not None for v in t.values())
         assert t["enqueues"] == job.chunks and t["enqueue_us"] > 0 and t["lock_wait_us"] >= 0
         assert 0 <= t["start_first"] <= t["start_last"] <= t["done"]
         assert t["copy_last"] <= t["enqueue_last"] <= t["done"]
-        assert t["copy_last"] <= t["near"] <= t["done"]  # stamped once every lane's last host copy is done
         assert dev.tobytes() == data.tobytes()
-
-
-@pytest.mark.parametrize("driver_thread", [True, False])
-def test_a_download_is_near_its_end_once_its_first_chunk_landed(driver_thread: bool) -> None:
-    """A download's end is near (``timeline()['near']``) once a lane saw its first chunk land, before
-    the host copies out end; a waiter asleep on a polling engine is woken then and polls the rest."""
-    with contextlib.closing(make("download", min_chunks_per_lane=3, wait_spin_us=100, bandwidth=2e9,
-                                 driver_thread=driver_thread)) as down:
-        data = pattern(2 << 20, 4)
-        out = np.zeros_like(data)
-        job = submit(down, out, data)  # the emulated device side is host memory: `data` is the source
-        assert job.wait(30) and job.error is None
-        t = job.timeline()
-        assert t["near"] is not None and t["copy_last"] is not None
-        assert t["near"] < t["copy_last"] <= t["done"]
-        assert out.tobytes() == data.tobytes()
 
 
 def test_empty_job_is_done_at_once(up: Any) -> None:

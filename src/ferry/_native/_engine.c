@@ -311,8 +311,6 @@ typedef struct job {
     atomic_int done;
     atomic_int failed;
     atomic_int remaining;
-    atomic_int copying; /* uploads: shares whose host copies are not all done (see job_near) */
-    atomic_int near;    /* the job's end is near: a waiter may poll the rest (see Job_wait) */
     atomic_size_t host_bytes;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -324,7 +322,7 @@ typedef struct job {
     int nlanes;
     /* timeline (CLOCK_MONOTONIC ns; 0 = not yet): for Job.timeline(), cheap enough to keep always */
     int64_t t_submit;
-    atomic_llong t_start_first, t_start_last, t_copy_last, t_enqueue_last, t_near, t_done;
+    atomic_llong t_start_first, t_start_last, t_copy_last, t_enqueue_last, t_done;
     atomic_llong n_enqueues, enqueue_ns, lock_wait_ns; /* summed over the lanes' d_enqueue calls */
 } job_t;
 
@@ -364,20 +362,6 @@ static void job_fail(job_t *job, const err_t *e) {
         job->err = *e;
         atomic_store_explicit(&job->failed, 1, memory_order_release);
     }
-    pthread_mutex_unlock(&job->mu);
-}
-
-/*
- * The job's end is near: a download's first chunk landed (what is left is host copies out, which
- * take about as long as a sleeping waiter's wake-up takes to come), or an upload's last host copy
- * is done (what is left is DMA tails). A waiter asleep in Job.wait is woken now, so that its wake-up
- * overlaps that rest instead of following the job's end; it then polls until the end.
- */
-static void job_near(job_t *job) {
-    if (atomic_load_explicit(&job->near, memory_order_relaxed) || atomic_exchange(&job->near, 1)) return;
-    atomic_store_explicit(&job->t_near, now_ns(), memory_order_relaxed);
-    pthread_mutex_lock(&job->mu);
-    pthread_cond_broadcast(&job->cv);
     pthread_mutex_unlock(&job->mu);
 }
 
@@ -1507,7 +1491,6 @@ static void run_upload(lane_t *L, share_t *s) {
         chunk_copy(job, &c, slot->ptr, 1);
         s->copied += c.nbytes;
         at_max(&job->t_copy_last, now_ns());
-        if (k + s->stride >= job->nchunks && atomic_fetch_sub(&job->copying, 1) == 1) job_near(job);
         slot->job = job;
         slot->ends = NULL;
         slot->busy = 1; /* from here on a DMA may touch it */
@@ -1594,7 +1577,6 @@ static void run_download(lane_t *L, share_t *s) {
             break;
         }
         if (!atomic_load(&job->failed)) {
-            job_near(job);
             job_chunk(job, s->first + i * s->stride, &c);
             chunk_copy(job, &c, slot->ptr, 0);
             s->copied += c.nbytes;
@@ -2203,8 +2185,6 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     atomic_init(&job->done, nl == 0);
     atomic_init(&job->failed, 0);
     atomic_init(&job->remaining, nl);
-    atomic_init(&job->copying, nl);
-    atomic_init(&job->near, 0);
     atomic_init(&job->unposted, hand_off ? nl : 0);
     atomic_init(&job->host_bytes, 0);
     atomic_init(&job->refs, 1 + nl);
@@ -2212,7 +2192,6 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     atomic_init(&job->t_start_first, 0);
     atomic_init(&job->t_start_last, 0);
     atomic_init(&job->t_copy_last, 0);
-    atomic_init(&job->t_near, 0);
     atomic_init(&job->t_enqueue_last, 0);
     atomic_init(&job->t_done, nl == 0 ? job->t_submit : 0);
     if (pthread_mutex_init(&job->mu, NULL)) {
@@ -2517,9 +2496,6 @@ static int deadline_of(PyObject *timeout_obj, int64_t *deadline) {
 }
 
 static int job_is_done(job_t *job) { return atomic_load_explicit(&job->done, memory_order_acquire); }
-static int job_is_near(job_t *job) {
-    return atomic_load_explicit(&job->done, memory_order_acquire) || atomic_load_explicit(&job->near, memory_order_acquire);
-}
 static int job_is_posted(job_t *job) { return atomic_load_explicit(&job->unposted, memory_order_acquire) == 0; }
 
 /*
@@ -2561,16 +2537,10 @@ static int job_of_this_process(JobObject *self) {
  * 1 / WAIT_EXPECT_NS_PER_BYTE (16 GB/s, below every staged figure the H200 measured from 8 MiB), at
  * most WAIT_EXPECT_CAP_NS from now. Without it an 8 MiB job (~330 us) outlasted the 200 us poll and
  * paid a sleeping thread's wake-up (30 - 60 us on the H200 VM). The waiting thread has nothing else
- * to do; the GIL is released while it polls. A job that outlasts that poll is slept on until its
- * end is near (job_near: a download's first chunk landed, an upload's host copies are done), and
- * then polled again until it ends: a download ordered after device work (a pipeline's result)
- * waits a whole step for its DMAs, and the waiter's wake-up then overlaps the copies out.
+ * to do; the GIL is released while it polls.
  */
 #define WAIT_EXPECT_NS_PER_BYTE (1.0 / 16.0)
 #define WAIT_EXPECT_CAP_NS 5000000LL
-/* A job whose end is near (job_near) is polled this long at most, then slept on: the rest of a
- * download's copies out or an upload's DMA tails take well under a millisecond (64 MiB: ~2 ms). */
-#define WAIT_NEAR_POLL_NS 3000000LL
 
 static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     JobObject *self = (JobObject *)obj;
@@ -2599,16 +2569,6 @@ static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
         while (!(done = job_is_done(job)) && now_ns() < until) cpu_relax();
         Py_END_ALLOW_THREADS
         if (done) Py_RETURN_TRUE;
-        if (eo->eng && eo->eng->wait_spin_ns > 0) { /* asleep until the end is near, then poll the rest */
-            int rc = job_sleep(job, job_is_near, deadline);
-            if (rc <= 0) return rc < 0 ? NULL : PyBool_FromLong(0);
-            Py_BEGIN_ALLOW_THREADS
-            int64_t until_near = now_ns() + WAIT_NEAR_POLL_NS;
-            if (until_near > deadline) until_near = deadline;
-            while (!(done = job_is_done(job)) && now_ns() < until_near) cpu_relax();
-            Py_END_ALLOW_THREADS
-            if (done) Py_RETURN_TRUE;
-        }
     }
     int rc = job_sleep(job, job_is_done, deadline);
     if (rc < 0) return NULL;
@@ -2687,12 +2647,12 @@ static PyObject *Job_get_lanes(PyObject *obj, void *Py_UNUSED(closure)) {
 
 static PyObject *Job_timeline(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     job_t *job = ((JobObject *)obj)->job;
-    const char *names[] = {"start_first", "start_last", "copy_last", "enqueue_last", "near", "done"};
+    const char *names[] = {"start_first", "start_last", "copy_last", "enqueue_last", "done"};
     atomic_llong *values[] = {&job->t_start_first, &job->t_start_last, &job->t_copy_last, &job->t_enqueue_last,
-                              &job->t_near, &job->t_done};
+                              &job->t_done};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 5; i++) {
         long long t = atomic_load_explicit(values[i], memory_order_relaxed);
         PyObject *v = t ? PyFloat_FromDouble((double)(t - job->t_submit) / 1e3) : Py_NewRef(Py_None);
         if (!v || PyDict_SetItemString(d, names[i], v)) {

@@ -164,10 +164,7 @@ class Job:
         """
     def timeline(self) -> dict[str, float | None]:
         """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
-        lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued),
-        ``near`` (the end is near: a download's first chunk landed, an upload's host copies are done; a
-        waiter asleep in :meth:`wait` on a polling engine is woken then and polls the rest), ``done``;
-        and the sums ``enqueues``, ``enqueue_us`` and ``lock_wait_us`` of the lanes' enqueues."""
+        lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued), ``done``."""
     def hand_off(self, timeout: float | None = None) -> list[int] | None:
         """For a job submitted with ``hand_off=True``: sleep (GIL released, signals checked) until
         every lane enqueued its share's last DMA, then the events recorded right after them (raw
