@@ -1968,14 +1968,12 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         free(eng);
         return PyErr_NoMemory();
     }
-    int dt_rc = 0;
-    if (driver_thread) {
+    if (driver_thread) { /* one that fails to start leaves the lanes calling the driver themselves: slower, not
+                          * wrong; Engine.driver_thread reports which runs */
+        int dt_rc = 0;
         Py_BEGIN_ALLOW_THREADS
         eng->dt = dt_start(eng, eng->idle_spin_ns > 100000 ? eng->idle_spin_ns : 100000, one_stream, &dt_rc);
         Py_END_ALLOW_THREADS
-        if (!eng->dt) { /* the lanes call the driver themselves: slower, not wrong */
-            (void)dt_rc;
-        }
     }
     int started = 0;
     Py_BEGIN_ALLOW_THREADS
