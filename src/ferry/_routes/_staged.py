@@ -484,7 +484,11 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
 
     driver_thread, wait_spin_us = engine_threads(config.lanes)  # what an engine made now would run
     detail = "one driver thread makes their enqueues" if driver_thread else "each calls the driver"
-    return f"{config.lanes} native lanes per direction, {detail}; a wait polls {wait_spin_us:g} us, then sleeps"
+    waits = (
+        f"a wait polls until the job's expected end and {wait_spin_us:g} us more, then sleeps"
+        if wait_spin_us > 0 else "a wait sleeps at once"
+    )
+    return f"{config.lanes} native lanes per direction, {detail}; {waits}"
 
 
 class StagedRoute:
