@@ -488,14 +488,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.sweep:
         shapes += [
-            Shape(lanes, mib, slots, args.spin_us, args.idle_spin_us, args.min_chunks)
+            dataclasses.replace(first, lanes=lanes, slot_mib=mib, slots=slots)
             for lanes in (8, 12, 16)
             for mib in (1.0, 2.0, 4.0)
             for slots in (2, 3)
         ]
     if args.focus:
         shapes += [
-            Shape(lanes, 4.0, 3, spin, 0.0, chunks, serialize)
+            dataclasses.replace(
+                first, lanes=lanes, slot_mib=4.0, slots=3, spin_us=spin, idle_spin_us=0.0, min_chunks=chunks,
+                serialize=serialize,
+            )
             for serialize in (True, False)
             for lanes in (8, 12)
             for chunks in (1, 2, 4)

@@ -603,6 +603,11 @@ def test_engine_arguments_are_checked() -> None:
         Engine("upload", spin_us=-1)
     with pytest.raises(ValueError, match="wait_spin_us"):
         Engine("upload", wait_spin_us=2e6)
+    for bad in (-1.0, 2e6, float("nan")):
+        with pytest.raises(ValueError, match="lane_wait_us"):
+            Engine("upload", lane_wait_us=bad)
+    with contextlib.closing(Engine("upload")) as plain, contextlib.closing(Engine("upload", lane_wait_us=250)) as set_:
+        assert plain.lane_wait_us == 100.0 and set_.lane_wait_us == 250.0
     with pytest.raises(ValueError, match="min_chunks_per_lane"):
         Engine("upload", min_chunks_per_lane=0)
     with pytest.raises(TypeError):
@@ -833,19 +838,30 @@ def test_lanes_sleep_through_long_dmas_and_the_driver_thread_idles_while_held() 
 
 def test_a_polling_wait_polls_about_its_jobs_expected_time_then_sleeps() -> None:
     """``wait_spin_us`` polls a job until its expected end (its bytes at 16 GB/s after submission,
-    at most 5 ms) plus the spin: a 4 MiB job that the emulated device's 0.01 GB/s per lane makes
-    last about 100 ms is mostly slept through, so the waiting thread's CPU time stays far below the wait;
-    and the wait still returns once the job is done, with every byte there."""
+    at most 5 ms) plus the spin, then sleeps; ``wait(poll=False)`` sleeps at once.
+
+    The emulated device's 0.1 GB/s per lane makes a 48 MiB job last about 120 ms; its expected
+    end is 3.1 ms after submission. A polling wait's thread therefore spends milliseconds of CPU
+    (at least 1 ms in the best of three: a loaded machine may take the CPU from the poll), far
+    below the wait itself; a wait with ``poll=False`` spends well under a millisecond."""
     import time
 
-    with contextlib.closing(make("upload", bandwidth=0.01e9, latency=0.0, wait_spin_us=200)) as up:
+    with contextlib.closing(make("upload", bandwidth=0.1e9, latency=0.0, wait_spin_us=200)) as up:
         assert up.wait_spin_us == 200
-        data = pattern(4 << 20, 9)
+        data = pattern(48 << 20, 9)
         dev = device_like(data.nbytes)
-        start, cpu = time.perf_counter(), time.thread_time()
-        job = submit(up, data, dev)
-        assert job.wait(60) and job.error is None
-        wall, busy = time.perf_counter() - start, time.thread_time() - cpu
+
+        def one(poll: bool) -> tuple[float, float]:
+            start, cpu = time.perf_counter(), time.thread_time()
+            job = submit(up, data, dev)
+            assert job.wait(60, poll=poll) and job.error is None
+            return time.perf_counter() - start, time.thread_time() - cpu
+
+        polled = [one(True) for _ in range(3)]
+        slept = [one(False) for _ in range(3)]
         assert dev.tobytes() == data.tobytes()
-        assert wall > 0.05, f"the emulated 4 MiB job took {wall:.3f} s: the test's premise failed"
-        assert busy < 0.3 * wall, f"{busy:.3f} s of CPU in a {wall:.3f} s wait: the wait polled it all"
+        for wall, busy in polled + slept:
+            assert wall > 0.03, f"the emulated 48 MiB job took {wall:.3f} s: the test's premise failed"
+            assert busy < 0.3 * wall, f"{busy:.4f} s of CPU in a {wall:.3f} s wait: the wait polled it all"
+        assert max(busy for _, busy in polled) > 1e-3, f"polling waits spent {polled}: no poll to the expected end"
+        assert min(busy for _, busy in slept) < 1e-3, f"waits with poll=False spent {slept}: they polled"

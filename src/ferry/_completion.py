@@ -164,8 +164,11 @@ class Job(Protocol):
         """Whether every part of the job finished (its DMAs complete). Never blocks."""
         ...
 
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until done or ``timeout`` seconds passed; return whether it is done."""
+    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
+        """Block until done or ``timeout`` seconds passed; return whether it is done.
+
+        ``poll=False``: sleep at once (a background waiter); a job that may poll before it
+        sleeps (the compiled engine's, on a roomy machine) does not."""
         ...
 
 

@@ -175,7 +175,7 @@ class _StreamWatch:
         completion = self.watcher.completion
         extra = record.extra
         if extra is not None and extra.job is not None:
-            extra.job.wait_done()
+            extra.job.wait_done(poll=False)  # the watcher sleeps; it never takes a CPU from the lanes
             return True
         backend = completion.backend
         try:

@@ -77,9 +77,10 @@
  * wait() sleeps on the condition variable with the GIL released, in slices
  * of at most 50 ms, and checks Python signals between slices
  * (PyErr_CheckSignals: a KeyboardInterrupt raised by the handler propagates
- * out of wait()). With spin_us or wait_spin_us > 0, wait() first polls done (GIL released)
- * and CUDA lanes poll a slot's event (cuEventQuery) that long before they
- * sleep: a thread's wake-up costs tens of microseconds on a VM.
+ * out of wait()). With spin_us or wait_spin_us > 0, wait() first polls done (GIL released; with
+ * wait_spin_us until the job's expected end and that long more, see Job_wait) and CUDA lanes poll a
+ * slot's event (cuEventQuery) spin_us before they sleep: a thread's wake-up costs tens of
+ * microseconds on a VM.
  *
  * Stream-order hand-off: posted events
  * ------------------------------------
@@ -2431,7 +2432,9 @@ static PyGetSetDef Engine_getset[] = {
     {"spin_us", Engine_get_spin_us, NULL, "how long an event or a job is polled before sleeping on it", NULL},
     {"wait_spin_us", Engine_get_wait_spin_us, NULL, "how long Job.wait polls the job before sleeping", NULL},
     {"lane_wait_us", Engine_get_lane_wait_us, NULL,
-     "how long a lane waits awake for the driver thread's answer (a DMA's end) before sleeping", NULL},
+     "how long a lane waits awake for the driver thread's answer (a DMA's end) before sleeping (at least "
+     "20 us of spinning; no effect without the driver thread)",
+     NULL},
     {"driver_thread", Engine_get_driver_thread, NULL,
      "whether a driver thread makes the lanes' enqueues (False: each lane calls the driver, or the engine is closed)",
      NULL},
@@ -2531,7 +2534,8 @@ static int job_of_this_process(JobObject *self) {
 
 /*
  * Job.wait with wait_spin_us > 0 (a roomy machine, see engine_threads) polls the job until its
- * expected end plus wait_spin_us: the expected end is its submission plus nbytes at
+ * expected end plus the larger of wait_spin_us and spin_us (with spin_us alone: that long);
+ * Job.wait(poll=False), the runtime's watcher's, sleeps at once: the expected end is its submission plus nbytes at
  * 1 / WAIT_EXPECT_NS_PER_BYTE (16 GB/s, below every staged figure the H200 measured from 8 MiB), at
  * most WAIT_EXPECT_CAP_NS from now. Without it an 8 MiB job (~330 us) outlasted the 200 us poll and
  * paid a sleeping thread's wake-up (30 - 60 us on the H200 VM). The waiting thread has nothing else
@@ -2542,9 +2546,10 @@ static int job_of_this_process(JobObject *self) {
 
 static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     JobObject *self = (JobObject *)obj;
-    static char *kwlist[] = {"timeout", NULL};
+    static char *kwlist[] = {"timeout", "poll", NULL};
     PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj)) return NULL;
+    int poll = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O$p", kwlist, &timeout_obj, &poll)) return NULL;
     job_t *job = self->job;
     if (job_is_done(job)) Py_RETURN_TRUE;
     int64_t deadline;
@@ -2552,13 +2557,16 @@ static PyObject *Job_wait(PyObject *obj, PyObject *args, PyObject *kwds) {
     if (deadline == 0) Py_RETURN_FALSE;
     if (job_of_this_process(self)) return NULL;
     EngineObject *eo = (EngineObject *)self->engine;
-    int64_t spin_ns = 0;
-    if (eo->eng) spin_ns = eo->eng->wait_spin_ns > eo->eng->spin_ns ? eo->eng->wait_spin_ns : eo->eng->spin_ns;
+    int64_t spin_ns = 0, wait_spin_ns = 0;
+    if (eo->eng && poll) {
+        wait_spin_ns = eo->eng->wait_spin_ns;
+        spin_ns = wait_spin_ns > eo->eng->spin_ns ? wait_spin_ns : eo->eng->spin_ns;
+    }
     if (spin_ns > 0) {
         int done = 0;
         Py_BEGIN_ALLOW_THREADS
         int64_t now = now_ns(), until = now + spin_ns;
-        if (eo->eng->wait_spin_ns > 0) { /* a job that should end soon: poll until then, not a wake-up past it */
+        if (wait_spin_ns > 0) { /* a job that should end soon: poll until then, not a wake-up past it */
             int64_t expected = job->t_submit + (int64_t)((double)job->nbytes * WAIT_EXPECT_NS_PER_BYTE);
             if (expected > WAIT_EXPECT_CAP_NS + now) expected = now + WAIT_EXPECT_CAP_NS;
             if (expected + spin_ns > until) until = expected + spin_ns;

@@ -156,11 +156,15 @@ class Job:
         """How many lanes took a share of the job."""
     def done(self) -> bool:
         """Whether the job is complete (one atomic load; never blocks, never raises)."""
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | None = None, *, poll: bool = True) -> bool:
         """Sleep with the GIL released until done; ``False`` on timeout.
 
-        Python signals are checked at least every 50 ms: an exception raised
-        by a signal handler (KeyboardInterrupt) propagates out of ``wait``.
+        On an engine with ``wait_spin_us`` > 0, and ``poll`` true, the job is first polled (GIL
+        released) until its expected end (its bytes at 16 GB/s from submission, at most 5 ms
+        ahead) plus the larger of ``wait_spin_us`` and ``spin_us``; with ``spin_us`` alone, that
+        long. ``poll=False`` sleeps at once (a background waiter's choice). Python signals are
+        checked after that poll and then at least every 50 ms: an exception raised by a signal
+        handler (KeyboardInterrupt) propagates out of ``wait``.
         """
     def timeline(self) -> dict[str, float | None]:
         """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
@@ -179,10 +183,12 @@ class Engine:
     The newer knobs: ``nontemporal`` (chunk copies from 64 KiB with streaming stores, x86-64),
     ``driver_thread`` (one thread makes the lanes' enqueues and polls the events they wait for;
     :attr:`driver_thread` says whether it runs: a thread that fails to start leaves the lanes
-    calling the driver themselves), ``wait_spin_us`` (``Job.wait`` polls the job that long first),
+    calling the driver themselves), ``wait_spin_us`` (``Job.wait`` polls the job until its expected
+    end and that long more first),
     ``one_stream`` (CUDA mode with the driver thread only, ignored otherwise: every DMA on the
     driver thread's one stream, which :meth:`streams` then names alone), ``lane_wait_us`` (a lane
-    waits that long awake for the driver thread's answer, a DMA's end, before it sleeps).
+    waits that long awake for the driver thread's answer, a DMA's end, before it sleeps; it spins
+    20 us at least, and the knob does nothing without the driver thread).
     """
 
     def __init__(
@@ -232,7 +238,8 @@ class Engine:
         before sleeping on it (0: always sleep at once)."""
     @property
     def wait_spin_us(self) -> float:
-        """``Job.wait`` polls the job this long before sleeping (the larger of this and :attr:`spin_us`)."""
+        """``Job.wait`` polls the job until its expected end and this long more (the larger of this
+        and :attr:`spin_us`) before sleeping."""
     @property
     def lane_wait_us(self) -> float:
         """How long a lane waits awake (spinning, then yielding) for the driver thread's answer

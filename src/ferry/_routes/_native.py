@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -140,15 +141,16 @@ class NativeJob:
             return True
         return False
 
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed."""
+    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
+        """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed; with
+        ``poll`` the compiled job may poll first (``Job.wait``), without it it sleeps at once."""
         if self._inner is None:
             started = self._started
             if started is not None and not started.wait(timeout):
                 return False
             if self._inner is None:
                 return True  # failed to start
-        if self._inner.wait(timeout):
+        if self._inner.wait(timeout, poll=poll):
             self._give_back()
             return True
         return False
@@ -306,7 +308,7 @@ class NativeEngine:
         """
         backend = self.backend
         if not self.cuda:
-            backend.stream_wait_host(stream, job.wait_done)  # type: ignore[attr-defined]
+            backend.stream_wait_host(stream, partial(job.wait_done, poll=False))  # type: ignore[attr-defined]
             return
         inner = job._inner
         if inner is None or job.array is None:  # it failed to start, or finished: nothing runs

@@ -110,8 +110,9 @@ class StagedPeerJob:
         """Whether the last upload completed (or the job failed). Never blocks."""
         return self.done.is_set()
 
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until done (or ``timeout`` seconds passed); return whether done."""
+    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
+        """Block until done (or ``timeout`` seconds passed); return whether done. Never polls
+        (``poll`` is for the protocol)."""
         return self.done.wait(timeout)
 
     def _run(self) -> None:

@@ -238,8 +238,9 @@ class StagedJob:
         """Whether every lane finished its share. Never blocks."""
         return self.done.is_set()
 
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until every lane finished (or ``timeout`` seconds passed); return whether done."""
+    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
+        """Block until every lane finished (or ``timeout`` seconds passed); return whether done.
+        Never polls (``poll`` is for the protocol)."""
         return self.done.wait(timeout)
 
     def lane_finished(self, copied: int, error: DeviceError | None) -> None:
