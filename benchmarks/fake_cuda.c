@@ -46,6 +46,20 @@ static int driver_version(void) {
     return v ? atoi(v) : 13000;
 }
 
+/* fake_fail_next(copy_code, record_code): the next single copy (cuMemcpyHtoDAsync / DtoHAsync) and the
+ * next cuEventRecord return these codes once (0: succeed). For tests of the refusal paths. */
+static int fail_copy, fail_record;
+void fake_fail_next(int copy_code, int record_code) {
+    fail_copy = copy_code;
+    fail_record = record_code;
+}
+
+static int take_failure(int *code) {
+    int c = *code;
+    *code = 0;
+    return c;
+}
+
 void fake_counts(unsigned long long out[5]) {
     out[0] = n_copies;
     out[1] = n_batches;
@@ -132,18 +146,26 @@ CUresult cuEventCreate(void **e, unsigned int flags) {
     return *e ? 0 : 2;
 }
 CUresult cuEventDestroy(void *e) { free(e); return 0; }
-CUresult cuEventRecord(void *e, void *s) { (void)e; (void)s; n_records++; return 0; }
+CUresult cuEventRecord(void *e, void *s) {
+    (void)e;
+    (void)s;
+    if (fail_record) return take_failure(&fail_record);
+    n_records++;
+    return 0;
+}
 CUresult cuEventQuery(void *e) { (void)e; n_queries++; return 0; }
 CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
 
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
     (void)s;
+    if (fail_copy) return take_failure(&fail_copy);
     if (!no_copy()) memcpy((void *)(uintptr_t)d, h, n);
     n_copies++;
     return 0;
 }
 CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
     (void)s;
+    if (fail_copy) return take_failure(&fail_copy);
     if (!no_copy()) memcpy(h, (const void *)(uintptr_t)d, n);
     n_copies++;
     return 0;

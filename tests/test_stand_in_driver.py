@@ -283,3 +283,60 @@ def test_the_cuda_engine_with_and_without_its_driver_thread(stand_in: Path, driv
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+def test_a_pinned_copy_the_driver_refuses_leaves_everything_usable(stand_in: Path) -> None:
+    """The compiled pinned submission enqueues the copy before it makes the transfer's record. A copy
+    the driver refuses, or one whose event record it refuses after queueing the copy, raises
+    TransferSubmitError and changes nothing: the buffer and the array stay owned and usable, the next
+    round trips move the bytes, and nothing is counted as failed or left in flight. Then many round
+    trips with dropped handles and garbage collection after every allocation (the record is made
+    after the copy, with collection off until it is tracked) end with every copy accounted for."""
+    out = run(stand_in, """
+        import ctypes, gc
+        import numpy as np
+        import ferry
+
+        lib = ctypes.CDLL("libcuda.so.1")  # the stand-in the bindings loaded: its failure switch
+        rt = ferry.Runtime("cuda")
+        data = (np.arange(4096) % 251).astype(np.uint8)
+        buf, dev = rt.pinned(4096), rt.empty(4096, np.uint8)
+        buf.as_array()[:] = data
+        for copy_code, record_code in ((1, 0), (0, 1)):
+            for direction in ("up", "down"):
+                lib.fake_fail_next(copy_code, record_code)
+                try:
+                    if direction == "up":
+                        rt.upload_pending(buf, dev)
+                    else:
+                        rt.download_pending(dev, buf)
+                except ferry.TransferSubmitError as exc:
+                    print("refused", direction, copy_code, record_code, type(exc).__name__)
+                else:
+                    raise SystemExit("the refused copy was accepted")
+                assert buf.as_array()[7] == data[7]  # owned: readable
+        lib.fake_fail_next(0, 0)
+        buf, dev = rt.upload_pending(buf, dev).wait()
+        buf.as_array()[:] = 0
+        dev, buf = rt.download_pending(dev, buf).wait()
+        assert np.array_equal(buf.as_array(), data)
+        gc.set_threshold(1)
+        for k in range(300):
+            handle = rt.upload_pending(buf, dev)
+            if k % 3:
+                buf, dev = handle.wait()
+            else:  # dropped: it retires; a later submission's maintenance collects it
+                del handle
+                buf, dev = rt.pinned(4096), rt.empty(4096, np.uint8)
+                buf.as_array()[:] = data
+        gc.set_threshold(700)
+        buf, dev = rt.upload_pending(buf, dev).wait()
+        stats = rt.stats()
+        print("failed", stats.failed, "in_flight", stats.in_flight, "submitted", stats.submitted,
+              "completed + retiring", stats.completed + stats.retiring)
+        rt.close()
+    """)
+    assert out.count("refused") == 4, out
+    counts = out.split("failed ")[1].split()
+    assert counts[0] == "0" and counts[2] == "0", out  # nothing failed, nothing in flight
+    assert counts[4] == counts[8], out  # every submitted copy completed or retires
