@@ -215,6 +215,26 @@ def test_ctrl_c_interrupts_to_host_and_leaves_everything_valid(rt: ferry.Runtime
     assert np.array_equal(rt.to_host(dev), data)
 
 
+def test_ctrl_c_interrupts_the_wait_of_a_staged_upload() -> None:
+    """A pageable upload staged in chunks (the staging engine's job, held) is waited in the job's
+    slices: Ctrl-C reaches it, the handle stays pending, and it completes once released."""
+    config = ferry.StagingConfig(lanes=2, slot_bytes=256 << 10, direct_bytes=64 << 10, min_chunk_bytes=64 << 10)
+    with ferry.Runtime("emulated", staging=config) as rt:
+        data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: four chunks on two lanes
+        dev = rt.empty(data.shape, data.dtype)
+        with testing.hold(rt, "upload"):
+            pending = rt.upload(data, dev)
+            interrupt = _Interrupt(0.2)
+            with pytest.raises(KeyboardInterrupt):
+                pending.wait()
+            latency = interrupt.latency()
+            print(f"KeyboardInterrupt {latency * 1e3:.2f} ms after SIGINT (staged upload)")
+            assert latency < INTERRUPT_BOUND, f"KeyboardInterrupt {latency * 1e3:.1f} ms after SIGINT"
+            assert not pending.is_ready()
+        source, dev = pending.wait(timeout=30)
+        assert source is data and np.array_equal(rt.to_host(dev), data)
+
+
 def test_ctrl_c_interrupts_wait_all(rt: ferry.Runtime) -> None:
     arrays = [np.full(1000, i, np.int32) for i in range(3)]
     with testing.hold(rt, "download"):

@@ -163,7 +163,7 @@ class Job:
         released) until its expected end (its bytes at 16 GB/s from submission, at most 5 ms
         ahead) plus the larger of ``wait_spin_us`` and ``spin_us``; with ``spin_us`` alone, that
         long. ``poll=False`` sleeps at once (a background waiter's choice). Python signals are
-        checked after that poll and then at least every 50 ms: an exception raised by a signal
+        checked after that poll and then at least every 5 ms: an exception raised by a signal
         handler (KeyboardInterrupt) propagates out of ``wait``.
         """
     def timeline(self) -> dict[str, float | None]:
