@@ -3575,6 +3575,20 @@ out:
 }
 
 /* enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: see the essay above. */
+/* A new record's copy raised (the error is set): a DeviceError goes to Completion.copy_failed, which
+ * raises what a submission raises; anything else propagates. Steals the record; returns NULL. */
+static PyObject *fast_refused_copy(FastObject *self, PyObject *record) {
+    PyObject *exc = take_device_error(self);
+    if (exc) {
+        PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
+        Py_DECREF(exc);
+        Py_XDECREF(r);
+        if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
+    }
+    Py_DECREF(record);
+    return NULL;
+}
+
 static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 8, "enqueue")) return NULL;
@@ -3632,15 +3646,7 @@ static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t n
         done = call_args(copy, cargs, 5);
     Py_DECREF(event);
     if (!done) {
-        PyObject *exc = take_device_error(self);
-        if (exc) {
-            PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
-            Py_DECREF(exc);
-            Py_XDECREF(r);
-            if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
-        }
-        Py_DECREF(record);
-        return NULL;
+        return fast_refused_copy(self, record);
     }
     Py_DECREF(done);
     self->submitted++;
@@ -4143,15 +4149,7 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
         }
         Py_DECREF(event);
         PyErr_Restore(err_type, err_value, err_tb);
-        PyObject *exc = take_device_error(self);
-        if (exc) {
-            PyObject *r = PyObject_CallFunctionObjArgs(self->copy_failed, record, exc, NULL);
-            Py_DECREF(exc);
-            Py_XDECREF(r);
-            if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
-        }
-        Py_DECREF(record);
-        return NULL;
+        return fast_refused_copy(self, record);
     }
     if (record && PySet_Add(self->live, record) == 0) {
         self->submitted++;
