@@ -2538,12 +2538,12 @@ static int job_of_this_process(JobObject *self) {
 
 /*
  * Job.wait with wait_spin_us > 0 (a roomy machine, see engine_threads) polls the job until its
- * expected end plus the larger of wait_spin_us and spin_us (with spin_us alone: that long);
- * Job.wait(poll=False), the runtime's watcher's, sleeps at once: the expected end is its submission plus nbytes at
- * 1 / WAIT_EXPECT_NS_PER_BYTE (16 GB/s, below every staged figure the H200 measured from 8 MiB), at
- * most WAIT_EXPECT_CAP_NS from now. Without it an 8 MiB job (~330 us) outlasted the 200 us poll and
- * paid a sleeping thread's wake-up (30 - 60 us on the H200 VM). The waiting thread has nothing else
- * to do; the GIL is released while it polls.
+ * expected end plus the larger of wait_spin_us and spin_us (with spin_us alone: that long). The
+ * expected end is its submission plus nbytes at 1 / WAIT_EXPECT_NS_PER_BYTE (16 GB/s, below every
+ * staged figure the H200 measured from 8 MiB), at most WAIT_EXPECT_CAP_NS from now.
+ * Without that an 8 MiB job (~330 us) outlasted the 200 us poll and paid a sleeping thread's wake-up
+ * (30 - 60 us on the H200 VM). The waiting thread has nothing else to do; the GIL is released while
+ * it polls. Job.wait(poll=False), the runtime watcher's, sleeps at once.
  */
 #define WAIT_EXPECT_NS_PER_BYTE (1.0 / 16.0)
 #define WAIT_EXPECT_CAP_NS 5000000LL
@@ -4065,8 +4065,9 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
 /*
  * Fast_pinned's common case on CUDA (the backend's copy is Calls' compiled one, no batch open, no
  * maintenance due, a pooled event): the copy and its event record go to the driver before the record
- * and its tuples are made, so the copy starts about 0.2 us sooner (the 16 B round trip; the Python
- * twin, Completion.enqueue, makes the record first). Garbage collection is off from the copy until the
+ * and its tuples are made, so the copy starts sooner by the time those allocations take (the 16 B
+ * round trip's critical path; the Python twin, Completion.enqueue, makes the record first; on the
+ * H200 the gain stayed inside the hosts' drift, docs/benchmarks.md, sixth session, run 6). Garbage collection is off from the copy until the
  * record is in `live`: an allocation in between cannot run a finalizer (a dropped handle's, a
  * runtime's) that would find the copy untracked; that window had the first try at this reverted
  * (a358b81). Returns the record (its event taken from the pool, the copy counted as submitted), or
