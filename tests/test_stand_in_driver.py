@@ -302,6 +302,8 @@ def test_a_pinned_copy_the_driver_refuses_leaves_everything_usable(stand_in: Pat
         data = (np.arange(4096) % 251).astype(np.uint8)
         buf, dev = rt.pinned(4096), rt.empty(4096, np.uint8)
         buf.as_array()[:] = data
+        buf, dev = rt.upload_pending(buf, dev).wait()
+        events = rt.stats().events
         for copy_code, record_code in ((1, 0), (0, 1)):
             for direction in ("up", "down"):
                 lib.fake_fail_next(copy_code, record_code)
@@ -316,6 +318,7 @@ def test_a_pinned_copy_the_driver_refuses_leaves_everything_usable(stand_in: Pat
                     raise SystemExit("the refused copy was accepted")
                 assert buf.as_array()[7] == data[7]  # owned: readable
         lib.fake_fail_next(0, 0)
+        print("events made by the refusals", rt.stats().events - events)  # each event went back to the pool
         buf, dev = rt.upload_pending(buf, dev).wait()
         buf.as_array()[:] = 0
         dev, buf = rt.download_pending(dev, buf).wait()
@@ -337,6 +340,7 @@ def test_a_pinned_copy_the_driver_refuses_leaves_everything_usable(stand_in: Pat
         rt.close()
     """)
     assert out.count("refused") == 4, out
+    assert "events made by the refusals 0" in out, out
     counts = out.split("failed ")[1].split()
     assert counts[0] == "0" and counts[2] == "0", out  # nothing failed, nothing in flight
     assert counts[4] == counts[8], out  # every submitted copy completed or retires

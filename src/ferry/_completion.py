@@ -468,9 +468,10 @@ class Completion:
         """The copy of a new record raised ``exc``; always raises. Lock held.
 
         Not enqueued: the event goes back, :class:`~ferry.TransferSubmitError`.
-        Enqueued but not recorded: the stream is synchronized (then
-        ``TransferSubmitError``), or, if that fails too, the record fails and
-        :class:`~ferry.TransferFailedError` says its objects are abandoned.
+        Enqueued but not recorded: the stream is synchronized (then the event
+        goes back, and ``TransferSubmitError``), or, if that fails too, the
+        record fails and :class:`~ferry.TransferFailedError` says its objects
+        are abandoned.
         """
         self.health.note(exc)
         if not exc.enqueued:
@@ -485,6 +486,7 @@ class Completion:
             raise TransferFailedError(
                 f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
             ) from sync_exc
+        self.events.append(record.event)  # its record was refused: it is as it was, reusable
         raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
 
     def _enqueue_batched(
