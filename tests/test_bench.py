@@ -244,3 +244,33 @@ def test_a_contender_that_fails_mid_run_leaves_the_next_one_a_clean_slate(
     rows = {(r.impl, r.route): r for r in ctx.results}
     assert rows[("ferry", "fresh")].valid is False and "mid-run" in rows[("ferry", "fresh")].note
     assert rows[("ferry", "ring")].valid is True, rows[("ferry", "ring")].note  # in flight was drained
+
+
+def test_host_drift_warns_only_past_the_bound() -> None:
+    from ferry._bench._protocol import HOST_DRIFT, host_drift, host_speed
+
+    assert host_speed(iterations=2_000, rounds=2) > 0
+    assert host_drift(10.0, 10.0) is None
+    assert host_drift(10.0, 10.0 * HOST_DRIFT) is None and host_drift(10.0, 10.0 / HOST_DRIFT) is None
+    slower = host_drift(10.0, 5.0)
+    assert slower is not None and "10.0" in slower and "5.0" in slower and "0.50x" in slower
+    assert host_drift(5.0, 10.0) is not None
+
+
+def test_the_report_gives_the_hosts_speed_before_and_after_and_warns_of_a_drift(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bench measures a reference Python loop before and after its groups: the report says
+    both figures, and a host that slowed down between them is named in the report and on stderr."""
+    import argparse
+
+    import ferry._bench as bench
+
+    speeds = iter([12.0, 6.0])
+    monkeypatch.setattr(bench, "host_speed", lambda: next(speeds))
+    args = argparse.Namespace(groups="latency", seconds=0.001, quick=True, no_files=True, out=None)
+    assert bench.run(emu, args) == 0
+    out, err = capsys.readouterr()
+    assert "- host_speed: a Python loop ran at 12.0 M iterations/s before the groups, 6.0 after" in out
+    assert "- host_warning: the host's speed changed during the run" in out
+    assert "warning: the host's speed changed during the run" in err

@@ -22,7 +22,7 @@ from typing import Any
 
 from ._groups import GROUPS, Context, case_count
 from ._peers import load_peers
-from ._protocol import Budget, Result
+from ._protocol import Budget, Result, host_drift, host_speed
 from ._report import compute_checks, markdown, metadata, plot, write_json
 
 __all__: list[str] = []
@@ -167,6 +167,7 @@ def run(rt: Any, args: argparse.Namespace) -> int:
     meta = metadata(rt, peers, missing, args)
     ctx = Context(rt, peers, budget, args.quick, lambda label: None)
     counts = [case_count(name, ctx) for name in selected]
+    speed_before = host_speed()
     with _progress(sum(counts)) as progress:
         ctx.progress = progress
         done = 0
@@ -177,6 +178,14 @@ def run(rt: Any, args: argparse.Namespace) -> int:
                 ctx.results.append(Result(name, "ferry", "-", "-", 0, valid=False, note=f"group failed: {exc!r}"))
             done += count
             progress.settle(done)
+    speed_after = host_speed()
+    meta["host_speed"] = (
+        f"a Python loop ran at {speed_before:.1f} M iterations/s before the groups, {speed_after:.1f} after"
+    )
+    drift = host_drift(speed_before, speed_after)
+    if drift is not None:
+        meta["host_warning"] = drift
+        print(f"warning: {drift}", file=sys.stderr)
     checks = compute_checks(ctx.results)
     report = markdown(meta, ctx.results, checks)
     print(report)

@@ -25,20 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from ._protocol import Result, payload
+from ._protocol import Result, payload, spin
 
 __all__: list[str] = []
 
 MiB = 1 << 20
 ROUTES = ("idle", "beside_ferry_upload", "beside_ferry_download", "beside_torch_pinning")
-
-
-def spin(iterations: int) -> float:
-    """The pure-Python loop: arithmetic on a float, no allocation to speak of."""
-    x = 1.0
-    for i in range(iterations):
-        x = (x * 1.000001 + i) % 1000.0
-    return x
 
 
 def _calibrate(seconds: float) -> int:

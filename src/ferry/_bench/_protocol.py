@@ -89,6 +89,47 @@ def measure(
     return samples
 
 
+def spin(iterations: int) -> float:
+    """The pure-Python loop: arithmetic on a float, no allocation to speak of (the ``gil`` group's
+    workload, and the host's speed reference)."""
+    x = 1.0
+    for i in range(iterations):
+        x = (x * 1.000001 + i) % 1000.0
+    return x
+
+
+HOST_DRIFT = 0.8
+"""A run whose host reference loop ran slower than this fraction of its other measurement (or faster
+than its inverse) says that the host's speed changed during the run."""
+
+
+def host_speed(iterations: int = 100_000, rounds: int = 5) -> float:
+    """Millions of :func:`spin` iterations per second on this thread, the best of ``rounds``.
+
+    The bench measures it before its groups and after them: VM hosts change speed within minutes (on
+    the H200 VMs a second heavy run in one lease measured ferry's Python-heavy rows 2 - 4x slower),
+    and a ratio between rows timed minutes apart holds only if the host did not. Its figure also
+    compares hosts across runs."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        spin(iterations)
+        best = min(best, time.perf_counter() - start)
+    return iterations / best / 1e6
+
+
+def host_drift(before: float, after: float) -> str | None:
+    """A warning when the host's reference loop changed speed by more than :data:`HOST_DRIFT` between
+    the two measurements, else ``None``."""
+    ratio = after / before
+    if HOST_DRIFT <= ratio <= 1 / HOST_DRIFT:
+        return None
+    return (
+        f"the host's speed changed during the run (a Python loop at {before:.1f} M iterations/s before the "
+        f"groups, {after:.1f} after: {ratio:.2f}x); ratios between rows timed apart may not hold"
+    )
+
+
 def payload(nbytes: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Random bytes (not zeros), quickly."""
     rng = np.random.default_rng(seed)
