@@ -140,12 +140,25 @@ CUresult cuStreamWriteValue32(void *s, CUdeviceptr a, uint32_t v, unsigned int f
     return 0;
 }
 
+static unsigned long long n_event_creates, n_event_destroys;
+
+/* fake_event_counts(out): events created and destroyed so far (a test's leak check). */
+void fake_event_counts(unsigned long long out[2]) {
+    out[0] = n_event_creates;
+    out[1] = n_event_destroys;
+}
+
 CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;
     *e = malloc(16);
+    if (*e) n_event_creates++;
     return *e ? 0 : 2;
 }
-CUresult cuEventDestroy(void *e) { free(e); return 0; }
+CUresult cuEventDestroy(void *e) {
+    free(e);
+    n_event_destroys++;
+    return 0;
+}
 CUresult cuEventRecord(void *e, void *s) {
     (void)e;
     (void)s;

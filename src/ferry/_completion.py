@@ -468,10 +468,10 @@ class Completion:
         """The copy of a new record raised ``exc``; always raises. Lock held.
 
         Not enqueued: the event goes back, :class:`~ferry.TransferSubmitError`.
-        Enqueued but not recorded: the stream is synchronized (then the event
-        goes back, and ``TransferSubmitError``), or, if that fails too, the
-        record fails and :class:`~ferry.TransferFailedError` says its objects
-        are abandoned.
+        Enqueued but not recorded: the stream is synchronized (then the event,
+        which may be what the driver refused, is destroyed rather than pooled,
+        and ``TransferSubmitError``), or, if that fails too, the record fails
+        and :class:`~ferry.TransferFailedError` says its objects are abandoned.
         """
         self.health.note(exc)
         if not exc.enqueued:
@@ -486,7 +486,9 @@ class Completion:
             raise TransferFailedError(
                 f"the copy was queued but could not be tracked ({exc}); its objects are abandoned"
             ) from sync_exc
-        self.events.append(record.event)  # its record was refused: it is as it was, reusable
+        event, record.event = record.event, None  # its record was refused: maybe a bad event; never reused
+        with contextlib.suppress(DeviceError):
+            self.backend.event_destroy(event)
         raise TransferSubmitError(f"could not record the copy's event: {exc}") from exc
 
     def _enqueue_batched(
