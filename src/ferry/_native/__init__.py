@@ -35,8 +35,8 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
-    "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "load", "status",
-    "writeable_flags",
+    "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "lease_table",
+    "load", "status", "writeable_flags",
 ]
 
 ENV_VAR = "FERRY_NATIVE"
@@ -240,6 +240,18 @@ def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | N
     if module is None or not array_layout():
         return None
     return module.clear_writeable, module.set_writeable
+
+
+def lease_table() -> Any:
+    """A compiled table of read-only leases (``_engine.Leases``: ``take(array, writeable=None)``,
+    ``give(array)``, ``table``), or ``None`` where the extension or a verified array layout is
+    missing (then :class:`ferry._routes._base.HostLeases` does the same in Python)."""
+    module = load()
+    if module is None or not array_layout():
+        return None
+    import numpy as np
+
+    return module.Leases(np.ndarray)
 
 
 @functools.cache

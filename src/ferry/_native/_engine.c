@@ -4362,6 +4362,223 @@ static PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
     Py_RETURN_NONE;
 }
 
+/*
+ * Leases(ndarray_type): HostLeases' table (ferry/_routes/_base.py) in C. The caller's NumPy arrays are
+ * flagged read-only while transfers use them, counted per array, the flag restored by the last one.
+ * `table` maps an array's address to [array, count, writeable] as the Python class does; take() and
+ * give() are its methods, one C call each where the Python ones cost ~0.2 us apiece (a small pageable
+ * transfer makes one of each). An exact ndarray (ndarray_type) has its flag flipped at the verified
+ * offset (set_array_layout); any other array goes through array.flags and array.setflags, as in Python.
+ */
+static PyTypeObject *LeasesType;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *table, *ndarray;
+} LeasesObject;
+
+static PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
+
+static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ndarray_type", NULL};
+    PyObject *ndarray;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!", kwlist, &PyType_Type, &ndarray)) return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    LeasesObject *self = (LeasesObject *)alloc(type, 0);
+    if (!self) return NULL;
+    if (!(self->table = PyDict_New())) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(ndarray);
+    self->ndarray = ndarray;
+    return (PyObject *)self;
+}
+
+static int Leases_traverse(PyObject *obj, visitproc visit, void *arg) {
+    LeasesObject *self = (LeasesObject *)obj;
+    Py_VISIT(self->table);
+    Py_VISIT(self->ndarray);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Leases_clear(PyObject *obj) {
+    LeasesObject *self = (LeasesObject *)obj;
+    Py_CLEAR(self->table);
+    Py_CLEAR(self->ndarray);
+    return 0;
+}
+
+static void Leases_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Leases_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* array.setflags(write=value): 0, or -1 with the error set. */
+static int leases_setflags(PyObject *array, int value) {
+    PyObject *method = PyObject_GetAttr(array, S_setflags);
+    if (!method) return -1;
+    PyObject *empty = PyTuple_New(0), *kw = PyDict_New();
+    PyObject *r = NULL;
+    if (empty && kw && PyDict_SetItem(kw, S_write, value ? Py_True : Py_False) == 0) r = PyObject_Call(method, empty, kw);
+    Py_XDECREF(empty);
+    Py_XDECREF(kw);
+    Py_DECREF(method);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* take(array, writeable=None): flag `array` read-only for one flight (`writeable`: its flag, when the
+ * caller knows it; an exact ndarray's is read). give() ends it. */
+static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    LeasesObject *self = (LeasesObject *)obj;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "take takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *array = args[0], *known = nargs == 2 ? args[1] : Py_None;
+    PyObject *key = PyLong_FromVoidPtr(array);
+    if (!key) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
+    if (entry) {
+        long count = PyLong_AsLong(PyList_GetItem(entry, 1));
+        PyObject *v = (count == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(count + 1);
+        Py_DECREF(key);
+        if (!v || PyList_SetItem(entry, 1, v)) return NULL; /* steals v */
+        Py_RETURN_NONE;
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    int was;
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && array_flags_offset >= 0) {
+        int *flags = array_flags(array);
+        was = (*flags & NPY_WRITEABLE_FLAG) != 0;
+        *flags &= ~NPY_WRITEABLE_FLAG;
+    } else {
+        if (known == Py_None) {
+            PyObject *flags = PyObject_GetAttr(array, S_flags);
+            PyObject *w = flags ? PyObject_GetAttr(flags, S_writeable) : NULL;
+            Py_XDECREF(flags);
+            was = w ? PyObject_IsTrue(w) : -1;
+            Py_XDECREF(w);
+        } else {
+            was = PyObject_IsTrue(known);
+        }
+        if (was < 0 || (was && leases_setflags(array, 0))) {
+            Py_DECREF(key);
+            return NULL;
+        }
+    }
+    PyObject *one = PyLong_FromLong(1);
+    entry = one ? PyList_New(3) : NULL;
+    if (!entry) {
+        Py_XDECREF(one);
+        Py_DECREF(key);
+        return NULL; /* the flag stays cleared: as in Python, where the table's insert cannot fail */
+    }
+    Py_INCREF(array);
+    PyList_SetItem(entry, 0, array);
+    PyList_SetItem(entry, 1, one);
+    PyObject *flag = was ? Py_True : Py_False;
+    Py_INCREF(flag);
+    PyList_SetItem(entry, 2, flag);
+    int rc = PyDict_SetItem(self->table, key, entry);
+    Py_DECREF(entry);
+    Py_DECREF(key);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* give(array): end one flight's lease of `array`; the last one restores its flag. */
+static PyObject *Leases_give(PyObject *obj, PyObject *array) {
+    LeasesObject *self = (LeasesObject *)obj;
+    PyObject *key = PyLong_FromVoidPtr(array);
+    if (!key) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
+    if (!entry) {
+        Py_DECREF(key);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    long count = PyLong_AsLong(PyList_GetItem(entry, 1));
+    if (count == -1 && PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    if (count > 1) {
+        PyObject *v = PyLong_FromLong(count - 1);
+        Py_DECREF(key);
+        if (!v || PyList_SetItem(entry, 1, v)) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(entry);
+    int rc = PyDict_DelItem(self->table, key);
+    Py_DECREF(key);
+    int was = rc ? -1 : PyObject_IsTrue(PyList_GetItem(entry, 2));
+    Py_DECREF(entry);
+    if (was <= 0) return was < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && array_flags_offset >= 0) {
+        PyObject *base = PyObject_GetAttr(array, S_base);
+        if (!base) return NULL;
+        int owns = base == Py_None;
+        Py_DECREF(base);
+        if (owns) { /* it owns its data: NumPy would allow it */
+            *array_flags(array) |= NPY_WRITEABLE_FLAG;
+            Py_RETURN_NONE;
+        }
+    }
+    if (leases_setflags(array, 1)) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
+        PyErr_Clear(); /* its base became read-only meanwhile: it stays so */
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Leases_get_table(PyObject *obj, void *Py_UNUSED(closure)) {
+    LeasesObject *self = (LeasesObject *)obj;
+    Py_INCREF(self->table);
+    return self->table;
+}
+
+static PyMethodDef Leases_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))Leases_take, METH_FASTCALL,
+     "take(array, writeable=None): flag array read-only for one flight (counted)"},
+    {"give", Leases_give, METH_O, "give(array): end one flight's lease; the last one restores the flag"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Leases_getset[] = {
+    {"table", Leases_get_table, NULL, "address -> [array, count, writeable] (the arrays leased now)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Leases_slots[] = {
+    {Py_tp_new, Leases_new},
+    {Py_tp_dealloc, Leases_dealloc},
+    {Py_tp_traverse, Leases_traverse},
+    {Py_tp_clear, Leases_clear},
+    {Py_tp_methods, Leases_methods},
+    {Py_tp_getset, Leases_getset},
+    {Py_tp_doc, "Leases(ndarray_type): HostLeases' table of read-only flags in flight, in C"},
+    {0, NULL},
+};
+
+static PyType_Spec Leases_spec = {
+    "ferry._native._engine.Leases",
+    sizeof(LeasesObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Leases_slots,
+};
+
 /* copy_in(dst, capacity, array[, nbytes]) -> bytes copied, or -1 (not a C-contiguous buffer, or too large).
  * nbytes >= 0: the caller vouches that array is a numpy.ndarray of that size (the layout path). */
 static PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
@@ -4801,6 +5018,17 @@ PyMODINIT_FUNC PyInit__engine(void) {
     }
     if (!(S_wait = PyUnicode_InternFromString("wait")) || !(S_detach = PyUnicode_InternFromString("detach")))
         goto fail;
+    if (!(S_flags = PyUnicode_InternFromString("flags")) || !(S_writeable = PyUnicode_InternFromString("writeable")) ||
+        !(S_setflags = PyUnicode_InternFromString("setflags")) || !(S_base = PyUnicode_InternFromString("base")) ||
+        !(S_write = PyUnicode_InternFromString("write")))
+        goto fail;
+    LeasesType = (PyTypeObject *)PyType_FromSpec(&Leases_spec);
+    if (!LeasesType) goto fail;
+    Py_INCREF((PyObject *)LeasesType);
+    if (PyModule_AddObject(m, "Leases", (PyObject *)LeasesType)) {
+        Py_DECREF((PyObject *)LeasesType);
+        goto fail;
+    }
     CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);
     if (!CallsType) goto fail;
     Py_INCREF((PyObject *)CallsType);

@@ -308,5 +308,21 @@ class Handle:
     def __init__(self, port: Any, record: Any, /) -> None: ...
     def wait(self, timeout: float | None = None) -> Any: ...
 
+@final
+class Leases:
+    """HostLeases' table (``ferry/_routes/_base.py``) in C: NumPy arrays flagged read-only while
+    transfers use them, counted per array; the last :meth:`give` restores the flag."""
+
+    def __init__(self, ndarray_type: type, /) -> None: ...
+    @property
+    def table(self) -> dict[int, list[Any]]:
+        """The array's address -> ``[array, count, writeable]`` of every array leased now."""
+    def take(self, array: Any, writeable: bool | None = None, /) -> None:
+        """Flag ``array`` read-only for one flight (``writeable``: its flag, when the caller knows it;
+        an exact ndarray's is read)."""
+    def give(self, array: Any, /) -> None:
+        """End one flight's lease; the last one sets the flag back (through ``setflags`` for an array
+        that does not own its data, which stays read-only if NumPy refuses)."""
+
 def set_handle_errors(waited_error: type[BaseException], /) -> None:
     """The exception class a handle's second ``wait()`` raises."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .._native import data_reader, writeable_flags
+from .._native import data_reader, lease_table, writeable_flags
 
 if TYPE_CHECKING:
     from .._completion import Extras, Record
@@ -71,7 +71,9 @@ class HostLeases:
     where they run (:func:`ferry._native.writeable_flags`: tens of
     nanoseconds, where NumPy's ``setflags`` costs hundreds); a restore that
     NumPy might refuse (an array that does not own its data) goes through
-    ``setflags``.
+    ``setflags``. Where the extension runs, :meth:`take` and :meth:`give` are
+    its ``Leases`` table's (:func:`ferry._native.lease_table`): the same steps,
+    one C call each instead of about 0.2 us of Python each.
     """
 
     def __init__(self) -> None:
@@ -79,6 +81,11 @@ class HostLeases:
         flags = writeable_flags()
         self._clear: Callable[[Any], bool] | None = flags[0] if flags is not None else None
         self._restore: Callable[[Any], None] | None = flags[1] if flags is not None else None
+        compiled = lease_table()
+        if compiled is not None:
+            self._leases = compiled.table
+            self.take = compiled.take  # type: ignore[method-assign]
+            self.give = self._unlease = compiled.give  # type: ignore[method-assign]
 
     def lease(self, array: np.ndarray[Any, Any]) -> Callable[[bool], None]:
         """Flag ``array`` read-only for one flight; return the cleanup that restores it."""
