@@ -127,7 +127,19 @@ CUresult cuStreamCreate(void **s, unsigned int flags) {
     return 0;
 }
 CUresult cuStreamDestroy(void *s) { (void)s; return 0; }
-CUresult cuStreamSynchronize(void *s) { (void)s; return 0; }
+static unsigned long long n_stream_syncs, n_event_syncs;
+
+/* fake_syncs(out): cuStreamSynchronize and cuEventSynchronize calls so far. */
+void fake_syncs(unsigned long long out[2]) {
+    out[0] = n_stream_syncs;
+    out[1] = n_event_syncs;
+}
+
+CUresult cuStreamSynchronize(void *s) {
+    (void)s;
+    n_stream_syncs++;
+    return 0;
+}
 CUresult cuStreamQuery(void *s) { (void)s; return 0; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned int f) { (void)s; (void)e; (void)f; return 0; }
 CUresult cuStreamWaitValue32(void *s, CUdeviceptr a, uint32_t v, unsigned int f) {
@@ -167,7 +179,11 @@ CUresult cuEventRecord(void *e, void *s) {
     return 0;
 }
 CUresult cuEventQuery(void *e) { (void)e; n_queries++; return 0; }
-CUresult cuEventSynchronize(void *e) { (void)e; return 0; }
+CUresult cuEventSynchronize(void *e) {
+    (void)e;
+    n_event_syncs++;
+    return 0;
+}
 
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
     (void)s;

@@ -356,3 +356,78 @@ def test_a_pinned_copy_the_driver_refuses_leaves_everything_usable(stand_in: Pat
     counts = out.split("failed ")[1].split()
     assert counts[0] == "0" and counts[2] == "0", out  # nothing failed, nothing in flight
     assert counts[4] == counts[8], out  # every submitted copy completed or retires
+
+
+def test_out_of_memory_in_a_pinned_submission_never_leaves_a_copy_untracked(stand_in: Path) -> None:
+    """The compiled pinned submission makes its record after the copy. Memory running out at each of
+    its allocations in turn (CPython's allocation-failure hook), with the driver accepting the copy,
+    refusing it, refusing its event record, or asking for a retry first: either the transfer is
+    tracked, or it raised and the copy (if the driver queued one) was waited for before it did;
+    garbage collection is on again afterwards, and where no MemoryError was raised no event is lost."""
+    pytest.importorskip("_testcapi")
+    out = run(stand_in, """
+        import ctypes, gc
+        import _testcapi
+        import numpy as np
+        import ferry
+        from ferry._pending import PendingDownload, PendingUpload
+        from ferry._runtime import parts_of
+        from ferry import testing
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        copies, syncs, events = (ctypes.c_ulonglong * 5)(), (ctypes.c_ulonglong * 2)(), (ctypes.c_ulonglong * 2)()
+
+        def counts():
+            lib.fake_counts(copies)
+            lib.fake_syncs(syncs)
+            lib.fake_event_counts(events)
+            return copies[0], syncs[0] + syncs[1], events[0] - events[1]
+
+        checked = 0
+        for copy_code, record_code in ((0, 0), (1, 0), (0, 1), (201, 0)):
+            for upload in (True, False):
+                for k in range(60):  # a fresh runtime each time: a failure after the states moved may strand them
+                    before = counts()[2]  # events alive before this runtime (an earlier MemoryError may leak one)
+                    rt = ferry.Runtime("cuda")
+                    completion, backend = parts_of(rt).completion, testing.backend_of(rt)
+                    buf, dev = rt.pinned(4096), rt.empty(4096, np.uint8)
+                    buf, dev = rt.upload_pending(buf, dev).wait()
+                    gc.collect()
+                    copied0, synced0, alive0 = counts()
+                    if upload:
+                        args = (PendingUpload, parts_of(rt).h2d, backend.htod_record, dev._ptr, buf._block.ptr, 4096,
+                                buf, dev, True)
+                    else:
+                        args = (PendingDownload, parts_of(rt).d2h, backend.dtoh_record, buf._block.ptr, dev._ptr,
+                                4096, buf, dev, False)
+                    lib.fake_fail_next(copy_code, record_code)
+                    handle, out_of_memory = None, False
+                    with parts_of(rt).lock:
+                        try:
+                            _testcapi.set_nomemory(k, k + 1)
+                            try:
+                                handle = completion.submit_pinned(*args)
+                            finally:
+                                _testcapi.remove_mem_hooks()
+                        except ferry.TransferSubmitError:
+                            pass
+                        except (MemoryError, SystemError):
+                            out_of_memory = True
+                    lib.fake_fail_next(0, 0)
+                    assert gc.isenabled(), (copy_code, record_code, upload, k)
+                    copied, synced, alive = counts()
+                    tracked = handle is not None or len(completion.live) > 0
+                    if copied > copied0 and not tracked:
+                        assert synced > synced0, f"an untracked copy was not waited for {(copy_code, record_code, k)}"
+                    if handle is not None:
+                        handle.wait()
+                        del handle
+                    if not out_of_memory:  # a MemoryError may lose an event (never a copy): count only the rest
+                        live_events = sum(1 for r in completion.live if r.event is not None)
+                        assert alive - before == len(completion.events) + live_events, (copy_code, record_code,
+                                                                                         upload, k)
+                    checked += 1
+                    rt.close()
+        print("checked", checked)
+    """)
+    assert "checked 480" in out, out

@@ -479,7 +479,10 @@ class Completion:
             raise TransferSubmitError(f"the device refused the copy: {exc}") from exc
         # The copy is queued but cannot be tracked: prove it finished, or abandon.
         try:
-            self.backend.stream_synchronize(record.stream)
+            try:
+                self.backend.stream_synchronize(record.stream)
+            except MemoryError:  # the call itself found no memory (the copy may still run): once more
+                self.backend.stream_synchronize(record.stream)
         except DeviceError as sync_exc:
             self.health.note(sync_exc)
             self.fail(record, sync_exc)

@@ -3575,8 +3575,42 @@ out:
 }
 
 /* enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: see the essay above. */
+/* A copy that may be queued cannot be tracked (no memory for its record, or an error that is not the
+ * driver's while it was made): prove it complete before refusing, keeping the pending error. Its event
+ * goes back to the pool if `pool_event` and the proof held, else it is destroyed. The stream is synchronized through the backend
+ * (which retries where the context was not current); if even that fails the device is unusable and its
+ * health says so (noted by the backend's failure), which refuses every later call. */
+static void fast_prove_untracked(FastObject *self, PyObject *stream, PyObject *event, int pool_event) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *r = PyObject_CallMethod(self->backend, "stream_synchronize", "O", stream);
+    if (!r && PyErr_ExceptionMatches(PyExc_MemoryError)) { /* the call itself found no memory: once more */
+        PyErr_Clear();
+        r = PyObject_CallMethod(self->backend, "stream_synchronize", "O", stream);
+    }
+    int pooled = 0;
+    if (r) {
+        Py_DECREF(r);
+        if (pool_event) pooled = PyList_Append(self->events, event) == 0;
+    }
+    if (!pooled) { /* not proven, maybe what the driver refused, or no room in the pool: destroyed */
+        PyErr_Clear();
+        PyObject *d = PyObject_CallMethod(self->backend, "event_destroy", "O", event);
+        Py_XDECREF(d);
+    }
+    if (!r) {
+        PyObject *exc = take_device_error(self);
+        PyObject *h = exc ? PyObject_CallMethod(self->health, "note", "O", exc) : NULL;
+        Py_XDECREF(h);
+        Py_XDECREF(exc);
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, tb);
+}
+
 /* A new record's copy raised (the error is set): a DeviceError goes to Completion.copy_failed, which
- * raises what a submission raises; anything else propagates. Steals the record; returns NULL. */
+ * raises what a submission raises; anything else (a MemoryError while the driver's error was made)
+ * propagates once the copy, which may be queued, is proven complete. Steals the record; returns NULL. */
 static PyObject *fast_refused_copy(FastObject *self, PyObject *record) {
     PyObject *exc = take_device_error(self);
     if (exc) {
@@ -3584,6 +3618,9 @@ static PyObject *fast_refused_copy(FastObject *self, PyObject *record) {
         Py_DECREF(exc);
         Py_XDECREF(r);
         if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
+    } else if (Py_TYPE(record) == RecordType) {
+        RecordObject *r = (RecordObject *)record;
+        if (r->event != Py_None) fast_prove_untracked(self, r->stream, r->event, 0);
     }
     Py_DECREF(record);
     return NULL;
@@ -4088,14 +4125,16 @@ static int fast_pinned_tuples(int upload, PyObject *host, PyObject *device, PyOb
     return -1;
 }
 
-/* e: stream, copy, dst, src, nbytes (Fast_pinned's arguments 1 - 5). */
+/* e: stream, copy, dst, src, nbytes (Fast_pinned's arguments 1 - 5). Py_None (a new reference): not taken
+ * (no pooled event), the caller goes through Fast_enqueue. */
 static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_upload, PyObject *const *e, int upload,
                                  PyObject *host, PyObject *device) {
     unsigned long long dst, src, n, stream, ev;
     Py_ssize_t ne = PyList_Size(self->events);
-    PyObject *event = ne > 0 ? PyList_GetItem(self->events, ne - 1) : NULL; /* borrowed */
+    if (ne < 1) Py_RETURN_NONE; /* the pool emptied since the caller looked */
+    PyObject *event = PyList_GetItem(self->events, ne - 1); /* borrowed */
     if (!event || int_arg(e[2], &dst, 0) || int_arg(e[3], &src, 0) || int_arg(e[4], &n, 0) ||
-        int_arg(e[0], &stream, 0) || int_arg(event, &ev, 1))
+        int_arg(e[0], &stream, 0) || int_arg(event, &ev, 0))
         return NULL; /* nothing changed */
     Py_INCREF(event);
     if (PyList_SetSlice(self->events, ne - 1, ne, NULL)) {
@@ -4131,20 +4170,16 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
     Py_XDECREF(result);
     if (rc) { /* refused: reported as Fast_enqueue reports it, through the record */
         if (gc_was) PyGC_Enable();
-        if (!record) { /* and no memory for a record: nothing may run untracked; MemoryError */
+        if (!record) { /* and no memory for a record: MemoryError, with nothing left running untracked */
+            /* whether the copy was queued: the error says (an on_error retry may have queued it) */
+            PyObject *queued = err_value ? PyObject_GetAttrString(err_value, "enqueued") : NULL;
+            int pool_event = queued ? !PyObject_IsTrue(queued) : 0;
+            Py_XDECREF(queued);
             Py_XDECREF(err_type);
             Py_XDECREF(err_value);
             Py_XDECREF(err_tb);
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            if (stage == 1) { /* the copy was queued, its event not recorded: wait for the stream */
-                PyObject *r = PyObject_CallMethod(self->backend, "stream_synchronize", "O", e[0]);
-                Py_XDECREF(r);
-                PyErr_Clear();
-            } else if (PyList_Append(self->events, event)) {
-                PyErr_Clear();
-            }
-            PyErr_Restore(type, value, tb);
+            if (!PyErr_ExceptionMatches(PyExc_MemoryError)) PyErr_NoMemory();
+            fast_prove_untracked(self, e[0], event, pool_event);
             Py_DECREF(event);
             return NULL;
         }
@@ -4158,18 +4193,14 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
         if (gc_was) PyGC_Enable();
         return record;
     }
-    /* queued, but no memory to track it: prove it complete (its event), then refuse */
-    Py_XDECREF(record);
+    /* queued, but no memory to track it: prove it complete, then refuse (its event is sound: pooled) */
+    if (gc_was) PyGC_Enable();
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    CUresult sync_rc;
-    Py_BEGIN_ALLOW_THREADS
-    sync_rc = calls->synchronize((CUevent)(uintptr_t)ev);
-    Py_END_ALLOW_THREADS
-    if (!sync_rc && PyList_Append(self->events, event)) PyErr_Clear();
+    Py_XDECREF(record);
     PyErr_Restore(type, value, tb);
+    fast_prove_untracked(self, e[0], event, 1);
     Py_DECREF(event);
-    if (gc_was) PyGC_Enable();
     return NULL;
 }
 
@@ -4200,6 +4231,7 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
             record = fast_copy_first(self, (CallsObject *)PyCFunction_GetSelf(copy), cu_upload, args + 1, upload,
                                      host, device);
             if (!record) return NULL;
+            if (record == Py_None) Py_CLEAR(record); /* not taken: Fast_enqueue below */
         }
     }
     if (!record) { /* anything else: the tuples, then Fast_enqueue (which may take the Python path) */
