@@ -16,6 +16,13 @@
  * transfers without the copy's time; the bytes are then wrong). fake_counts() reports how many copies,
  * batches and event calls were made.
  *
+ * FAKECUDA_LATENCY_NS=N gives the single copies a device latency: a copy enqueued on a stream
+ * "completes" N ns after the later of its enqueue and the stream's previous copy, an event recorded
+ * there is ready from then on (cuEventQuery says not ready before), and cuEventSynchronize /
+ * cuStreamSynchronize spin until then. A round trip then has a device's shape (the caller's work
+ * between the enqueue and the completion overlaps the copy, the work before and after does not),
+ * which is what decides a small transfer's latency against the raw driver's loop.
+ *
  *   gcc -O2 -shared -fPIC -o libcuda.so.1 fake_cuda.c -ldl
  */
 #define _GNU_SOURCE
@@ -23,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -33,12 +41,52 @@ static int next_stream;
 static unsigned long long n_copies, n_batches, n_batched, n_records, n_queries;
 
 static int skip_copies; /* FAKECUDA_NOCOPY, read once when the library loads (before any thread) */
+static unsigned long long latency_ns; /* FAKECUDA_LATENCY_NS, likewise */
 
 __attribute__((constructor)) static void read_environment(void) {
     const char *v = getenv("FAKECUDA_NOCOPY");
     skip_copies = v && atoi(v);
+    v = getenv("FAKECUDA_LATENCY_NS");
+    latency_ns = v ? strtoull(v, NULL, 10) : 0;
 }
 
+static unsigned long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+
+static unsigned long long stream_done[4097]; /* when each stream's last copy completes (latency mode); [4096]: NULL */
+
+static unsigned long long *done_of(void *s) {
+    char *c = s;
+    return c >= stream_tokens && c < stream_tokens + 4096 ? &stream_done[c - stream_tokens] : &stream_done[4096];
+}
+
+static unsigned long long last_copy_ns, last_done_ns;
+
+/* fake_last_copy(out): when the last single copy was enqueued and when it completes (latency mode,
+ * CLOCK_MONOTONIC ns, Python's time.perf_counter_ns clock): a probe's split of a round trip into the
+ * caller's work before the enqueue and after the completion */
+void fake_last_copy(unsigned long long out[2]) {
+    out[0] = last_copy_ns;
+    out[1] = last_done_ns;
+}
+
+/* latency mode: a copy on ``s`` completes ``latency_ns`` after the later of now and the stream's last one */
+static void enqueue_latency(void *s) {
+    if (!latency_ns) return;
+    unsigned long long *done = done_of(s), start = now_ns(), prev = __atomic_load_n(done, __ATOMIC_RELAXED);
+    unsigned long long end = (prev > start ? prev : start) + latency_ns;
+    __atomic_store_n(done, end, __ATOMIC_RELEASE);
+    last_copy_ns = start;
+    last_done_ns = end;
+}
+
+static void spin_until(unsigned long long when) {
+    while (when && now_ns() < when) {
+    }
+}
 static int no_copy(void) { return skip_copies; }
 
 static int driver_version(void) {
@@ -136,11 +184,11 @@ void fake_syncs(unsigned long long out[2]) {
 }
 
 CUresult cuStreamSynchronize(void *s) {
-    (void)s;
     n_stream_syncs++;
+    spin_until(__atomic_load_n(done_of(s), __ATOMIC_ACQUIRE));
     return 0;
 }
-CUresult cuStreamQuery(void *s) { (void)s; return 0; }
+CUresult cuStreamQuery(void *s) { return now_ns() < __atomic_load_n(done_of(s), __ATOMIC_ACQUIRE) ? 600 : 0; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned int f) { (void)s; (void)e; (void)f; return 0; }
 CUresult cuStreamWaitValue32(void *s, CUdeviceptr a, uint32_t v, unsigned int f) {
     (void)s; (void)a; (void)v; (void)f;
@@ -160,9 +208,10 @@ void fake_event_counts(unsigned long long out[2]) {
     out[1] = n_event_destroys;
 }
 
+/* an event is 16 bytes: when it is ready (latency mode; 0: always) */
 CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;
-    *e = malloc(16);
+    *e = calloc(1, 16);
     if (*e) n_event_creates++;
     return *e ? 0 : 2;
 }
@@ -172,16 +221,19 @@ CUresult cuEventDestroy(void *e) {
     return 0;
 }
 CUresult cuEventRecord(void *e, void *s) {
-    (void)e;
-    (void)s;
     if (fail_record) return take_failure(&fail_record);
     n_records++;
+    if (latency_ns) __atomic_store_n((unsigned long long *)e, __atomic_load_n(done_of(s), __ATOMIC_ACQUIRE),
+                                     __ATOMIC_RELEASE);
     return 0;
 }
-CUresult cuEventQuery(void *e) { (void)e; n_queries++; return 0; }
+CUresult cuEventQuery(void *e) {
+    n_queries++;
+    return latency_ns && now_ns() < __atomic_load_n((unsigned long long *)e, __ATOMIC_ACQUIRE) ? 600 : 0;
+}
 CUresult cuEventSynchronize(void *e) {
-    (void)e;
     n_event_syncs++;
+    if (latency_ns) spin_until(__atomic_load_n((unsigned long long *)e, __ATOMIC_ACQUIRE));
     return 0;
 }
 
@@ -190,6 +242,7 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
     if (fail_copy) return take_failure(&fail_copy);
     if (!no_copy()) memcpy((void *)(uintptr_t)d, h, n);
     n_copies++;
+    enqueue_latency(s);
     return 0;
 }
 CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
@@ -197,6 +250,7 @@ CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
     if (fail_copy) return take_failure(&fail_copy);
     if (!no_copy()) memcpy(h, (const void *)(uintptr_t)d, n);
     n_copies++;
+    enqueue_latency(s);
     return 0;
 }
 CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s_, size_t n, void *s) {

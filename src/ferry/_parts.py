@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from . import _lifecycle
+from . import _lifecycle, _native
 from ._backends._base import Backend, DeviceError
 from ._buffer import PinnedHostBuffer
 from ._completion import Completion
@@ -46,7 +45,7 @@ class Parts:
     def __init__(self, backend: Backend, health: Health, options: dict[str, Any]) -> None:
         self.backend = backend
         self.health = health
-        self.lock = threading.RLock()
+        self.lock = _native.runtime_lock()
         self.pool = PinnedPool(backend, options["pinned_cache_bytes"])
         self.memory = DeviceMemory(backend, health, self.lock, options.get("device_pool_limit"))
         self.completion = Completion(backend, health, self.lock, self.memory, self.pool,

@@ -30,13 +30,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "lease_table",
-    "load", "status", "writeable_flags",
+    "load", "runtime_lock", "status", "writeable_flags",
 ]
 
 ENV_VAR = "FERRY_NATIVE"
@@ -240,6 +241,16 @@ def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | N
     if module is None or not array_layout():
         return None
     return module.clear_writeable, module.set_writeable
+
+
+def runtime_lock() -> threading.RLock:
+    """A runtime's lock: the extension's ``RLock`` (``threading.RLock``'s semantics; the compiled
+    submit and wait take it with a C call, and its plain ``acquire()`` parses no arguments), or a
+    ``threading.RLock`` where the extension is missing."""
+    module = load()
+    if module is None:
+        return threading.RLock()
+    return cast("threading.RLock", module.RLock())
 
 
 def lease_table() -> Any:

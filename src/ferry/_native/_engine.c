@@ -1836,13 +1836,24 @@ static int get_entry_points(PyObject *mapping, driver_t *drv) {
     return 0;
 }
 
+/* A Python int in [0, 2**64), or (unsigned long long)-1 with an exception. PyLong_AsUnsignedLong loops
+ * over the digits where a long has 64 bits; the long long one takes the byte-array path for every
+ * pointer-sized value, about 25 ns more a call (a submission converts five). */
+static inline unsigned long long as_u64(PyObject *obj) {
+#if ULONG_MAX == ULLONG_MAX
+    return PyLong_AsUnsignedLong(obj);
+#else
+    return PyLong_AsUnsignedLongLong(obj);
+#endif
+}
+
 /* An address: a Python int in [0, 2**64), checked (the "K" format would wrap negative numbers). */
 static int address_converter(PyObject *obj, void *out) {
     if (!PyLong_Check(obj)) {
         PyErr_SetString(PyExc_TypeError, "an address must be an int");
         return 0;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    unsigned long long v = as_u64(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
     *(unsigned long long *)out = v;
     return 1;
@@ -2784,7 +2795,7 @@ static int int_arg(PyObject *obj, unsigned long long *out, int none_ok) {
         *out = 0;
         return 0;
     }
-    *out = PyLong_AsUnsignedLongLong(obj);
+    *out = as_u64(obj);
     return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
 }
 
@@ -3284,6 +3295,216 @@ static PyType_Spec Record_spec = {
     Record_slots,
 };
 
+/* -- RLock: the runtime's lock, takeable from C without a call ------------------------------------- */
+
+/*
+ * threading.RLock's semantics (reentrant, owned by a thread, acquire(blocking=True, timeout=-1),
+ * release(), the context manager), with two differences that matter on the small-transfer path: a
+ * plain acquire() parses no arguments (threading.RLock's runs PyArg_ParseTupleAndKeywords, about
+ * 30 ns), and the compiled submit and wait take and give it with a C call (rlock_take / rlock_give)
+ * instead of a call through its bound methods. A blocking acquire releases the GIL while it waits and
+ * runs signal handlers when the wait is interrupted, as threading's does (Ctrl-C reaches it). The
+ * owner and count are read and written with the GIL held; the PyThread lock under them is what other
+ * threads contend for.
+ */
+static PyTypeObject *RLockType;
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner; /* PyThread_get_thread_ident of the holder; meaningful while count > 0 */
+    unsigned long count;
+    PyObject *weakreflist;
+} RLockObject;
+
+static PyObject *RLock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if ((args && PyTuple_Size(args)) || (kwds && PyDict_Size(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    RLockObject *self = (RLockObject *)alloc(type, 0);
+    if (!self) return NULL;
+    self->lock = PyThread_allocate_lock();
+    if (!self->lock) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void RLock_dealloc(PyObject *obj) {
+    RLockObject *self = (RLockObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (self->weakreflist) PyObject_ClearWeakRefs(obj);
+    if (self->lock) {
+        if (self->count) PyThread_release_lock(self->lock);
+        PyThread_free_lock(self->lock);
+    }
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(obj);
+    Py_DECREF((PyObject *)tp);
+}
+
+/* Take it (GIL held): 1 taken, 0 not within timeout_us (-1: no bound, 0: do not wait), -1 an exception
+ * (a signal handler raised while waiting, or the count would overflow). */
+static int rlock_take(RLockObject *self, long long timeout_us) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->count && self->owner == me) {
+        if (self->count == ULONG_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "internal lock count overflowed");
+            return -1;
+        }
+        self->count++;
+        return 1;
+    }
+    PyLockStatus got = PyThread_acquire_lock_timed(self->lock, 0, 0);
+    if (got != PY_LOCK_ACQUIRED && timeout_us != 0) {
+        int64_t deadline = timeout_us < 0 ? 0 : now_ns() + timeout_us * 1000;
+        for (;;) {
+            long long left = timeout_us < 0 ? -1 : (deadline - now_ns()) / 1000;
+            if (timeout_us >= 0 && left < 0) left = 0;
+            Py_BEGIN_ALLOW_THREADS
+            got = PyThread_acquire_lock_timed(self->lock, left, 1);
+            Py_END_ALLOW_THREADS
+            if (got != PY_LOCK_INTR) break;
+            if (PyErr_CheckSignals() < 0) return -1; /* as threading's: a handler that raises ends the wait */
+            if (timeout_us >= 0 && now_ns() >= deadline) {
+                got = PY_LOCK_FAILURE;
+                break;
+            }
+        }
+    }
+    if (got != PY_LOCK_ACQUIRED) return 0;
+    self->owner = me;
+    self->count = 1;
+    return 1;
+}
+
+/* Give it back once (GIL held): 0, or -1 with RuntimeError when this thread does not hold it. */
+static int rlock_give(RLockObject *self) {
+    if (!self->count || self->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return -1;
+    }
+    if (--self->count == 0) {
+        self->owner = 0;
+        PyThread_release_lock(self->lock);
+    }
+    return 0;
+}
+
+/* acquire(blocking=True, timeout=-1) -> bool, as threading.RLock's */
+static PyObject *RLock_acquire(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *blocking_obj = NULL, *timeout_obj = NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
+    if (nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "acquire() takes at most 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (nargs > 0) blocking_obj = args[0];
+    if (nargs > 1) timeout_obj = args[1];
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *name = PyTuple_GetItem(kwnames, i);
+        PyObject **slot = PyUnicode_CompareWithASCIIString(name, "blocking") == 0  ? &blocking_obj
+                          : PyUnicode_CompareWithASCIIString(name, "timeout") == 0 ? &timeout_obj
+                                                                                     : NULL;
+        if (!slot) {
+            PyErr_Format(PyExc_TypeError, "acquire() got an unexpected keyword argument '%U'", name);
+            return NULL;
+        }
+        if (*slot) {
+            PyErr_Format(PyExc_TypeError, "acquire() got multiple values for argument '%U'", name);
+            return NULL;
+        }
+        *slot = args[nargs + i];
+    }
+    int blocking = 1;
+    if (blocking_obj && (blocking = PyObject_IsTrue(blocking_obj)) < 0) return NULL;
+    double timeout = -1.0;
+    if (timeout_obj && timeout_obj != Py_None) {
+        timeout = PyFloat_AsDouble(timeout_obj);
+        if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    if (!blocking && timeout != -1.0) {
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return NULL;
+    }
+    if (timeout < 0 && timeout != -1.0) {
+        PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
+        return NULL;
+    }
+    if (timeout > (double)(LLONG_MAX / 1000) / 1e6) { /* PY_TIMEOUT_MAX on Linux (not in the limited API) */
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
+    long long us = !blocking ? 0 : timeout < 0 ? -1 : (long long)(timeout * 1e6);
+    int got = rlock_take((RLockObject *)obj, us);
+    if (got < 0) return NULL;
+    return PyBool_FromLong(got);
+}
+
+static PyObject *RLock_release(PyObject *obj, PyObject *Py_UNUSED(arg)) {
+    if (rlock_give((RLockObject *)obj)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *RLock_enter(PyObject *obj, PyObject *Py_UNUSED(arg)) {
+    if (rlock_take((RLockObject *)obj, -1) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *RLock_exit(PyObject *obj, PyObject *const *Py_UNUSED(args), Py_ssize_t Py_UNUSED(nargs)) {
+    if (rlock_give((RLockObject *)obj)) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _is_owned(): whether the calling thread holds it (threading.Condition's protocol) */
+static PyObject *RLock_is_owned(PyObject *obj, PyObject *Py_UNUSED(arg)) {
+    RLockObject *self = (RLockObject *)obj;
+    return PyBool_FromLong(self->count && self->owner == PyThread_get_thread_ident());
+}
+
+static PyObject *RLock_repr(PyObject *obj) {
+    RLockObject *self = (RLockObject *)obj;
+    return PyUnicode_FromFormat("<ferry RLock %s owner=%lu count=%lu>", self->count ? "locked" : "unlocked",
+                                self->count ? self->owner : 0UL, self->count);
+}
+
+static PyMethodDef RLock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))RLock_acquire, METH_FASTCALL | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool: take the lock (again, if this thread holds it)"},
+    {"release", RLock_release, METH_NOARGS, "release(): give it back once; RuntimeError if not held"},
+    {"__enter__", RLock_enter, METH_NOARGS, "acquire()"},
+    {"__exit__", (PyCFunction)(void (*)(void))RLock_exit, METH_FASTCALL, "release()"},
+    {"_is_owned", RLock_is_owned, METH_NOARGS, "whether the calling thread holds it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef RLock_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(RLockObject, weakreflist), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot RLock_slots[] = {
+    {Py_tp_new, RLock_new},
+    {Py_tp_dealloc, RLock_dealloc},
+    {Py_tp_methods, RLock_methods},
+    {Py_tp_members, RLock_members},
+    {Py_tp_repr, RLock_repr},
+    {Py_tp_doc, "RLock(): threading.RLock's semantics, takeable from C (the runtime's lock)"},
+    {0, NULL},
+};
+
+static PyType_Spec RLock_spec = {
+    "ferry._native._engine.RLock",
+    sizeof(RLockObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    RLock_slots,
+};
+
 /* -- Fast: the pinned routes' submit and wait, in one call each ------------------------------------ */
 
 /*
@@ -3326,6 +3547,7 @@ typedef struct {
     PyObject *acquire, *release;                                  /* the runtime lock's bound methods */
     PyObject *slow_enqueue, *slow_wait, *copy_failed, *failed, *settle, *claim, *flush_cross;
     PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
+    PyObject *rlock; /* the runtime lock when it is an RLock of this module (taken in C), else NULL */
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
@@ -3348,7 +3570,7 @@ static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_
 static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 24
+#define FAST_OBJECTS 25
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -3383,7 +3605,8 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return NULL;
     }
-    Py_DECREF(lock);
+    if (Py_TYPE(lock) == RLockType) self->rlock = lock; /* the reference from fast_attr */
+    else Py_DECREF(lock);
     PyObject *full = fast_attr(c, "segment_copies");
     self->segment_copies = full ? PyLong_AsSsize_t(full) : -1;
     Py_XDECREF(full);
@@ -3464,6 +3687,7 @@ static int fast_refused(FastObject *self) {
 
 /* The lock's acquire/release; release keeps a pending exception. */
 static int fast_lock(FastObject *self) {
+    if (self->rlock) return rlock_take((RLockObject *)self->rlock, -1) == 1 ? 0 : -1;
     PyObject *r = PyObject_CallNoArgs(self->acquire);
     if (!r) return -1;
     Py_DECREF(r);
@@ -3472,6 +3696,7 @@ static int fast_lock(FastObject *self) {
 
 static int fast_unlock(FastObject *self) {
     PyObject *type, *value, *tb;
+    if (self->rlock && !PyErr_Occurred()) return rlock_give((RLockObject *)self->rlock);
     PyErr_Fetch(&type, &value, &tb);
     PyObject *r = PyObject_CallNoArgs(self->release);
     if (!r) {
@@ -5054,6 +5279,13 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_setflags = PyUnicode_InternFromString("setflags")) || !(S_base = PyUnicode_InternFromString("base")) ||
         !(S_write = PyUnicode_InternFromString("write")))
         goto fail;
+    RLockType = (PyTypeObject *)PyType_FromSpec(&RLock_spec);
+    if (!RLockType) goto fail;
+    Py_INCREF((PyObject *)RLockType);
+    if (PyModule_AddObject(m, "RLock", (PyObject *)RLockType)) {
+        Py_DECREF((PyObject *)RLockType);
+        goto fail;
+    }
     LeasesType = (PyTypeObject *)PyType_FromSpec(&Leases_spec);
     if (!LeasesType) goto fail;
     Py_INCREF((PyObject *)LeasesType);

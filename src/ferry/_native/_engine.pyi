@@ -309,6 +309,19 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any: ...
 
 @final
+class RLock:
+    """``threading.RLock``'s semantics (reentrant, owned by one thread), takeable from C: the runtime's
+    lock, which the compiled submit and wait take without a Python call."""
+
+    def __init__(self) -> None: ...
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take it (again, when this thread holds it); ``False`` when not taken in time."""
+    def release(self) -> None:
+        """Give it back once; ``RuntimeError`` when this thread does not hold it."""
+    def __enter__(self) -> bool: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def _is_owned(self) -> bool: ...
+
 class Leases:
     """HostLeases' table (``ferry/_routes/_base.py``) in C: NumPy arrays flagged read-only while
     transfers use them, counted per array; the last :meth:`give` restores the flag."""

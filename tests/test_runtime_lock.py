@@ -1,0 +1,162 @@
+"""The runtime's lock: the extension's RLock keeps threading.RLock's semantics.
+
+Every test runs on both locks, so a difference between them fails here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import _native
+from ferry._runtime import parts_of
+
+_engine = _native.load()
+LOCKS: list[Any] = [pytest.param(threading.RLock, id="threading")]
+if _engine is not None:
+    LOCKS.append(pytest.param(_engine.RLock, id="compiled"))
+
+
+@pytest.fixture(params=LOCKS)
+def make(request: pytest.FixtureRequest) -> Callable[[], Any]:
+    return request.param  # type: ignore[no-any-return]
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_reentrant_and_counted(make: Callable[[], Any]) -> None:
+    lock = make()
+    assert lock.acquire() is True
+    assert lock.acquire() is True
+    assert lock.acquire(False) is True  # this thread holds it: taken again at once
+    lock.release()
+    lock.release()
+    assert in_thread(lambda: lock.acquire(False)) is False  # still held once
+    lock.release()
+    assert in_thread(lambda: lock.acquire(False)) is True  # free (that thread then ends holding it)
+
+
+def test_release_by_a_thread_that_does_not_hold_it_raises(make: Callable[[], Any]) -> None:
+    lock = make()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    lock.acquire()
+    with pytest.raises(RuntimeError):
+        in_thread(lock.release)
+    lock.release()  # still ours, once
+
+
+def test_timeout_and_blocking_arguments(make: Callable[[], Any]) -> None:
+    lock = make()
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    start = time.monotonic()
+    assert lock.acquire(timeout=0.05) is False
+    assert time.monotonic() - start >= 0.04
+    assert lock.acquire(blocking=False) is False
+    assert lock.acquire(True, 0) is False
+    with pytest.raises(ValueError):
+        lock.acquire(False, 1.0)
+    with pytest.raises(ValueError):
+        lock.acquire(timeout=-2)
+    with pytest.raises(TypeError):
+        lock.acquire(nonsense=1)
+    done.set()
+    t.join(10)
+    assert lock.acquire(timeout=1.0) is True  # a bounded wait that is met returns True
+    lock.release()
+
+
+def test_a_blocked_acquire_waits_for_the_holder_then_takes_it(make: Callable[[], Any]) -> None:
+    lock = make()
+    lock.acquire()
+    got: list[float] = []
+
+    def waiter() -> None:
+        with lock:
+            got.append(time.monotonic())
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    assert not got  # blocked, and the GIL was free for this thread meanwhile
+    released = time.monotonic()
+    lock.release()
+    t.join(10)
+    assert got and got[0] >= released
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_ctrl_c_interrupts_a_blocked_acquire(make: Callable[[], Any]) -> None:
+    lock = make()
+    in_thread(lock.acquire)  # held forever by a finished thread
+    main = threading.get_ident()
+    timer = threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire(timeout=5)
+    assert time.monotonic() - start < 2
+    timer.join()
+
+
+def test_weakref_and_context_manager(make: Callable[[], Any]) -> None:
+    lock = make()
+    ref = weakref.ref(lock)
+    assert ref() is lock
+    with lock:
+        assert lock._is_owned()
+    assert not lock._is_owned()
+
+
+@pytest.mark.skipif(_engine is None, reason="the extension is not built")
+def test_a_runtime_uses_the_compiled_lock_and_submits_under_it() -> None:
+    with ferry.Runtime("emulated") as rt:
+        lock = parts_of(rt).lock
+        assert type(lock) is _engine.RLock
+        buf, dev = rt.pinned(64), rt.empty(64, np.uint8)
+        buf.as_array()[:] = 7
+        with lock:  # the submitting thread may hold it already: it is reentrant
+            pending = rt.upload_pending(buf, dev)
+        buf, dev = pending.wait()
+        assert (rt.to_host(dev) == 7).all()
+        buf.close()
+
+
+def test_the_pure_python_engine_keeps_threading_rlock() -> None:
+    if os.environ.get(_native.ENV_VAR, "").strip() != "0":
+        pytest.skip("runs where FERRY_NATIVE=0")
+    with ferry.Runtime("emulated") as rt:
+        assert type(parts_of(rt).lock) is type(threading.RLock())
