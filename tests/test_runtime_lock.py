@@ -36,7 +36,7 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:  # handed to the test
             box["error"] = exc
 
     t = threading.Thread(target=run)
