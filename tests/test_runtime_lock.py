@@ -160,3 +160,26 @@ def test_the_pure_python_engine_keeps_threading_rlock() -> None:
         pytest.skip("runs where FERRY_NATIVE=0")
     with ferry.Runtime("emulated") as rt:
         assert type(parts_of(rt).lock) is type(threading.RLock())
+
+
+def test_mutual_exclusion_under_contention(make: Callable[[], Any]) -> None:
+    lock = make()
+    box = [0]
+    threads_n, rounds = 4, 1500
+
+    def work() -> None:
+        for i in range(rounds):
+            with lock:
+                value = box[0]
+                if i % 7 == 0:
+                    time.sleep(0)  # hand the GIL over inside the critical section
+                box[0] = value + 1
+
+    threads = [threading.Thread(target=work) for _ in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert box[0] == threads_n * rounds
+    assert lock.acquire(False) is True  # left free
+    lock.release()

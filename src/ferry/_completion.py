@@ -374,10 +374,11 @@ class Completion:
         self.counts: Counts = Counts()  # seq, submitted, completed: the compiled Fast's where it runs
         self.submit: Callable[..., Record] = self.enqueue  # the pinned routes' enqueue (positional)
         self.segment_copies = SEGMENT_COPIES  # a full batch segment: fixed here, read by Fast too
+        self.fast: Any = None  # the compiled Fast, where the extension runs
         if _engine is not None:
             # enqueue's and wait's common cases in one C call each; the rest comes back to the methods
             fast = _engine.Fast(self, DeviceError, OWNED, IN_FLIGHT, SPIN_BASE, SPIN_PER_BYTE, SPIN_CAP)
-            self.counts = fast
+            self.counts = self.fast = fast
             self.submit = fast.enqueue
             self.submit_pinned = fast.pinned  # type: ignore[method-assign]
             self.wait = fast.wait  # type: ignore[method-assign]  # handles call port.wait(record, timeout)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _lifecycle
+from . import _lifecycle, _native
 from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg
 from ._backends._base import Backend, DeviceError
 from ._buffer import BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
@@ -134,9 +134,30 @@ class Runtime:
         self._h2d = parts.h2d
         self._d2h = parts.d2h
         self._small = parts.host.small  # small NumPy arrays: tried first by upload() and download()
+        self._bind_compiled_entries()
         _lifecycle.register(parts)
         finalizer = weakref.finalize(self, _lifecycle.collected_unclosed, parts, repr(self))
         finalizer.atexit = False  # at exit the lifecycle closes every open runtime, quietly
+
+    def _bind_compiled_entries(self) -> None:
+        """Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
+        and ``download_pending`` become this runtime's compiled entries: the same checks and submission
+        in one C call, which hands whatever is not the common case to the methods below (a subclass
+        that overrides either keeps both as Python methods)."""
+        fast = self._completion.fast
+        cls = type(self)
+        if (
+            fast is None
+            or type(self._lock) is not getattr(_native.load(), "RLock", None)
+            or cls.upload_pending is not Runtime.upload_pending
+            or cls.download_pending is not Runtime.download_pending
+            or not _native.slot_layout()
+        ):
+            return
+        fast.bind_entries(weakref.ref(self), Runtime.upload_pending, Runtime.download_pending, PendingUpload,
+                          PendingDownload, self._h2d, self._d2h, self._backend)
+        self.upload_pending = fast.upload_pending  # type: ignore[method-assign]
+        self.download_pending = fast.download_pending  # type: ignore[method-assign]
 
     # -- identity -------------------------------------------------------------------------
     @property

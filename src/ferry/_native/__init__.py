@@ -37,7 +37,7 @@ from typing import Any, cast
 
 __all__ = [
     "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "lease_table",
-    "load", "runtime_lock", "status", "writeable_flags",
+    "load", "runtime_lock", "slot_layout", "status", "writeable_flags",
 ]
 
 ENV_VAR = "FERRY_NATIVE"
@@ -263,6 +263,68 @@ def lease_table() -> Any:
     import numpy as np
 
     return module.Leases(np.ndarray)
+
+
+# The fields the compiled pinned submission reads straight from ferry's own slotted objects
+_SLOT_READS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("ferry._buffer", "PinnedHostBuffer", ("_base", "_block", "_nbytes", "_runtime", "_state")),
+    ("ferry._device_array", "DeviceArray", ("_leases", "_nbytes", "_ptr", "_ready", "_runtime", "_state")),
+    ("ferry._memory._pinned", "Block", ("ptr",)),
+    ("ferry._lifecycle", "Health", ("refusal",)),
+)
+
+
+@functools.cache
+def slot_layout() -> bool:
+    """Enable the compiled pinned submission's reads of ferry's slotted objects once they are verified.
+
+    ``Fast.upload_pending`` / ``download_pending`` check a submission's
+    arguments (a pinned buffer's and a device array's state, owner, size and
+    views, the runtime's refusal) by reading their ``__slots__`` where CPython
+    keeps them, inside the object, at an offset the limited API does not
+    name. The offsets are found here: each field of a probe object is set to
+    a fresh sentinel and the object's memory is searched for it; one
+    unambiguous hit per field, and every field read back at its offset, or
+    the compiled reads stay off (the Python checks then serve).
+    """
+    module = _import()[0]
+    if module is None or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False
+    import importlib
+
+    types: list[type] = []
+    offsets: list[int] = []
+    try:
+        for module_name, name, fields in _SLOT_READS:
+            cls = getattr(importlib.import_module(module_name), name)
+            found = _slot_offsets(cls, fields)
+            if found is None:
+                return False
+            types.append(cls)
+            offsets.extend(found)
+    except Exception:
+        return False
+    module.set_slot_layout(tuple(types), tuple(offsets))
+    return True
+
+
+def _slot_offsets(cls: type, fields: tuple[str, ...]) -> list[int] | None:
+    """The offsets of ``cls``'s slots ``fields`` inside an instance, or ``None`` if not found uniquely."""
+    # a subclass without slots of its own has the same layout; no __init__ runs, and no finalizer
+    probe_type = type(f"_{cls.__name__}LayoutProbe", (cls,), {"__slots__": (), "__del__": lambda self: None})
+    probe: Any = object.__new__(probe_type)
+    size = cls.__basicsize__
+    sentinels = {name: object() for name in fields}
+    for name, sentinel in sentinels.items():
+        setattr(probe, name, sentinel)
+    offsets = []
+    for name, sentinel in sentinels.items():
+        hits = [at for at in range(16, size - 7, 8)
+                if ctypes.c_void_p.from_address(id(probe) + at).value == id(sentinel)]
+        if len(hits) != 1 or getattr(probe, name) is not sentinel:
+            return None
+        offsets.append(hits[0])
+    return offsets
 
 
 @functools.cache

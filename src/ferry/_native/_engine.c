@@ -3299,19 +3299,25 @@ static PyType_Spec Record_spec = {
 
 /*
  * threading.RLock's semantics (reentrant, owned by a thread, acquire(blocking=True, timeout=-1),
- * release(), the context manager), with two differences that matter on the small-transfer path: a
- * plain acquire() parses no arguments (threading.RLock's runs PyArg_ParseTupleAndKeywords, about
- * 30 ns), and the compiled submit and wait take and give it with a C call (rlock_take / rlock_give)
- * instead of a call through its bound methods. A blocking acquire releases the GIL while it waits and
- * runs signal handlers when the wait is interrupted, as threading's does (Ctrl-C reaches it). The
- * owner and count are read and written with the GIL held; the PyThread lock under them is what other
- * threads contend for.
+ * release(), the context manager), with what matters on the small-transfer path made cheap: a free
+ * lock is taken with one compare-and-swap (threading.RLock's acquire parses its arguments, and
+ * PyThread_acquire_lock_timed reads the clock even when it does not wait: about 30 and 20 ns), and
+ * the compiled submit and wait take and give it with a C call (rlock_take / rlock_give). A thread that
+ * must wait releases the GIL and sleeps on a condition variable in slices of RLOCK_SLICE_NS, running
+ * signal handlers between them, so Ctrl-C reaches a blocked acquire within that. The owner and count
+ * are read and written with the GIL held; `held` is what threads contend for.
  */
 static PyTypeObject *RLockType;
 
+#define RLOCK_SLICE_NS 5000000LL
+
 typedef struct {
     PyObject_HEAD
-    PyThread_type_lock lock;
+    atomic_int held;     /* 1 while some thread holds it */
+    atomic_int sleepers; /* threads asleep (or about to be) on cv */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int ready;           /* mu and cv were initialized */
     unsigned long owner; /* PyThread_get_thread_ident of the holder; meaningful while count > 0 */
     unsigned long count;
     PyObject *weakreflist;
@@ -3325,12 +3331,20 @@ static PyObject *RLock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     RLockObject *self = (RLockObject *)alloc(type, 0);
     if (!self) return NULL;
-    self->lock = PyThread_allocate_lock();
-    if (!self->lock) {
+    atomic_init(&self->held, 0);
+    atomic_init(&self->sleepers, 0);
+    if (pthread_mutex_init(&self->mu, NULL)) {
         Py_DECREF(self);
-        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a lock");
         return NULL;
     }
+    if (cond_init_monotonic(&self->cv)) {
+        pthread_mutex_destroy(&self->mu);
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a lock");
+        return NULL;
+    }
+    self->ready = 1;
     return (PyObject *)self;
 }
 
@@ -3338,13 +3352,18 @@ static void RLock_dealloc(PyObject *obj) {
     RLockObject *self = (RLockObject *)obj;
     PyTypeObject *tp = Py_TYPE(obj);
     if (self->weakreflist) PyObject_ClearWeakRefs(obj);
-    if (self->lock) {
-        if (self->count) PyThread_release_lock(self->lock);
-        PyThread_free_lock(self->lock);
+    if (self->ready) { /* no thread can wait on an object being deallocated */
+        pthread_cond_destroy(&self->cv);
+        pthread_mutex_destroy(&self->mu);
     }
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     f(obj);
     Py_DECREF((PyObject *)tp);
+}
+
+static inline int rlock_try(RLockObject *self) {
+    int expected = 0;
+    return atomic_compare_exchange_strong(&self->held, &expected, 1);
 }
 
 /* Take it (GIL held): 1 taken, 0 not within timeout_us (-1: no bound, 0: do not wait), -1 an exception
@@ -3359,24 +3378,27 @@ static int rlock_take(RLockObject *self, long long timeout_us) {
         self->count++;
         return 1;
     }
-    PyLockStatus got = PyThread_acquire_lock_timed(self->lock, 0, 0);
-    if (got != PY_LOCK_ACQUIRED && timeout_us != 0) {
-        int64_t deadline = timeout_us < 0 ? 0 : now_ns() + timeout_us * 1000;
+    int got = rlock_try(self);
+    if (!got && timeout_us != 0) {
+        int64_t deadline = timeout_us < 0 ? INT64_MAX : now_ns() + timeout_us * 1000;
         for (;;) {
-            long long left = timeout_us < 0 ? -1 : (deadline - now_ns()) / 1000;
-            if (timeout_us >= 0 && left < 0) left = 0;
+            int64_t slice_end = now_ns() + RLOCK_SLICE_NS;
+            if (slice_end > deadline) slice_end = deadline;
+            struct timespec ts = ts_of(slice_end);
             Py_BEGIN_ALLOW_THREADS
-            got = PyThread_acquire_lock_timed(self->lock, left, 1);
+            pthread_mutex_lock(&self->mu);
+            atomic_fetch_add(&self->sleepers, 1);
+            while (!(got = rlock_try(self)) && now_ns() < slice_end)
+                pthread_cond_timedwait(&self->cv, &self->mu, &ts);
+            atomic_fetch_sub(&self->sleepers, 1);
+            pthread_mutex_unlock(&self->mu);
             Py_END_ALLOW_THREADS
-            if (got != PY_LOCK_INTR) break;
+            if (got) break;
             if (PyErr_CheckSignals() < 0) return -1; /* as threading's: a handler that raises ends the wait */
-            if (timeout_us >= 0 && now_ns() >= deadline) {
-                got = PY_LOCK_FAILURE;
-                break;
-            }
+            if (now_ns() >= deadline) break;
         }
     }
-    if (got != PY_LOCK_ACQUIRED) return 0;
+    if (!got) return 0;
     self->owner = me;
     self->count = 1;
     return 1;
@@ -3390,7 +3412,14 @@ static int rlock_give(RLockObject *self) {
     }
     if (--self->count == 0) {
         self->owner = 0;
-        PyThread_release_lock(self->lock);
+        atomic_store(&self->held, 0);
+        /* a sleeper counted itself before it tried the lock (both sequentially consistent): either it saw
+         * the lock free, or this sees it and wakes it */
+        if (atomic_load(&self->sleepers)) {
+            pthread_mutex_lock(&self->mu);
+            pthread_cond_signal(&self->cv);
+            pthread_mutex_unlock(&self->mu);
+        }
     }
     return 0;
 }
@@ -3548,6 +3577,8 @@ typedef struct {
     PyObject *slow_enqueue, *slow_wait, *copy_failed, *failed, *settle, *claim, *flush_cross;
     PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
     PyObject *rlock; /* the runtime lock when it is an RLock of this module (taken in C), else NULL */
+    /* bind_entries: the runtime (weakly), its Python methods, handle types, streams and backend */
+    PyObject *runtime_ref, *slow_upload, *slow_download, *upload_type, *download_type, *h2d, *d2h, *entry_backend;
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
@@ -3567,10 +3598,11 @@ static PyObject *call_args(PyObject *f, PyObject *const *a, Py_ssize_t n) {
 }
 
 static PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
+static PyObject *S_htod_record, *S_dtoh_record;
 static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 25
+#define FAST_OBJECTS 33
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -3949,6 +3981,10 @@ static int add_waiters(RecordObject *r, long delta) {
 
 /* The waiters count back down, keeping a pending exception. */
 static void drop_waiter(RecordObject *r) {
+    if (!PyErr_Occurred()) {
+        if (add_waiters(r, -1)) PyErr_Clear();
+        return;
+    }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     if (add_waiters(r, -1)) PyErr_Clear();
@@ -3994,11 +4030,14 @@ out:
     return rc;
 }
 
+static int set_state_slot(PyObject *obj, PyObject *state);
+
 /* The objects of a settled record handed back: moved ones owned, leased ones one lease fewer. */
 static int fast_settle_states(FastObject *self, RecordObject *r) {
     Py_ssize_t n = PyTuple_Size(r->moved);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyObject_SetAttr(PyTuple_GetItem(r->moved, i), S_state, self->owned)) return -1;
+        PyObject *obj = PyTuple_GetItem(r->moved, i);
+        if (!set_state_slot(obj, self->owned) && PyObject_SetAttr(obj, S_state, self->owned)) return -1;
     }
     n = PyTuple_Size(r->leased);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -4147,6 +4186,224 @@ static int Fast_set_counter(PyObject *obj, PyObject *value, void *closure) {
 
 static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 
+
+/*
+ * Runtime.upload_pending / download_pending in one C call (bound as the runtime's own attributes by
+ * Runtime.__init__ where the extension, its RLock and the slot layout are there). The checks are
+ * the Python method's common-case expression, read from the arguments' __slots__ at the offsets
+ * ferry._native.slot_layout() found and verified; the submission is then Fast_pinned's, under the
+ * runtime lock taken in C. Anything else (another type, a check that fails, keywords, a dead
+ * runtime's entry) calls the Python method, which names the problem: nothing is changed before.
+ */
+enum { SL_BUF_BASE, SL_BUF_BLOCK, SL_BUF_NBYTES, SL_BUF_RUNTIME, SL_BUF_STATE, SL_DEV_LEASES, SL_DEV_NBYTES,
+       SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_COUNT };
+static Py_ssize_t slot_at[SL_COUNT];
+static PyObject *slot_types[4]; /* PinnedHostBuffer, DeviceArray, Block, Health; NULL: layout not set */
+
+/* set_slot_layout((PinnedHostBuffer, DeviceArray, Block, Health), offsets): found and verified by the caller */
+static PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 2, "set_slot_layout")) return NULL;
+    if (!PyTuple_Check(args[0]) || PyTuple_Size(args[0]) != 4 || !PyTuple_Check(args[1]) ||
+        PyTuple_Size(args[1]) != SL_COUNT) {
+        PyErr_Format(PyExc_TypeError, "set_slot_layout(types: 4-tuple, offsets: %d-tuple)", (int)SL_COUNT);
+        return NULL;
+    }
+    Py_ssize_t at[SL_COUNT];
+    for (int i = 0; i < SL_COUNT; i++) {
+        at[i] = PyLong_AsSsize_t(PyTuple_GetItem(args[1], i));
+        if (at[i] == -1 && PyErr_Occurred()) return NULL;
+        if (at[i] < (Py_ssize_t)(2 * sizeof(void *)) || at[i] % (Py_ssize_t)sizeof(void *)) {
+            PyErr_SetString(PyExc_ValueError, "set_slot_layout: an offset inside the object header or misaligned");
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        PyObject *t = PyTuple_GetItem(args[0], i);
+        if (!PyType_Check(t)) {
+            PyErr_SetString(PyExc_TypeError, "set_slot_layout: types must be types");
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        PyObject *t = PyTuple_GetItem(args[0], i);
+        PyObject *old = slot_types[i];
+        Py_INCREF(t);
+        slot_types[i] = t;
+        Py_XDECREF(old);
+    }
+    memcpy(slot_at, at, sizeof at);
+    Py_RETURN_NONE;
+}
+
+/* The object in obj's slot (borrowed; NULL when unset): obj's exact type is the layout's. */
+static inline PyObject *slot_of(PyObject *obj, int which) { return *(PyObject **)((char *)obj + slot_at[which]); }
+
+/* obj._state = state written straight into the slot where obj is a PinnedHostBuffer or DeviceArray and
+ * the layout is set (what the member descriptor does, without the attribute lookup): 1, else 0 (the
+ * caller sets the attribute). Never fails. */
+static int set_state_slot(PyObject *obj, PyObject *state) {
+    int which = !slot_types[0]                                   ? -1
+                : Py_TYPE(obj) == (PyTypeObject *)slot_types[0] ? SL_BUF_STATE
+                : Py_TYPE(obj) == (PyTypeObject *)slot_types[1] ? SL_DEV_STATE
+                                                                : -1;
+    if (which < 0) return 0;
+    PyObject **field = (PyObject **)((char *)obj + slot_at[which]);
+    PyObject *old = *field;
+    Py_INCREF(state);
+    *field = state;
+    Py_XDECREF(old);
+    return 1;
+}
+
+/* bind_entries(runtime_ref, slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend):
+ * what upload_pending / download_pending need of their runtime (a weak reference to it: the entries are
+ * the runtime's own attributes) */
+static PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs_is(nargs, 8, "bind_entries")) return NULL;
+    if (!PyWeakref_CheckRef(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "bind_entries: runtime_ref must be a weak reference");
+        return NULL;
+    }
+    PyObject **fields = &self->runtime_ref;
+    for (int i = 0; i < 8; i++) {
+        PyObject *old = fields[i];
+        Py_INCREF(args[i]);
+        fields[i] = args[i];
+        Py_XDECREF(old);
+    }
+    Py_RETURN_NONE;
+}
+
+/* The Python method for what the compiled checks do not take: Runtime.<name>(runtime, *args, **kwargs). */
+static PyObject *fast_entry_slow(FastObject *self, int upload, PyObject *runtime, PyObject *const *args,
+                                 Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *slow = upload ? self->slow_upload : self->slow_download;
+    if (runtime == Py_None) { /* an entry kept past its runtime: the runtime's own answer (it is closed) */
+        PyObject *r = PyObject_CallMethod(self->health, "check_open", NULL);
+        if (!r) return NULL;
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_RuntimeError, "this runtime was collected");
+        return NULL;
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
+    PyObject *tuple = PyTuple_New(nargs + 1);
+    if (!tuple) return NULL;
+    Py_INCREF(runtime);
+    PyTuple_SetItem(tuple, 0, runtime);
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SetItem(tuple, i + 1, args[i]);
+    }
+    PyObject *kwargs = NULL;
+    if (nkw) {
+        kwargs = PyDict_New();
+        for (Py_ssize_t i = 0; kwargs && i < nkw; i++) {
+            if (PyDict_SetItem(kwargs, PyTuple_GetItem(kwnames, i), args[nargs + i])) Py_CLEAR(kwargs);
+        }
+        if (!kwargs) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+    }
+    PyObject *r = PyObject_Call(slow, tuple, kwargs);
+    Py_DECREF(tuple);
+    Py_XDECREF(kwargs);
+    return r;
+}
+
+/* An exact int 0 (a device array's read-lease count) */
+static inline int is_zero(PyObject *v) {
+    if (!v || !PyLong_Check(v)) return 0;
+    long k = PyLong_AsLong(v);
+    if (k == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return k == 0;
+}
+
+/* Whether a's int is >= b's (two sizes; anything odd: no) */
+static inline int size_at_least(PyObject *a, PyObject *b) {
+    if (!a || !b || !PyLong_Check(a) || !PyLong_Check(b)) return 0;
+    Py_ssize_t x = PyLong_AsSsize_t(a), y = PyLong_AsSsize_t(b);
+    if ((x == -1 || y == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return x >= y;
+}
+
+static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    if (!self->runtime_ref) {
+        PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
+        return NULL;
+    }
+    PyObject *runtime = PyWeakref_GetObject(self->runtime_ref); /* borrowed */
+    if (!runtime) return NULL;
+    if (runtime == Py_None || nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[0])
+        return fast_entry_slow(self, upload, runtime, args, nargs, kwnames);
+    Py_INCREF(runtime); /* held across the submission (a finalizer in it may drop the caller's last one) */
+    PyObject *host = upload ? args[0] : args[1], *device = upload ? args[1] : args[0];
+    RLockObject *lock = (RLockObject *)self->rlock;
+    if (rlock_take(lock, -1) != 1) {
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    PyObject *result = NULL, *block, *base;
+    int common = Py_TYPE(self->health) == (PyTypeObject *)slot_types[3] &&
+                 slot_of(self->health, SL_HEALTH_REFUSAL) == Py_None &&
+                 Py_TYPE(host) == (PyTypeObject *)slot_types[0] && Py_TYPE(device) == (PyTypeObject *)slot_types[1] &&
+                 slot_of(host, SL_BUF_RUNTIME) == runtime && slot_of(device, SL_DEV_RUNTIME) == runtime &&
+                 slot_of(host, SL_BUF_STATE) == self->owned && slot_of(device, SL_DEV_STATE) == self->owned &&
+                 (!upload || is_zero(slot_of(device, SL_DEV_LEASES))) && slot_of(device, SL_DEV_READY) == Py_None &&
+                 (base = slot_of(host, SL_BUF_BASE)) != NULL && Py_REFCNT(base) == 1 && /* the buffer's own */
+                 size_at_least(slot_of(host, SL_BUF_NBYTES), slot_of(device, SL_DEV_NBYTES)) &&
+                 (block = slot_of(host, SL_BUF_BLOCK)) != NULL && Py_TYPE(block) == (PyTypeObject *)slot_types[2] &&
+                 slot_of(block, SL_BLOCK_PTR) != NULL && slot_of(device, SL_DEV_PTR) != NULL;
+    if (!common) {
+        if (rlock_give(lock) == 0) result = fast_entry_slow(self, upload, runtime, args, nargs, kwnames);
+        Py_DECREF(runtime);
+        return result;
+    }
+    PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? S_htod_record : S_dtoh_record);
+    if (copy) {
+        PyObject *host_ptr = slot_of(block, SL_BLOCK_PTR), *device_ptr = slot_of(device, SL_DEV_PTR);
+        PyObject *a[9] = {upload ? self->upload_type : self->download_type,
+                          upload ? self->h2d : self->d2h,
+                          copy,
+                          upload ? device_ptr : host_ptr,
+                          upload ? host_ptr : device_ptr,
+                          slot_of(device, SL_DEV_NBYTES),
+                          host,
+                          device,
+                          upload ? Py_True : Py_False};
+        result = Fast_pinned((PyObject *)self, a, 9);
+        Py_DECREF(copy);
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (rlock_give(lock)) {
+        Py_CLEAR(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    } else {
+        PyErr_Restore(type, value, tb);
+    }
+    Py_DECREF(runtime);
+    return result;
+}
+
+static PyObject *Fast_upload_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return fast_entry((FastObject *)obj, 1, args, nargs, kwnames);
+}
+
+static PyObject *Fast_download_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return fast_entry((FastObject *)obj, 0, args, nargs, kwnames);
+}
+
 static PyMethodDef Fast_methods[] = {
     {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
      "enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: Completion.enqueue in C"},
@@ -4156,6 +4413,12 @@ static PyMethodDef Fast_methods[] = {
     {"pinned", (PyCFunction)(void (*)(void))Fast_pinned, METH_FASTCALL,
      "pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: "
      "Completion.submit_pinned in C"},
+    {"bind_entries", (PyCFunction)(void (*)(void))Fast_bind_entries, METH_FASTCALL,
+     "bind_entries(runtime_ref, slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend)"},
+    {"upload_pending", (PyCFunction)(void (*)(void))Fast_upload_pending, METH_FASTCALL | METH_KEYWORDS,
+     "upload_pending(buffer, destination) -> PendingUpload: Runtime.upload_pending, checks and all, in C"},
+    {"download_pending", (PyCFunction)(void (*)(void))Fast_download_pending, METH_FASTCALL | METH_KEYWORDS,
+     "download_pending(source, buffer) -> PendingDownload: Runtime.download_pending, checks and all, in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -5179,6 +5442,8 @@ static PyMethodDef module_methods[] = {
     {"address_of", (PyCFunction)(void (*)(void))mod_address_of, METH_FASTCALL,
      "address_of(array, capacity[, nbytes]) -> address of a writable C-contiguous array of at most capacity "
      "bytes, or 0"},
+    {"set_slot_layout", (PyCFunction)(void (*)(void))mod_set_slot_layout, METH_FASTCALL,
+     "set_slot_layout(types, offsets): where ferry's slotted objects keep the fields Fast's entries read"},
     {"set_array_layout", (PyCFunction)(void (*)(void))mod_set_array_layout, METH_FASTCALL,
      "set_array_layout(data_offset, flags_offset): NumPy's array struct offsets, verified by the caller (-1: off)"},
     {"clear_writeable", mod_clear_writeable, METH_O,
@@ -5247,6 +5512,9 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF((PyObject *)FastType);
         goto fail;
     }
+    if (!(S_htod_record = PyUnicode_InternFromString("htod_record")) ||
+        !(S_dtoh_record = PyUnicode_InternFromString("dtoh_record")))
+        goto fail;
     if (!(S_count = PyUnicode_InternFromString("_count")) || !(S_deferred = PyUnicode_InternFromString("deferred")) ||
         !(S_doomed = PyUnicode_InternFromString("_doomed")) || !(S_refusal = PyUnicode_InternFromString("refusal")) ||
         !(S_event_wait = PyUnicode_InternFromString("event_wait")) ||

@@ -1,0 +1,186 @@
+"""The compiled entries: ``rt.upload_pending`` / ``rt.download_pending`` checked and submitted in one C call.
+
+Where the extension runs, a runtime binds the two methods to ``_engine.Fast``'s
+entries, which read the arguments' ``__slots__`` (at offsets that
+``ferry._native.slot_layout`` found) and hand whatever is not the common case
+to the Python methods. These tests check that the common case never enters
+Python, and that every other case behaves exactly as the Python method does.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import _native
+from ferry._runtime import Runtime, parts_of
+
+engine = _native.load()
+pytestmark = pytest.mark.skipif(engine is None, reason="the compiled extension is not built here")
+
+
+@pytest.fixture
+def rt(emu: ferry.Runtime) -> ferry.Runtime:
+    return emu
+
+
+def python_calls(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """fn()'s result (or exception) and the names of the Python functions it entered."""
+    names: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        result: Any = fn()
+    except Exception as exc:
+        result = exc
+    finally:
+        sys.setprofile(None)
+    return result, names
+
+
+def test_the_slot_layout_is_found_and_the_entries_are_bound(rt: ferry.Runtime) -> None:
+    assert _native.slot_layout()
+    assert type(rt.upload_pending).__name__ == "builtin_function_or_method"
+    assert type(rt.download_pending).__name__ == "builtin_function_or_method"
+
+    class Plain:  # its fields live in a __dict__, not in the object
+        pass
+
+    assert _native._slot_offsets(Plain, ("field",)) is None
+
+
+def test_the_common_case_never_enters_python(rt: ferry.Runtime) -> None:
+    buf, dev = rt.pinned(64), rt.empty(64, np.uint8)
+    buf.as_array()[:] = 5
+    pending, names = python_calls(lambda: rt.upload_pending(buf, dev))
+    assert "upload_pending" not in names and "submit_pinned" not in names
+    buf, dev = pending.wait()
+    assert (rt.to_host(dev) == 5).all()
+    pending, names = python_calls(lambda: rt.download_pending(dev, buf))
+    assert "download_pending" not in names
+    dev, buf = pending.wait()
+    assert (buf.as_array() == 5).all()
+    buf.close()
+
+
+def test_keywords_and_wrong_arity_go_through_the_python_method(rt: ferry.Runtime) -> None:
+    buf, dev = rt.pinned(16), rt.empty(16, np.uint8)
+    buf, dev = rt.upload_pending(buffer=buf, destination=dev).wait()
+    dev, buf = rt.download_pending(dev, buffer=buf).wait()
+    with pytest.raises(TypeError):
+        rt.upload_pending(buf)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        rt.upload_pending(buf, dev, dev)  # type: ignore[call-arg]
+    buf.close()
+
+
+@pytest.fixture
+def cases(rt: ferry.Runtime) -> Iterator[Callable[[str], tuple[Any, Any]]]:
+    """Each refused submission, built fresh: (buffer, device array) in that state."""
+    other = ferry.Runtime("emulated")
+    keep: list[Any] = []
+
+    def make(kind: str) -> tuple[Any, Any]:
+        buf, dev = rt.pinned(64), rt.empty(64, np.uint8)
+        if kind == "small buffer":
+            buf = rt.pinned(8)
+        elif kind == "numpy buffer":
+            buf = np.zeros(64, np.uint8)
+        elif kind == "other runtime's buffer":
+            buf = other.pinned(64)
+        elif kind == "other runtime's array":
+            dev = other.empty(64, np.uint8)
+        elif kind == "live view":
+            keep.append(buf.as_array())
+        elif kind == "buffer in flight":
+            keep.append(rt.upload_pending(buf, rt.empty(64, np.uint8)))
+        elif kind == "closed buffer":
+            buf.close()
+        elif kind == "read-leased array":
+            keep.append(rt.download_pending(dev, rt.pinned(64)))
+        return buf, dev
+
+    yield make
+    for item in keep:
+        if isinstance(item, ferry.Pending):
+            item.wait()
+    keep.clear()
+    other.close()
+
+
+KINDS = ["small buffer", "numpy buffer", "other runtime's buffer", "other runtime's array", "live view",
+         "buffer in flight", "closed buffer", "read-leased array"]
+
+
+# a read-leased source may be downloaded again: not a refusal there
+REFUSALS = [("upload", k) for k in KINDS] + [("download", k) for k in KINDS if k != "read-leased array"]
+
+
+@pytest.mark.parametrize(("direction", "kind"), REFUSALS)
+def test_every_refusal_is_the_python_methods(
+    rt: ferry.Runtime, cases: Callable[[str], tuple[Any, Any]], kind: str, direction: str
+) -> None:
+    compiled = rt.upload_pending if direction == "upload" else rt.download_pending
+    python = getattr(Runtime, f"{direction}_pending")
+    outcomes = []
+    for call in (compiled, lambda a, b: python(rt, a, b)):
+        buf, dev = cases(kind)
+        args = (buf, dev) if direction == "upload" else (dev, buf)
+        states = [getattr(o, "_state", None) for o in args]
+        with pytest.raises(ferry.TransferSubmitError) as info:
+            call(*args)
+        assert [getattr(o, "_state", None) for o in args] == states  # nothing changed
+        outcomes.append((type(info.value), str(info.value)))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_a_closed_or_collected_runtimes_entry_refuses(rt: ferry.Runtime) -> None:
+    other = ferry.Runtime("emulated")
+    up = other.upload_pending
+    buf, dev = other.pinned(8), other.empty(8, np.uint8)
+    other.close()
+    with pytest.raises(ferry.FerryError) as closed:
+        up(buf, dev)
+    with pytest.raises(ferry.FerryError) as python:
+        Runtime.upload_pending(other, buf, dev)
+    assert type(closed.value) is type(python.value)
+    third = ferry.Runtime("emulated")
+    up = third.upload_pending
+    del third
+    gc.collect()
+    with pytest.raises(ferry.RuntimeClosedError):
+        up(rt.pinned(8), rt.empty(8, np.uint8))
+
+
+def test_a_subclass_that_overrides_a_method_keeps_the_python_methods() -> None:
+    seen: list[str] = []
+
+    class Logged(ferry.Runtime):
+        def upload_pending(self, buffer: Any, destination: Any) -> Any:
+            seen.append("upload")
+            return super().upload_pending(buffer, destination)
+
+    with Logged("emulated") as rt:
+        buf, dev = rt.pinned(8), rt.empty(8, np.uint8)
+        buf, dev = rt.upload_pending(buf, dev).wait()
+        assert seen == ["upload"]
+        assert not isinstance(rt.download_pending, type(len))  # both stay methods
+        buf.close()
+
+
+def test_a_held_runtime_lock_is_reentered_by_the_entry(rt: ferry.Runtime) -> None:
+    buf, dev = rt.pinned(8), rt.empty(8, np.uint8)
+    with parts_of(rt).lock:
+        pending = rt.upload_pending(buf, dev)
+    pending.wait()
