@@ -17,7 +17,7 @@ from ferry import testing
 from ferry._bench import _gil, _pipeline
 from ferry._bench._groups import GROUPS, Context, case_count
 from ferry._bench._peers import load_peers
-from ferry._bench._protocol import Budget, Result
+from ferry._bench._protocol import Budget, Result, measure_interleaved
 from ferry._bench._report import compute_checks, markdown, verdict
 
 pytestmark = pytest.mark.slow  # subprocesses or whole bench groups: the full run has them
@@ -274,3 +274,27 @@ def test_the_report_gives_the_hosts_speed_before_and_after_and_warns_of_a_drift(
     assert "- host_speed: a Python loop ran at 12.0 M iterations/s before the groups, 6.0 after" in out
     assert "- host_warning: the host's speed changed during the run" in out
     assert "warning: the host's speed changed during the run" in err
+
+
+def test_measure_interleaved_times_each_op_in_blocks_round_by_round() -> None:
+    calls: list[str] = []
+    ops = [(lambda: calls.append("a"), None), (lambda: calls.append("b"), lambda: calls.append("setup-b"))]
+    samples = measure_interleaved(ops, Budget(seconds=0.0, min_reps=20, max_reps=20, warmup=1), rounds=4)
+    assert [len(s) for s in samples] == [20, 20]  # 4 rounds of 5 repeats each
+    timed = [c for c in calls if c != "setup-b"]
+    assert calls.count("setup-b") == timed.count("b")  # the setup runs before every repeat of its op
+    # each round: a's warm-up and block, then b's: the ops alternate block by block
+    blocks = [timed[0]]
+    for c in timed[1:]:
+        if c != blocks[-1]:
+            blocks.append(c)
+    assert blocks == ["a", "b"] * 4
+
+
+def test_the_latency_group_times_ferry_and_its_peers_together() -> None:
+    with ferry.Runtime("emulated") as rt:
+        ctx = Context(rt, {}, Budget(0.01, 3, 50, 1), True, lambda _: None)
+        GROUPS["latency"](ctx)
+        rows = [(r.impl, r.direction, r.nbytes) for r in ctx.results]
+        assert rows == [("ferry", d, n) for n in (16, 64) for d in ("h2d", "d2h")]
+        assert all(r.valid and r.samples for r in ctx.results)

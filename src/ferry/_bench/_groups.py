@@ -31,7 +31,7 @@ from .._runtime import parts_of
 from . import _gil, _pipeline
 from ._memcpy import CopyTeam, passes_for
 from ._peers import Case
-from ._protocol import Budget, Result, measure, payload, poison
+from ._protocol import Budget, Result, measure, measure_interleaved, payload, poison
 
 __all__: list[str] = []
 
@@ -78,6 +78,38 @@ class Context:
                 case.close()
         self.results.append(result)
         return result
+
+    def run_together(self, group: str, cases: list[Case], budget: Budget | None = None, rounds: int = 10) -> None:
+        """Validate each case, then time the valid ones interleaved (:func:`measure_interleaved`): rows a
+        check compares (ferry against a peer) then see the same host, however its speed drifts."""
+        results, timed = [], []
+        try:
+            for case in cases:
+                self.progress(f"{group}: {case.impl} {case.route} {case.direction} {_size(case.nbytes)}")
+                result = Result(group, case.impl, case.route, case.direction, case.nbytes)
+                try:
+                    result.valid = bool(case.check())
+                    if result.valid:
+                        timed.append((result, case))
+                    else:
+                        result.note = "validation failed: not timed"
+                except Exception as exc:
+                    result.valid = False
+                    result.note = f"error: {exc!r}"
+                results.append(result)
+            try:
+                samples = measure_interleaved([(c.op, c.setup) for _, c in timed], budget or self.budget, rounds)
+                for (result, _), s in zip(timed, samples, strict=True):
+                    result.samples = s
+            except Exception as exc:
+                for result, _ in timed:
+                    result.valid = False
+                    result.note = f"error: {exc!r}"
+        finally:
+            for case in cases:
+                if case.close is not None:
+                    case.close()
+        self.results.extend(results)
 
     def record(self, result: Result) -> None:
         self.progress(f"{result.group}: {result.impl} {result.route}")
@@ -479,13 +511,15 @@ def group_latency(ctx: Context) -> None:
     for n in (16, 64):
         data = payload(n, 23)
         for direction in ("h2d", "d2h"):
-            ctx.run("latency", ferry_pinned(rt, direction, data), budget)
+            # interleaved: the checks compare these rows, and VM hosts drift within seconds
+            cases = [ferry_pinned(rt, direction, data)]
             if "raw" in ctx.peers:
-                ctx.run("latency", ctx.peers["raw"].case(direction, "pinned", data), budget)
+                cases.append(ctx.peers["raw"].case(direction, "pinned", data))
             if "torch" in ctx.peers:
-                ctx.run("latency", ctx.peers["torch"].case(direction, "pinned_non_blocking", data), budget)
+                cases.append(ctx.peers["torch"].case(direction, "pinned_non_blocking", data))
             if "cupy" in ctx.peers:
-                ctx.run("latency", ctx.peers["cupy"].case(direction, "pinned", data), budget)
+                cases.append(ctx.peers["cupy"].case(direction, "pinned", data))
+            ctx.run_together("latency", cases, budget)
     _free_peers(ctx)
 
 

@@ -89,6 +89,22 @@ def measure(
     return samples
 
 
+def measure_interleaved(
+    ops: list[tuple[Callable[[], Any], Callable[[], Any] | None]], budget: Budget, rounds: int = 10
+) -> list[list[float]]:
+    """Time several ``(op, setup)`` pairs in turn: ``rounds`` rounds, each timing a block of every op
+    with a ``rounds``-th of the budget, so that a host whose speed drifts during the measurement
+    drifts under all of them alike (their ratio is what a check compares). One list of samples per op."""
+    share = Budget(
+        budget.seconds / rounds, max(1, budget.min_reps // rounds), max(1, budget.max_reps // rounds), budget.warmup
+    )
+    samples: list[list[float]] = [[] for _ in ops]
+    for _ in range(rounds):
+        for i, (op, setup) in enumerate(ops):
+            samples[i].extend(measure(op, share, setup=setup))
+    return samples
+
+
 def spin(iterations: int) -> float:
     """The pure-Python loop: arithmetic on a float, no allocation to speak of (the ``gil`` group's
     workload, and the host's speed reference)."""
