@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--nbytes", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block", type=int, default=200)
+    parser.add_argument("--pageable", action="store_true", help="rt.upload / rt.download of a NumPy array instead")
     args = parser.parse_args()
     n = args.nbytes
     rt = ferry.Runtime("cuda")
@@ -39,6 +40,9 @@ def main() -> None:
     hbuf, dev = rt.pinned(n), rt.empty(n, np.uint8)
     rbuf, rdev = rt.pinned(n), rt.empty(n, np.uint8)
     hptr, dptr = rbuf.ptr, rdev.ptr
+    host = np.zeros(n, np.uint8)
+    if args.pageable:  # the raw driver's own pageable copy, from and to a NumPy array
+        hptr = host.ctypes.data
     copy_h2d, copy_d2h, record, sync = d.cuMemcpyHtoDAsync, d.cuMemcpyDtoHAsync, d.cuEventRecord, d.cuEventSynchronize
     box = {"b": hbuf, "d": dev}
     up, down = rt.upload_pending, rt.download_pending
@@ -58,6 +62,15 @@ def main() -> None:
 
     def ferry_d2h() -> None:
         box["d"], box["b"] = down(box["d"], box["b"]).wait()
+
+    if args.pageable:
+        upload, download = rt.upload, rt.download
+
+        def ferry_h2d() -> None:
+            _, box["d"] = upload(host, box["d"]).wait()
+
+        def ferry_d2h() -> None:
+            box["d"], _ = download(box["d"], host).wait()
 
     cases: dict[str, Callable[[], None]] = {
         "raw h2d": raw_h2d, "ferry h2d": ferry_h2d, "raw d2h": raw_d2h, "ferry d2h": ferry_d2h,

@@ -261,12 +261,17 @@ def group_transfer(ctx: Context) -> None:
     for n in ctx.sizes:
         data = payload(n, n)
         for direction in ("h2d", "d2h"):
-            ctx.run("transfer", ferry_pinned(rt, direction, data))
-            ctx.run("transfer", ferry_pinned(rt, direction, data, wait_only=True))
-            ctx.run("transfer", ferry_pageable(rt, direction, data))
+            cases = [
+                ferry_pinned(rt, direction, data), ferry_pinned(rt, direction, data, wait_only=True),
+                ferry_pageable(rt, direction, data), *_peer_cases(ctx, direction, data),
+            ]
+            if n <= SMALL_PAGEABLE:  # checked against the driver's rows to within 10%: timed interleaved
+                ctx.run_together("transfer", cases)
+            else:
+                for case in cases:
+                    ctx.run("transfer", case)
+            # alone: while a registration is active the small pageable route stands aside
             ctx.run("transfer", ferry_pageable(rt, direction, data, registered=True))
-            for case in _peer_cases(ctx, direction, data):
-                ctx.run("transfer", case)
         _free_peers(ctx)
         rt.poll()
 
