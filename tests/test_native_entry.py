@@ -184,3 +184,25 @@ def test_a_held_runtime_lock_is_reentered_by_the_entry(rt: ferry.Runtime) -> Non
     with parts_of(rt).lock:
         pending = rt.upload_pending(buf, dev)
     pending.wait()
+
+
+def test_a_small_pageable_wait_settles_its_slot_in_c(rt: ferry.Runtime) -> None:
+    data = np.arange(256, dtype=np.uint8)
+    dev = rt.empty(256, np.uint8)
+    pending = rt.upload(data, dev)
+    assert not data.flags.writeable
+    result, names = python_calls(pending.wait)
+    assert not {"settle", "release", "copy_out"} & set(names)
+    source, dev = result
+    assert source is data and data.flags.writeable
+    out = np.zeros(256, np.uint8)
+    pending = rt.download(dev, out)
+    result, names = python_calls(pending.wait)
+    assert not {"settle", "release", "copy_out"} & set(names)
+    assert result[1] is out and (out == data).all() and out.flags.writeable
+    counts = parts_of(rt).host.small.counts()
+    assert counts["small_uploads"] == counts["small_downloads"] == 1
+    assert parts_of(rt).host.small.host_copied == 512  # both directions' host copies counted
+    # the slots are back in their rings: the next transfers reuse them
+    assert (rt.to_host(rt.upload(data, rt.empty(256, np.uint8)).wait()[1]) == data).all()
+    assert parts_of(rt).host.small.counts()["small_upload_slots"] == 1

@@ -271,6 +271,7 @@ _SLOT_READS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("ferry._device_array", "DeviceArray", ("_leases", "_nbytes", "_ptr", "_ready", "_runtime", "_state")),
     ("ferry._memory._pinned", "Block", ("ptr",)),
     ("ferry._lifecycle", "Health", ("refusal",)),
+    ("ferry._routes._small", "Slot", ("address", "finish", "handed", "host", "nbytes", "ptr", "record", "ring")),
 )
 
 
@@ -280,7 +281,8 @@ def slot_layout() -> bool:
 
     ``Fast.upload_pending`` / ``download_pending`` check a submission's
     arguments (a pinned buffer's and a device array's state, owner, size and
-    views, the runtime's refusal) by reading their ``__slots__`` where CPython
+    views, the runtime's refusal), and ``Fast.wait`` settles a small-route
+    slot, by reading their ``__slots__`` where CPython
     keeps them, inside the object, at an offset the limited API does not
     name. The offsets are found here: each field of a probe object is set to
     a fresh sentinel and the object's memory is searched for it; one

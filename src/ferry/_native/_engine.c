@@ -4128,6 +4128,9 @@ static PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t narg
     return fast_claim(self, r);
 }
 
+static int is_small_slot(PyObject *extra);
+static int fast_settle_slot(FastObject *self, RecordObject *r);
+
 /* A done record the caller attends (waiters + 1): settle it if no one did, claim it, under the lock. */
 static PyObject *fast_claim(FastObject *self, RecordObject *r) {
     if (fast_lock(self)) {
@@ -4142,6 +4145,8 @@ static PyObject *fast_claim(FastObject *self, RecordObject *r) {
             ok = fast_settle_plain(self, r) == 0;
         } else if (ok && r->extra == Py_None) {
             ok = fast_settle_shared(self, r) == 0;
+        } else if (ok && r->shared == Py_None && is_small_slot(r->extra)) {
+            ok = fast_settle_slot(self, r) == 0;
         } else if (ok) {
             PyObject *s = PyObject_CallFunctionObjArgs(self->settle, (PyObject *)r, NULL);
             ok = s != NULL;
@@ -4196,16 +4201,21 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
  * runtime's entry) calls the Python method, which names the problem: nothing is changed before.
  */
 enum { SL_BUF_BASE, SL_BUF_BLOCK, SL_BUF_NBYTES, SL_BUF_RUNTIME, SL_BUF_STATE, SL_DEV_LEASES, SL_DEV_NBYTES,
-       SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_COUNT };
+       SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_SLOT_ADDRESS,
+       SL_SLOT_FINISH, SL_SLOT_HANDED, SL_SLOT_HOST, SL_SLOT_NBYTES, SL_SLOT_PTR, SL_SLOT_RECORD, SL_SLOT_RING,
+       SL_COUNT };
+#define SLOT_TYPES 5
 static Py_ssize_t slot_at[SL_COUNT];
-static PyObject *slot_types[4]; /* PinnedHostBuffer, DeviceArray, Block, Health; NULL: layout not set */
+static PyObject *slot_types[SLOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */
 
-/* set_slot_layout((PinnedHostBuffer, DeviceArray, Block, Health), offsets): found and verified by the caller */
+/* set_slot_layout((PinnedHostBuffer, DeviceArray, Block, Health, Slot), offsets): found and verified by the
+ * caller (ferry._native.slot_layout) */
 static PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 2, "set_slot_layout")) return NULL;
-    if (!PyTuple_Check(args[0]) || PyTuple_Size(args[0]) != 4 || !PyTuple_Check(args[1]) ||
+    if (!PyTuple_Check(args[0]) || PyTuple_Size(args[0]) != SLOT_TYPES || !PyTuple_Check(args[1]) ||
         PyTuple_Size(args[1]) != SL_COUNT) {
-        PyErr_Format(PyExc_TypeError, "set_slot_layout(types: 4-tuple, offsets: %d-tuple)", (int)SL_COUNT);
+        PyErr_Format(PyExc_TypeError, "set_slot_layout(types: %d-tuple, offsets: %d-tuple)", SLOT_TYPES,
+                     (int)SL_COUNT);
         return NULL;
     }
     Py_ssize_t at[SL_COUNT];
@@ -4217,14 +4227,14 @@ static PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *
             return NULL;
         }
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < SLOT_TYPES; i++) {
         PyObject *t = PyTuple_GetItem(args[0], i);
         if (!PyType_Check(t)) {
             PyErr_SetString(PyExc_TypeError, "set_slot_layout: types must be types");
             return NULL;
         }
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < SLOT_TYPES; i++) {
         PyObject *t = PyTuple_GetItem(args[0], i);
         PyObject *old = slot_types[i];
         Py_INCREF(t);
@@ -4234,6 +4244,14 @@ static PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *
     memcpy(slot_at, at, sizeof at);
     Py_RETURN_NONE;
 }
+
+/* *field = value, the reference to value already taken; the old one released last (it may run code). */
+#define Py_XSETREF_LOCAL(field, value)                                                                      \
+    do {                                                                                                      \
+        PyObject *old_ = (field);                                                                             \
+        (field) = (value);                                                                                    \
+        Py_XDECREF(old_);                                                                                     \
+    } while (0)
 
 /* The object in obj's slot (borrowed; NULL when unset): obj's exact type is the layout's. */
 static inline PyObject *slot_of(PyObject *obj, int which) { return *(PyObject **)((char *)obj + slot_at[which]); }
@@ -4253,6 +4271,74 @@ static int set_state_slot(PyObject *obj, PyObject *state) {
     *field = state;
     Py_XDECREF(old);
     return 1;
+}
+
+/* Whether extra is a small-route Slot whose record its own event proves (not handed off): Completion.settle's
+ * one-call case, which fast_settle_slot does in C. */
+static int is_small_slot(PyObject *extra) {
+    return slot_types[4] && Py_TYPE(extra) == (PyTypeObject *)slot_types[4] && slot_of(extra, SL_SLOT_HANDED) == Py_None;
+}
+
+static PyObject *S_give, *S_free, *S_host_copied;
+
+/* Completion.settle for a small-route slot (the record's extras), lock held: a download's copy-out (Slot.copy_out:
+ * the slot's bytes into the caller's array, counted), Slot.release(False) (the array's lease given back, the
+ * slot back to its ring), the event back to the pool, the objects handed back. */
+static int fast_settle_slot(FastObject *self, RecordObject *r) {
+    PyObject *slot = r->extra, *ring = slot_of(slot, SL_SLOT_RING), *finish = slot_of(slot, SL_SLOT_FINISH);
+    PyObject *host = slot_of(slot, SL_SLOT_HOST);
+    if (!ring || !finish || !host) {
+        PyErr_SetString(PyExc_AttributeError, "a small-route slot without its ring, finish or host");
+        return -1;
+    }
+    Py_INCREF(slot);
+    Py_INCREF(ring);
+    Py_INCREF(host);
+    int rc = -1;
+    PyObject *give = NULL, *free_list = NULL;
+    set_field(&r->settled, Py_True);
+    if (finish != Py_None) { /* a download: the copy is proven complete, the bytes are the caller's now */
+        unsigned long long address = as_u64(slot_of(slot, SL_SLOT_ADDRESS)), ptr, nbytes;
+        if (address == (unsigned long long)-1 && PyErr_Occurred()) goto out;
+        ptr = as_u64(slot_of(slot, SL_SLOT_PTR));
+        if (ptr == (unsigned long long)-1 && PyErr_Occurred()) goto out;
+        nbytes = as_u64(slot_of(slot, SL_SLOT_NBYTES));
+        if (nbytes == (unsigned long long)-1 && PyErr_Occurred()) goto out;
+        memcpy((void *)(uintptr_t)address, (const void *)(uintptr_t)ptr, (size_t)nbytes);
+        PyObject *copied = PyObject_GetAttr(ring, S_host_copied);
+        if (!copied) goto out;
+        PyObject *more = PyLong_FromUnsignedLongLong(nbytes), *sum = more ? PyNumber_Add(copied, more) : NULL;
+        Py_DECREF(copied);
+        Py_XDECREF(more);
+        int set = sum ? PyObject_SetAttr(ring, S_host_copied, sum) : -1;
+        Py_XDECREF(sum);
+        if (set) goto out;
+    }
+    /* Slot.release(False) */
+    if (!(give = PyObject_GetAttr(ring, S_give))) goto out;
+    PyObject *gave = PyObject_CallFunctionObjArgs(give, host, NULL);
+    if (!gave) goto out;
+    Py_DECREF(gave);
+    PyObject **field = (PyObject **)((char *)slot + slot_at[SL_SLOT_HOST]);
+    Py_INCREF(Py_None);
+    Py_XSETREF_LOCAL(*field, Py_None);
+    if (slot_of(slot, SL_SLOT_RECORD) != Py_None) {
+        set_field(&r->extra, Py_None); /* the slot is not that record's any more */
+        field = (PyObject **)((char *)slot + slot_at[SL_SLOT_RECORD]);
+        Py_INCREF(Py_None);
+        Py_XSETREF_LOCAL(*field, Py_None);
+    }
+    if (!(free_list = PyObject_GetAttr(ring, S_free)) || PyList_Append(free_list, slot)) goto out;
+    if (PyList_Append(self->events, r->event)) goto out;
+    set_field(&r->event, Py_None);
+    rc = fast_settle_states(self, r);
+out:
+    Py_XDECREF(give);
+    Py_XDECREF(free_list);
+    Py_DECREF(host);
+    Py_DECREF(ring);
+    Py_DECREF(slot);
+    return rc;
 }
 
 /* bind_entries(runtime_ref, slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend):
@@ -5512,6 +5598,9 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF((PyObject *)FastType);
         goto fail;
     }
+    if (!(S_give = PyUnicode_InternFromString("give")) || !(S_free = PyUnicode_InternFromString("free")) ||
+        !(S_host_copied = PyUnicode_InternFromString("host_copied")))
+        goto fail;
     if (!(S_htod_record = PyUnicode_InternFromString("htod_record")) ||
         !(S_dtoh_record = PyUnicode_InternFromString("dtoh_record")))
         goto fail;
