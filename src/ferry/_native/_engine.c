@@ -3883,6 +3883,9 @@ static PyObject *fast_refused_copy(FastObject *self, PyObject *record) {
     return NULL;
 }
 
+static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_upload, PyObject *const *e, int upload,
+                                 PyObject *host, PyObject *device, PyObject *const *tuples);
+
 static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 8, "enqueue")) return NULL;
@@ -3908,6 +3911,16 @@ static PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t n
     Py_ssize_t n = PyList_Size(self->events);
     if (due || n < 1 || PyDict_Size(self->batches)) return call_args(self->slow_enqueue, args, 8);
     PyObject *stream = args[0], *copy = args[1];
+    PyCFunction fn = PyCFunction_Check(copy) ? PyCFunction_GetFunction(copy) : NULL;
+    int cu_upload = fn == (PyCFunction)(void (*)(void))Calls_htod_record;
+    if (cu_upload || fn == (PyCFunction)(void (*)(void))Calls_dtoh_record) { /* the copy first, as Fast_pinned's */
+        PyObject *record = fast_copy_first(self, (CallsObject *)PyCFunction_GetSelf(copy), cu_upload, args, 0, NULL,
+                                           NULL, args + 5);
+        if (record != Py_None) return record; /* or NULL: refused, as below */
+        Py_DECREF(record); /* the pool emptied: the path below */
+        n = PyList_Size(self->events);
+        if (n < 1) return call_args(self->slow_enqueue, args, 8);
+    }
     PyObject *event = PyList_GetItem(self->events, n - 1);
     Py_INCREF(event);
     if (PyList_SetSlice(self->events, n - 1, n, NULL)) {
@@ -4702,7 +4715,7 @@ static int fast_pinned_tuples(int upload, PyObject *host, PyObject *device, PyOb
 /* e: stream, copy, dst, src, nbytes (Fast_pinned's arguments 1 - 5). Py_None (a new reference): not taken
  * (no pooled event), the caller goes through Fast_enqueue. */
 static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_upload, PyObject *const *e, int upload,
-                                 PyObject *host, PyObject *device) {
+                                 PyObject *host, PyObject *device, PyObject *const *tuples) {
     unsigned long long dst, src, n, stream, ev;
     Py_ssize_t ne = PyList_Size(self->events);
     if (ne < 1) Py_RETURN_NONE; /* the pool emptied since the caller looked */
@@ -4731,7 +4744,16 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
         }
     }
     PyObject *moved = NULL, *leased = NULL, *result = NULL, *record = NULL;
-    if (fast_pinned_tuples(upload, host, device, &moved, &leased, &result) == 0) {
+    int made = 0;
+    if (tuples) { /* Fast_enqueue's: made by the caller */
+        moved = tuples[0], leased = tuples[1], result = tuples[2];
+        Py_INCREF(moved);
+        Py_INCREF(leased);
+        Py_INCREF(result);
+    } else {
+        made = fast_pinned_tuples(upload, host, device, &moved, &leased, &result);
+    }
+    if (made == 0) {
         PyObject *seq = PyLong_FromLongLong(++self->seq);
         if (seq) {
             PyObject *fields[7] = {seq, event, e[0], moved, leased, result, e[4]};
@@ -4803,7 +4825,7 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
         if (due < 0) return NULL;
         if (!due) {
             record = fast_copy_first(self, (CallsObject *)PyCFunction_GetSelf(copy), cu_upload, args + 1, upload,
-                                     host, device);
+                                     host, device, NULL);
             if (!record) return NULL;
             if (record == Py_None) Py_CLEAR(record); /* not taken: Fast_enqueue below */
         }
