@@ -31,12 +31,17 @@ def rt(emu: ferry.Runtime) -> ferry.Runtime:
     return emu
 
 
+# the modules of the submission and completion paths (the emulated backend's own Python is not counted)
+PATHS = ("_runtime.py", "_completion.py", "_small.py", "_pinned.py", "_pending.py", "_base.py")
+
+
 def python_calls(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-    """fn()'s result (or exception) and the names of the Python functions it entered."""
+    """fn()'s result (or exception) and the names of the Python functions of ferry's submission and
+    completion paths it entered."""
     names: list[str] = []
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
-        if event == "call":
+        if event == "call" and frame.f_code.co_filename.endswith(PATHS) and "_backends" not in frame.f_code.co_filename:
             names.append(frame.f_code.co_name)
 
     sys.setprofile(profile)
@@ -206,3 +211,62 @@ def test_a_small_pageable_wait_settles_its_slot_in_c(rt: ferry.Runtime) -> None:
     # the slots are back in their rings: the next transfers reuse them
     assert (rt.to_host(rt.upload(data, rt.empty(256, np.uint8)).wait()[1]) == data).all()
     assert parts_of(rt).host.small.counts()["small_upload_slots"] == 1
+
+
+def test_a_small_pageable_upload_is_submitted_in_c(rt: ferry.Runtime) -> None:
+    assert _native.array_shape_layout()
+    assert type(rt.upload).__name__ == "builtin_function_or_method"
+    data = np.arange(64, dtype=np.float32).reshape(4, 16)
+    dev = rt.empty((4, 16), np.float32)
+    _, dev = rt.upload(data, dev).wait()  # the ring's first slot is made by the Python route
+    before = parts_of(rt).host.small.counts()["small_uploads"]
+    pending, names = python_calls(lambda: rt.upload(data, dev))
+    assert not {"upload", "take", "submit", "enqueue"} & set(names)
+    assert not data.flags.writeable  # leased while in flight
+    source, dev = pending.wait()
+    assert source is data and data.flags.writeable
+    assert (rt.to_host(dev) == data).all()
+    assert parts_of(rt).host.small.counts()["small_uploads"] == before + 1
+
+
+def test_every_other_upload_takes_the_python_route_and_behaves_the_same(rt: ferry.Runtime) -> None:
+    base = np.arange(4096, dtype=np.uint8)
+    dev = rt.empty(4096, np.uint8)
+    rt.upload(base, dev).wait()
+    strided = np.arange(8192, dtype=np.uint8)[::2]
+    other_dtype = np.arange(1024, dtype=np.float32)  # same bytes, another dtype: refused
+    big = np.arange(1 << 17, dtype=np.uint8)  # beyond a slot: the staged or direct route
+    pair = np.zeros(512, dtype=[("a", "u1"), ("b", "u1")])  # equal dtypes that are two objects
+    pair["a"] = 3
+    cases = [(strided, rt.empty(4096, np.uint8)), (big, rt.empty(1 << 17, np.uint8)), (base, None),
+             (pair, rt.empty(512, np.dtype([("a", "u1"), ("b", "u1")])))]
+    for source, destination in cases:
+        pending, names = python_calls(lambda s=source, d=destination: rt.upload(s, d))
+        assert "upload" in names  # Runtime.upload ran
+        _, out = pending.wait()
+        assert (rt.to_host(out) == source).all()
+    for call in (rt.upload, lambda s, d: Runtime.upload(rt, s, d)):
+        with pytest.raises(ferry.TransferSubmitError) as info:
+            call(other_dtype, rt.empty(4096, np.uint8))
+        assert "dtype" in str(info.value) or "shape" in str(info.value)
+    leased = rt.empty(4096, np.uint8)
+    down = rt.download(leased)
+    with pytest.raises(ferry.TransferSubmitError):
+        rt.upload(base, leased)  # a read-leased destination: refused by the Python route, nothing changed
+    assert base.flags.writeable
+    down.wait()
+    with rt.batch():
+        pending = rt.upload(base, rt.empty(4096, np.uint8))  # a batch is open: the Python route batches it
+    assert (rt.to_host(pending.wait()[1]) == base).all()
+
+
+def test_an_upload_while_a_registration_is_active_takes_the_registered_route(rt: ferry.Runtime) -> None:
+    host = np.arange(1024, dtype=np.uint8)
+    dev = rt.empty(1024, np.uint8)
+    rt.upload(host, dev).wait()  # a slot in the ring
+    registration = rt.register(host)
+    small_before = parts_of(rt).host.small.counts()["small_uploads"]
+    _, dev = rt.upload(host, dev).wait()
+    assert parts_of(rt).host.small.counts()["small_uploads"] == small_before  # not the small route
+    assert (rt.to_host(dev) == host).all()
+    registration.release()

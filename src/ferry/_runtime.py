@@ -143,7 +143,8 @@ class Runtime:
         """Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
         and ``download_pending`` become this runtime's compiled entries: the same checks and submission
         in one C call, which hands whatever is not the common case to the methods below (a subclass
-        that overrides either keeps both as Python methods)."""
+        that overrides either keeps both as Python methods). Where NumPy's shape fields are verified
+        too, ``upload`` does the same for the small pageable route's common case."""
         fast = self._completion.fast
         cls = type(self)
         if (
@@ -158,6 +159,9 @@ class Runtime:
                           PendingDownload, self._h2d, self._d2h, self._backend)
         self.upload_pending = fast.upload_pending  # type: ignore[method-assign]
         self.download_pending = fast.download_pending  # type: ignore[method-assign]
+        if cls.upload is Runtime.upload and _native.array_shape_layout():  # the small pageable upload too
+            fast.bind_small(self._small, np.ndarray, Runtime.upload)
+            self.upload = fast.upload  # type: ignore[method-assign]
 
     # -- identity -------------------------------------------------------------------------
     @property

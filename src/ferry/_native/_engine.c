@@ -3579,6 +3579,9 @@ typedef struct {
     PyObject *rlock; /* the runtime lock when it is an RLock of this module (taken in C), else NULL */
     /* bind_entries: the runtime (weakly), its Python methods, handle types, streams and backend */
     PyObject *runtime_ref, *slow_upload, *slow_download, *upload_type, *download_type, *h2d, *d2h, *entry_backend;
+    /* bind_small: the small route's upload ring, its free slots and lost(), the lease table's take(), the active
+     * registrations, numpy.ndarray, Runtime.upload */
+    PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
@@ -3602,7 +3605,7 @@ static PyObject *S_htod_record, *S_dtoh_record;
 static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 33
+#define FAST_OBJECTS 40
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -4213,10 +4216,10 @@ static PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t na
  * runtime lock taken in C. Anything else (another type, a check that fails, keywords, a dead
  * runtime's entry) calls the Python method, which names the problem: nothing is changed before.
  */
-enum { SL_BUF_BASE, SL_BUF_BLOCK, SL_BUF_NBYTES, SL_BUF_RUNTIME, SL_BUF_STATE, SL_DEV_LEASES, SL_DEV_NBYTES,
-       SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_SLOT_ADDRESS,
-       SL_SLOT_FINISH, SL_SLOT_HANDED, SL_SLOT_HOST, SL_SLOT_NBYTES, SL_SLOT_PTR, SL_SLOT_RECORD, SL_SLOT_RING,
-       SL_COUNT };
+enum { SL_BUF_BASE, SL_BUF_BLOCK, SL_BUF_NBYTES, SL_BUF_RUNTIME, SL_BUF_STATE, SL_DEV_DTYPE, SL_DEV_LEASES,
+       SL_DEV_NBYTES, SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_SHAPE, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_SLOT_ADDRESS,
+       SL_SLOT_CAPACITY, SL_SLOT_CLEANUPS, SL_SLOT_FINISH, SL_SLOT_HANDED, SL_SLOT_HOST, SL_SLOT_NBYTES, SL_SLOT_OWN,
+       SL_SLOT_PTR, SL_SLOT_RECORD, SL_SLOT_RING, SL_COUNT };
 #define SLOT_TYPES 5
 static Py_ssize_t slot_at[SL_COUNT];
 static PyObject *slot_types[SLOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */
@@ -4375,9 +4378,8 @@ static PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssiz
 }
 
 /* The Python method for what the compiled checks do not take: Runtime.<name>(runtime, *args, **kwargs). */
-static PyObject *fast_entry_slow(FastObject *self, int upload, PyObject *runtime, PyObject *const *args,
+static PyObject *fast_entry_slow(FastObject *self, PyObject *slow, PyObject *runtime, PyObject *const *args,
                                  Py_ssize_t nargs, PyObject *kwnames) {
-    PyObject *slow = upload ? self->slow_upload : self->slow_download;
     if (runtime == Py_None) { /* an entry kept past its runtime: the runtime's own answer (it is closed) */
         PyObject *r = PyObject_CallMethod(self->health, "check_open", NULL);
         if (!r) return NULL;
@@ -4442,7 +4444,7 @@ static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args,
     PyObject *runtime = PyWeakref_GetObject(self->runtime_ref); /* borrowed */
     if (!runtime) return NULL;
     if (runtime == Py_None || nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[0])
-        return fast_entry_slow(self, upload, runtime, args, nargs, kwnames);
+        return fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs, kwnames);
     Py_INCREF(runtime); /* held across the submission (a finalizer in it may drop the caller's last one) */
     PyObject *host = upload ? args[0] : args[1], *device = upload ? args[1] : args[0];
     RLockObject *lock = (RLockObject *)self->rlock;
@@ -4462,7 +4464,9 @@ static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args,
                  (block = slot_of(host, SL_BUF_BLOCK)) != NULL && Py_TYPE(block) == (PyTypeObject *)slot_types[2] &&
                  slot_of(block, SL_BLOCK_PTR) != NULL && slot_of(device, SL_DEV_PTR) != NULL;
     if (!common) {
-        if (rlock_give(lock) == 0) result = fast_entry_slow(self, upload, runtime, args, nargs, kwnames);
+        if (rlock_give(lock) == 0)
+            result = fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs,
+                                     kwnames);
         Py_DECREF(runtime);
         return result;
     }
@@ -4503,6 +4507,9 @@ static PyObject *Fast_download_pending(PyObject *obj, PyObject *const *args, Py_
     return fast_entry((FastObject *)obj, 0, args, nargs, kwnames);
 }
 
+static PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
 static PyMethodDef Fast_methods[] = {
     {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
      "enqueue(stream, copy, dst, src, nbytes, moved, leased, result) -> Record: Completion.enqueue in C"},
@@ -4518,6 +4525,10 @@ static PyMethodDef Fast_methods[] = {
      "upload_pending(buffer, destination) -> PendingUpload: Runtime.upload_pending, checks and all, in C"},
     {"download_pending", (PyCFunction)(void (*)(void))Fast_download_pending, METH_FASTCALL | METH_KEYWORDS,
      "download_pending(source, buffer) -> PendingDownload: Runtime.download_pending, checks and all, in C"},
+    {"bind_small", (PyCFunction)(void (*)(void))Fast_bind_small, METH_FASTCALL,
+     "bind_small(small_route, ndarray, slow_upload): what upload needs of the small pageable route"},
+    {"upload", (PyCFunction)(void (*)(void))Fast_upload, METH_FASTCALL | METH_KEYWORDS,
+     "upload(source, destination) -> PendingUpload: Runtime.upload's small pageable case in C"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -4966,6 +4977,241 @@ static PyObject *mod_set_array_layout(PyObject *Py_UNUSED(mod), PyObject *const 
     array_data_offset = data;
     array_flags_offset = flags;
     Py_RETURN_NONE;
+}
+
+
+/* NumPy's nd, dimensions and descr fields (set_array_shape_layout, verified by the caller; -1: off) */
+static Py_ssize_t array_nd_offset = -1, array_dims_offset = -1, array_descr_offset = -1;
+
+static PyObject *mod_set_array_shape_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 3, "set_array_shape_layout")) return NULL;
+    Py_ssize_t at[3];
+    for (int i = 0; i < 3; i++) {
+        at[i] = PyLong_AsSsize_t(args[i]);
+        if (at[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    array_nd_offset = at[0];
+    array_dims_offset = at[1];
+    array_descr_offset = at[2];
+    Py_RETURN_NONE;
+}
+
+/* Whether an exact ndarray has the shape ``shape`` (a tuple of ints) and the dtype object ``dtype`` itself
+ * (an equal dtype that is another object: no, the caller's Python path compares it). Shape layout set. */
+static int array_matches(PyObject *array, PyObject *shape, PyObject *dtype) {
+    if (*(PyObject **)((char *)array + array_descr_offset) != dtype || !PyTuple_Check(shape)) return 0;
+    int nd = *(int *)((char *)array + array_nd_offset);
+    if (nd != PyTuple_Size(shape)) return 0;
+    Py_ssize_t *dims = *(Py_ssize_t **)((char *)array + array_dims_offset);
+    for (int i = 0; i < nd; i++) {
+        Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
+        if (d == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (d != dims[i]) return 0;
+    }
+    return 1;
+}
+
+/* bind_small(small_route, ndarray, slow_upload): what Fast.upload needs of the small pageable route (its
+ * upload ring, free slots, lease table, registrations) and Runtime.upload for everything else */
+static PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    FastObject *self = (FastObject *)obj;
+    if (nargs_is(nargs, 3, "bind_small")) return NULL;
+    PyObject *route = args[0], *ring = NULL, *leases = NULL, *registrations = NULL, *got[5] = {NULL};
+    int ok = (ring = PyObject_GetAttrString(route, "up")) && (got[0] = PyObject_GetAttrString(ring, "free")) &&
+             (got[1] = PyObject_GetAttrString(ring, "lost")) && (leases = PyObject_GetAttrString(route, "leases")) &&
+             (got[2] = PyObject_GetAttrString(leases, "take")) &&
+             (registrations = PyObject_GetAttrString(route, "registrations")) &&
+             (got[3] = PyObject_GetAttrString(registrations, "active"));
+    Py_XDECREF(leases);
+    Py_XDECREF(registrations);
+    if (ok && (!PyList_Check(got[0]) || !PyList_Check(got[3]))) {
+        PyErr_SetString(PyExc_TypeError, "bind_small: the ring's free slots and the active registrations must be lists");
+        ok = 0;
+    }
+    if (!ok) {
+        Py_XDECREF(ring);
+        for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
+        return NULL;
+    }
+    PyObject *values[7] = {ring, got[0], got[1], got[2], got[3], args[1], args[2]}; /* references taken */
+    Py_INCREF(args[1]);
+    Py_INCREF(args[2]);
+    PyObject **fields = &self->small_ring;
+    for (int i = 0; i < 7; i++) {
+        PyObject *old = fields[i];
+        fields[i] = values[i];
+        Py_XDECREF(old);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ring.<name> += delta (an int attribute of the ring, a plain Python object) */
+static int ring_add(PyObject *ring, PyObject *name, unsigned long long delta) {
+    PyObject *v = PyObject_GetAttr(ring, name);
+    if (!v) return -1;
+    PyObject *d = PyLong_FromUnsignedLongLong(delta), *sum = d ? PyNumber_Add(v, d) : NULL;
+    Py_DECREF(v);
+    Py_XDECREF(d);
+    int rc = sum ? PyObject_SetAttr(ring, name, sum) : -1;
+    Py_XDECREF(sum);
+    return rc;
+}
+
+static PyObject *S_transfers;
+
+/* field = value (a new reference taken here), in an object of the slot layout */
+static void slot_set(PyObject *obj, int which, PyObject *value) {
+    PyObject **field = (PyObject **)((char *)obj + slot_at[which]);
+    Py_INCREF(value);
+    Py_XSETREF_LOCAL(*field, value);
+}
+
+/*
+ * Runtime.upload's common small case in one C call (bound as the runtime's own attribute, like
+ * upload_pending): a C-contiguous exact ndarray of at most one slot into a device array of this runtime
+ * with its shape and (identical) dtype object, no batch open, no registration active, a free slot in the
+ * ring. SmallRoute.upload's steps: the host copy into the slot, Fast.enqueue (the copy first), the slot
+ * as the record's extras, the array's read-only lease, the destination in flight, the ring's counts;
+ * then the handle. Anything else is Runtime.upload's, before anything changed.
+ */
+static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    FastObject *self = (FastObject *)obj;
+    if (!self->runtime_ref || !self->small_ring) {
+        PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries and bind_small were not called");
+        return NULL;
+    }
+    PyObject *runtime = PyWeakref_GetObject(self->runtime_ref); /* borrowed */
+    if (!runtime) return NULL;
+    if (runtime == Py_None || nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[4] ||
+        array_descr_offset < 0 || array_data_offset < 0 || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type ||
+        Py_TYPE(args[1]) != (PyTypeObject *)slot_types[1])
+        return fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
+    PyObject *source = args[0], *device = args[1];
+    Py_INCREF(runtime); /* held across the submission */
+    RLockObject *lock = (RLockObject *)self->rlock;
+    if (rlock_take(lock, -1) != 1) {
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    PyObject *result = NULL, *slot = NULL, *record = NULL, *free_list = self->small_free;
+    Py_ssize_t nfree = PyList_Size(free_list), n = -1;
+    unsigned long long capacity = 0;
+    PyObject *nbytes_obj = slot_of(device, SL_DEV_NBYTES);
+    int common = nfree > 0 && Py_TYPE(self->health) == (PyTypeObject *)slot_types[3] &&
+                 slot_of(self->health, SL_HEALTH_REFUSAL) == Py_None && !PyDict_Size(self->batches) &&
+                 slot_of(device, SL_DEV_RUNTIME) == runtime && slot_of(device, SL_DEV_STATE) == self->owned &&
+                 is_zero(slot_of(device, SL_DEV_LEASES)) && slot_of(device, SL_DEV_READY) == Py_None &&
+                 PyList_Size(self->small_active) == 0 && nbytes_obj && PyLong_Check(nbytes_obj) &&
+                 slot_of(device, SL_DEV_PTR) && (*array_flags(source) & NPY_C_CONTIGUOUS_FLAG) &&
+                 array_matches(source, slot_of(device, SL_DEV_SHAPE), slot_of(device, SL_DEV_DTYPE));
+    if (common) {
+        n = PyLong_AsSsize_t(nbytes_obj);
+        slot = PyList_GetItem(free_list, nfree - 1); /* borrowed */
+        if (n < 0 || !slot || Py_TYPE(slot) != (PyTypeObject *)slot_types[4] || !slot_of(slot, SL_SLOT_PTR) ||
+            !slot_of(slot, SL_SLOT_OWN)) {
+            common = 0;
+        } else {
+            capacity = as_u64(slot_of(slot, SL_SLOT_CAPACITY));
+            common = !(capacity == (unsigned long long)-1 && PyErr_Occurred()) && (unsigned long long)n <= capacity;
+        }
+        PyErr_Clear(); /* anything odd: the Python route says what */
+    }
+    if (!common) {
+        if (rlock_give(lock) == 0) result = fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
+        Py_DECREF(runtime);
+        return result;
+    }
+    Py_INCREF(slot);
+    PyObject *slot_ptr = slot_of(slot, SL_SLOT_PTR);
+    unsigned long long dst = as_u64(slot_ptr);
+    PyObject *moved = NULL, *leased = NULL, *res = NULL, *copy = NULL;
+    if ((dst == (unsigned long long)-1 && PyErr_Occurred()) || PyList_SetSlice(free_list, nfree - 1, nfree, NULL))
+        goto fail_unchanged;
+    /* taken from the ring: from here an error gives it back (nothing enqueued) or loses it (SmallRoute's rule) */
+    memcpy((void *)(uintptr_t)dst, array_data(source), (size_t)n);
+    if (!(moved = PyTuple_Pack(1, device)) || !(leased = PyTuple_New(0)) || !(res = PyTuple_Pack(2, source, device)) ||
+        !(copy = PyObject_GetAttr(self->entry_backend, S_htod_record))) {
+        PyList_Append(free_list, slot);
+        goto fail_unchanged;
+    }
+    PyObject *e[8] = {self->h2d, copy, slot_of(device, SL_DEV_PTR), slot_ptr, nbytes_obj, moved, leased, res};
+    record = Fast_enqueue((PyObject *)self, e, 8);
+    if (!record) { /* ring.lost(slot, exc): back to the ring if nothing was enqueued, else abandoned */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        PyObject *lost = PyObject_CallFunctionObjArgs(self->small_lost, slot, value ? value : Py_None, NULL);
+        Py_XDECREF(lost);
+        if (lost) PyErr_Restore(type, value, tb);
+        else {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        }
+        goto done;
+    }
+    if (Py_TYPE(record) == RecordType)
+        set_field(&((RecordObject *)record)->extra, slot);
+    else if (PyObject_SetAttrString(record, "extra", slot))
+        goto done_record;
+    slot_set(slot, SL_SLOT_RECORD, record);
+    slot_set(slot, SL_SLOT_NBYTES, nbytes_obj);
+    slot_set(slot, SL_SLOT_CLEANUPS, slot_of(slot, SL_SLOT_OWN));
+    slot_set(slot, SL_SLOT_HOST, source);
+    PyObject *took = PyObject_CallFunctionObjArgs(self->small_take, source, NULL);
+    if (!took) goto done_record;
+    Py_DECREF(took);
+    slot_set(device, SL_DEV_STATE, self->in_flight);
+    if (ring_add(self->small_ring, S_transfers, 1) || ring_add(self->small_ring, S_host_copied, (unsigned long long)n))
+        goto done_record;
+    {
+        allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)self->upload_type, Py_tp_alloc);
+        HandleObject *h = (HandleObject *)alloc((PyTypeObject *)self->upload_type, 0);
+        if (!h) goto done_record;
+        Py_INCREF(self->completion);
+        h->port = self->completion;
+        h->record = record; /* the reference from enqueue */
+        record = NULL;
+        Py_INCREF(Py_False);
+        h->waited = Py_False;
+        Py_INCREF(Py_False);
+        h->claimed = Py_False;
+        Py_INCREF(Py_None);
+        h->future = Py_None;
+        result = (PyObject *)h;
+    }
+done_record: /* an error after the enqueue propagates, as from SmallRoute.upload (the record stays live) */
+    Py_XDECREF(record);
+    goto done;
+fail_unchanged:
+    Py_XDECREF(moved);
+    Py_XDECREF(leased);
+    Py_XDECREF(res);
+    Py_XDECREF(copy);
+    moved = leased = res = copy = NULL;
+done:
+    Py_XDECREF(moved);
+    Py_XDECREF(leased);
+    Py_XDECREF(res);
+    Py_XDECREF(copy);
+    Py_DECREF(slot);
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (rlock_give(lock)) {
+            Py_CLEAR(result);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(type, value, tb);
+        }
+    }
+    Py_DECREF(runtime);
+    return result;
 }
 
 /* clear_writeable(array) -> whether the array was writeable; it is not now. Layout set; ndarray only. */
@@ -5552,6 +5798,8 @@ static PyMethodDef module_methods[] = {
      "bytes, or 0"},
     {"set_slot_layout", (PyCFunction)(void (*)(void))mod_set_slot_layout, METH_FASTCALL,
      "set_slot_layout(types, offsets): where ferry's slotted objects keep the fields Fast's entries read"},
+    {"set_array_shape_layout", (PyCFunction)(void (*)(void))mod_set_array_shape_layout, METH_FASTCALL,
+     "set_array_shape_layout(nd_offset, dimensions_offset, descr_offset): NumPy's, verified by the caller"},
     {"set_array_layout", (PyCFunction)(void (*)(void))mod_set_array_layout, METH_FASTCALL,
      "set_array_layout(data_offset, flags_offset): NumPy's array struct offsets, verified by the caller (-1: off)"},
     {"clear_writeable", mod_clear_writeable, METH_O,
@@ -5620,6 +5868,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF((PyObject *)FastType);
         goto fail;
     }
+    if (!(S_transfers = PyUnicode_InternFromString("transfers"))) goto fail;
     if (!(S_give = PyUnicode_InternFromString("give")) || !(S_free = PyUnicode_InternFromString("free")) ||
         !(S_host_copied = PyUnicode_InternFromString("host_copied")))
         goto fail;
