@@ -3563,7 +3563,16 @@ static PyType_Spec RLock_spec = {
  *   its tuples are made (fast_copy_first, with garbage collection off until the record is tracked);
  *   otherwise the tuples, then enqueue.
  *
- * The runtime lock (a threading.RLock) is taken through its bound methods where Python takes it.
+ * - entries (bind_entries, bind_small): Runtime.upload_pending / download_pending, and Runtime.upload's
+ *   small pageable case, become the runtime's own attributes bound to upload_pending / download_pending /
+ *   upload here. They check the Python methods' common case by reading the arguments' __slots__ (offsets
+ *   from ferry._native.slot_layout) and NumPy's fields (array_layout, array_shape_layout), under the lock
+ *   taken in C, then submit as pinned / SmallRoute.upload do; anything else calls the Python method.
+ * - settle: a plain record, a batched one and a small-route slot's (fast_settle_slot: the copy-out, the
+ *   lease, the slot back to its ring) are settled in C; any other extras go to Completion.settle.
+ *
+ * The runtime lock is taken with rlock_take / rlock_give where it is this module's RLock (the default
+ * where the extension loads, ferry._native.runtime_lock), else through its bound methods.
  * The counters seq, submitted and completed live here (Completion.counts is this object).
  */
 
