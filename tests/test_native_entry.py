@@ -150,7 +150,7 @@ def test_every_refusal_is_the_python_methods(
     assert outcomes[0] == outcomes[1]
 
 
-def test_a_closed_or_collected_runtimes_entry_refuses(rt: ferry.Runtime) -> None:
+def test_a_closed_runtimes_entry_refuses_as_the_python_method_does(rt: ferry.Runtime) -> None:
     other = ferry.Runtime("emulated")
     up = other.upload_pending
     buf, dev = other.pinned(8), other.empty(8, np.uint8)
@@ -160,12 +160,26 @@ def test_a_closed_or_collected_runtimes_entry_refuses(rt: ferry.Runtime) -> None
     with pytest.raises(ferry.FerryError) as python:
         Runtime.upload_pending(other, buf, dev)
     assert type(closed.value) is type(python.value)
-    third = ferry.Runtime("emulated")
-    up = third.upload_pending
-    del third
+    assert str(closed.value) == str(python.value)
+
+
+def test_an_entry_keeps_its_runtime_alive_as_a_bound_method_does() -> None:
+    upload = ferry.Runtime("emulated").upload  # the runtime itself is dropped at once
     gc.collect()
-    with pytest.raises(ferry.RuntimeClosedError):
-        up(rt.pinned(8), rt.empty(8, np.uint8))
+    data = np.arange(32, dtype=np.uint8)
+    _, dev = upload(data).wait()  # still open: the entry holds it
+    assert (dev._runtime.to_host(dev) == data).all()
+    dev._runtime.close()
+
+
+def test_a_dropped_runtime_with_its_entries_is_collected_and_closed() -> None:
+    rt = ferry.Runtime("emulated")
+    parts = parts_of(rt)
+    up = rt.upload_pending
+    del rt, up
+    with pytest.warns(ResourceWarning, match="never closed"):
+        gc.collect()
+    assert parts.health.closed
 
 
 def test_a_subclass_that_overrides_a_method_keeps_the_python_methods() -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -183,3 +184,92 @@ def test_mutual_exclusion_under_contention(make: Callable[[], Any]) -> None:
     assert box[0] == threads_n * rounds
     assert lock.acquire(False) is True  # left free
     lock.release()
+
+
+def test_timeout_nan_is_refused_and_the_largest_timeout_waits(make: Callable[[], Any]) -> None:
+    lock = make()
+    with pytest.raises(ValueError):
+        lock.acquire(timeout=float("nan"))
+    with pytest.raises(OverflowError):
+        lock.acquire(timeout=threading.TIMEOUT_MAX * 2)
+    held, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    threading.Timer(0.1, go.set).start()
+    start = time.monotonic()
+    assert lock.acquire(timeout=threading.TIMEOUT_MAX) is True  # waited for the holder, did not give up
+    assert time.monotonic() - start >= 0.05
+    lock.release()
+    t.join(10)
+
+
+def test_a_condition_on_the_lock_releases_every_level_while_it_waits(make: Callable[[], Any]) -> None:
+    lock = make()
+    cond = threading.Condition(lock)
+    taken: list[bool] = []
+    with cond:
+        with cond:  # held twice
+            t = threading.Thread(target=lambda: taken.append(lock.acquire(timeout=5)) or lock.release())
+            t.start()
+            cond.wait(0.2)  # releases both levels, then takes them back
+            assert lock._is_owned()
+        t.join(10)
+    assert taken == [True]
+    assert lock.acquire(False) is True
+    lock.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_can_use_a_lock_other_threads_were_waiting_on(make: Callable[[], Any]) -> None:
+    lock = make()
+    lock.acquire()
+    stop = threading.Event()
+
+    def waiter() -> None:
+        while not stop.is_set():
+            if lock.acquire(timeout=0.01):
+                lock.release()
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)  # they sleep on the lock now
+    statuses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # the child: only this thread exists; it holds the lock
+                code = 1
+                try:
+                    lock.release()
+                    code = 0 if lock.acquire(timeout=2) else 2
+                    lock.release()
+                finally:
+                    os._exit(code)
+            statuses.append(_reap(pid))
+    stop.set()
+    lock.release()
+    for t in threads:
+        t.join(10)
+    assert statuses == [0] * 20
+
+
+def _reap(pid: int, patience: float = 10.0) -> int:
+    """The child's wait status; a child still running after ``patience`` seconds is killed (-1)."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -1

@@ -155,13 +155,18 @@ class Runtime:
             or not _native.slot_layout()
         ):
             return
-        fast.bind_entries(weakref.ref(self), Runtime.upload_pending, Runtime.download_pending, PendingUpload,
-                          PendingDownload, self._h2d, self._d2h, self._backend)
-        self.upload_pending = fast.upload_pending  # type: ignore[method-assign]
-        self.download_pending = fast.download_pending  # type: ignore[method-assign]
-        if cls.upload is Runtime.upload and _native.array_shape_layout():  # the small pageable upload too
+        fast.bind_entries(Runtime.upload_pending, Runtime.download_pending, PendingUpload, PendingDownload,
+                          self._h2d, self._d2h, self._backend)
+        small = cls.upload is Runtime.upload and _native.array_shape_layout()  # the small pageable upload too
+        if small:
             fast.bind_small(self._small, np.ndarray, Runtime.upload)
-            self.upload = fast.upload  # type: ignore[method-assign]
+        # bound to this runtime as a method is (kept alone, they keep it alive: a cycle through this
+        # __dict__, so a dropped runtime is closed by the cyclic garbage collector)
+        up, down, upload = fast.entries(self)
+        self.upload_pending = up  # type: ignore[method-assign]
+        self.download_pending = down  # type: ignore[method-assign]
+        if upload is not None:
+            self.upload = upload  # type: ignore[method-assign]
 
     # -- identity -------------------------------------------------------------------------
     @property

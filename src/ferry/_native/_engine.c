@@ -3318,6 +3318,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int ready;           /* mu and cv were initialized */
+    pid_t pid;           /* the process that initialized them (a forked child makes its own: rlock_sleep_ready) */
     unsigned long owner; /* PyThread_get_thread_ident of the holder; meaningful while count > 0 */
     unsigned long count;
     PyObject *weakreflist;
@@ -3345,7 +3346,23 @@ static PyObject *RLock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     self->ready = 1;
+    self->pid = getpid();
     return (PyObject *)self;
+}
+
+/* The mutex, condition and sleeper count, made again in a forked child (GIL held): the parent's threads do
+ * not exist there, and their state (a sleeper count, a mutex one of them held) would block the child. Only
+ * the contended paths call it: getpid() is a system call. 0, or -1 with MemoryError. */
+static int rlock_sleep_ready(RLockObject *self) {
+    pid_t now = getpid();
+    if (self->pid == now) return 0;
+    if (pthread_mutex_init(&self->mu, NULL) || cond_init_monotonic(&self->cv)) {
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a lock in a forked child");
+        return -1;
+    }
+    atomic_store(&self->sleepers, 0);
+    self->pid = now;
+    return 0;
 }
 
 static void RLock_dealloc(PyObject *obj) {
@@ -3380,7 +3397,10 @@ static int rlock_take(RLockObject *self, long long timeout_us) {
     }
     int got = rlock_try(self);
     if (!got && timeout_us != 0) {
-        int64_t deadline = timeout_us < 0 ? INT64_MAX : now_ns() + timeout_us * 1000;
+        if (rlock_sleep_ready(self)) return -1;
+        int64_t start = now_ns();
+        int64_t deadline = timeout_us < 0 || timeout_us >= (INT64_MAX - start) / 1000 ? INT64_MAX
+                                                                                      : start + timeout_us * 1000;
         for (;;) {
             int64_t slice_end = now_ns() + RLOCK_SLICE_NS;
             if (slice_end > deadline) slice_end = deadline;
@@ -3415,7 +3435,7 @@ static int rlock_give(RLockObject *self) {
         atomic_store(&self->held, 0);
         /* a sleeper counted itself before it tried the lock (both sequentially consistent): either it saw
          * the lock free, or this sees it and wakes it */
-        if (atomic_load(&self->sleepers)) {
+        if (atomic_load(&self->sleepers) && getpid() == self->pid) { /* a forked child has no sleepers */
             pthread_mutex_lock(&self->mu);
             pthread_cond_signal(&self->cv);
             pthread_mutex_unlock(&self->mu);
@@ -3455,6 +3475,10 @@ static PyObject *RLock_acquire(PyObject *obj, PyObject *const *args, Py_ssize_t 
     if (timeout_obj && timeout_obj != Py_None) {
         timeout = PyFloat_AsDouble(timeout_obj);
         if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+        if (timeout != timeout) {
+            PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
+            return NULL;
+        }
     }
     if (!blocking && timeout != -1.0) {
         PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
@@ -3468,7 +3492,10 @@ static PyObject *RLock_acquire(PyObject *obj, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
         return NULL;
     }
+    /* rounded up, as threading's: a timeout under a microsecond still waits */
     long long us = !blocking ? 0 : timeout < 0 ? -1 : (long long)(timeout * 1e6);
+    if (us > 0 && (double)us < timeout * 1e6) us++;
+    else if (us == 0 && blocking && timeout > 0) us = 1;
     int got = rlock_take((RLockObject *)obj, us);
     if (got < 0) return NULL;
     return PyBool_FromLong(got);
@@ -3495,6 +3522,36 @@ static PyObject *RLock_is_owned(PyObject *obj, PyObject *Py_UNUSED(arg)) {
     return PyBool_FromLong(self->count && self->owner == PyThread_get_thread_ident());
 }
 
+/* _release_save() -> (count, owner): give it back entirely (threading.Condition's protocol) */
+static PyObject *RLock_release_save(PyObject *obj, PyObject *Py_UNUSED(arg)) {
+    RLockObject *self = (RLockObject *)obj;
+    if (!self->count || self->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return NULL;
+    }
+    PyObject *state = Py_BuildValue("(kk)", self->count, self->owner);
+    if (!state) return NULL;
+    self->count = 1;
+    rlock_give(self);
+    return state;
+}
+
+/* _acquire_restore((count, owner)): take it again as it was (threading.Condition's protocol) */
+static PyObject *RLock_acquire_restore(PyObject *obj, PyObject *state) {
+    RLockObject *self = (RLockObject *)obj;
+    unsigned long count, owner;
+    if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner)) return NULL;
+    if (count == 0) {
+        PyErr_SetString(PyExc_ValueError, "_acquire_restore: a count of 0");
+        return NULL;
+    }
+    int got = rlock_take(self, -1);
+    if (got != 1) return NULL;
+    self->count = count;
+    self->owner = owner;
+    Py_RETURN_NONE;
+}
+
 static PyObject *RLock_repr(PyObject *obj) {
     RLockObject *self = (RLockObject *)obj;
     return PyUnicode_FromFormat("<ferry RLock %s owner=%lu count=%lu>", self->count ? "locked" : "unlocked",
@@ -3508,6 +3565,8 @@ static PyMethodDef RLock_methods[] = {
     {"__enter__", RLock_enter, METH_NOARGS, "acquire()"},
     {"__exit__", (PyCFunction)(void (*)(void))RLock_exit, METH_FASTCALL, "release()"},
     {"_is_owned", RLock_is_owned, METH_NOARGS, "whether the calling thread holds it"},
+    {"_release_save", RLock_release_save, METH_NOARGS, "give it back entirely: (count, owner) (Condition's)"},
+    {"_acquire_restore", RLock_acquire_restore, METH_O, "take it again as _release_save left it (Condition's)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3586,8 +3645,8 @@ typedef struct {
     PyObject *slow_enqueue, *slow_wait, *copy_failed, *failed, *settle, *claim, *flush_cross;
     PyObject *device_error, *owned, *spin_base_obj, *in_flight, *completion;
     PyObject *rlock; /* the runtime lock when it is an RLock of this module (taken in C), else NULL */
-    /* bind_entries: the runtime (weakly), its Python methods, handle types, streams and backend */
-    PyObject *runtime_ref, *slow_upload, *slow_download, *upload_type, *download_type, *h2d, *d2h, *entry_backend;
+    /* bind_entries: the runtime's Python methods, handle types, streams and backend */
+    PyObject *slow_upload, *slow_download, *upload_type, *download_type, *h2d, *d2h, *entry_backend;
     /* bind_small: the small route's upload ring, its free slots and lost(), the lease table's take(), the active
      * registrations, numpy.ndarray, Runtime.upload */
     PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
@@ -3614,7 +3673,7 @@ static PyObject *S_htod_record, *S_dtoh_record;
 static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 40
+#define FAST_OBJECTS 39
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -4366,18 +4425,22 @@ out:
     return rc;
 }
 
-/* bind_entries(runtime_ref, slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend):
- * what upload_pending / download_pending need of their runtime (a weak reference to it: the entries are
- * the runtime's own attributes) */
+static PyTypeObject *HandleType; /* defined with Handle, below */
+
+/* bind_entries(slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend): what the entries
+ * (Fast.entries) need of their runtime besides the runtime itself */
 static PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
-    if (nargs_is(nargs, 8, "bind_entries")) return NULL;
-    if (!PyWeakref_CheckRef(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "bind_entries: runtime_ref must be a weak reference");
-        return NULL;
+    if (nargs_is(nargs, 7, "bind_entries")) return NULL;
+    for (int i = 2; i < 4; i++) {
+        if (!PyType_Check(args[i]) || args[i] == (PyObject *)HandleType ||
+            !PyType_IsSubtype((PyTypeObject *)args[i], HandleType)) {
+            PyErr_SetString(PyExc_TypeError, "bind_entries: the handle types must be Python subclasses of Handle");
+            return NULL;
+        }
     }
-    PyObject **fields = &self->runtime_ref;
-    for (int i = 0; i < 8; i++) {
+    PyObject **fields = &self->slow_upload;
+    for (int i = 0; i < 7; i++) {
         PyObject *old = fields[i];
         Py_INCREF(args[i]);
         fields[i] = args[i];
@@ -4389,13 +4452,7 @@ static PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssiz
 /* The Python method for what the compiled checks do not take: Runtime.<name>(runtime, *args, **kwargs). */
 static PyObject *fast_entry_slow(FastObject *self, PyObject *slow, PyObject *runtime, PyObject *const *args,
                                  Py_ssize_t nargs, PyObject *kwnames) {
-    if (runtime == Py_None) { /* an entry kept past its runtime: the runtime's own answer (it is closed) */
-        PyObject *r = PyObject_CallMethod(self->health, "check_open", NULL);
-        if (!r) return NULL;
-        Py_DECREF(r);
-        PyErr_SetString(PyExc_RuntimeError, "this runtime was collected");
-        return NULL;
-    }
+    (void)self;
     Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
     PyObject *tuple = PyTuple_New(nargs + 1);
     if (!tuple) return NULL;
@@ -4444,20 +4501,30 @@ static inline int size_at_least(PyObject *a, PyObject *b) {
     return x >= y;
 }
 
-static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args, Py_ssize_t nargs,
-                            PyObject *kwnames) {
-    if (!self->runtime_ref) {
+/* The entry of upload_pending / download_pending (runtime: the entry's, which the call holds). */
+static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyObject *const *args,
+                            Py_ssize_t nargs, PyObject *kwnames) {
+    if (!self->slow_upload) {
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
         return NULL;
     }
-    PyObject *runtime = PyWeakref_GetObject(self->runtime_ref); /* borrowed */
-    if (!runtime) return NULL;
-    if (runtime == Py_None || nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[0])
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[0])
         return fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs, kwnames);
-    Py_INCREF(runtime); /* held across the submission (a finalizer in it may drop the caller's last one) */
+    Py_INCREF(runtime); /* held across the submission */
     PyObject *host = upload ? args[0] : args[1], *device = upload ? args[1] : args[0];
     RLockObject *lock = (RLockObject *)self->rlock;
     if (rlock_take(lock, -1) != 1) {
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    /* the copy call first: an attribute read can run Python, which must not come between the checks and
+     * their use */
+    PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? S_htod_record : S_dtoh_record);
+    if (!copy) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        rlock_give(lock);
+        PyErr_Restore(type, value, tb);
         Py_DECREF(runtime);
         return NULL;
     }
@@ -4473,26 +4540,34 @@ static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args,
                  (block = slot_of(host, SL_BUF_BLOCK)) != NULL && Py_TYPE(block) == (PyTypeObject *)slot_types[2] &&
                  slot_of(block, SL_BLOCK_PTR) != NULL && slot_of(device, SL_DEV_PTR) != NULL;
     if (!common) {
+        Py_DECREF(copy);
         if (rlock_give(lock) == 0)
             result = fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs,
                                      kwnames);
         Py_DECREF(runtime);
         return result;
     }
-    PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? S_htod_record : S_dtoh_record);
-    if (copy) {
+    {
+        /* held for the call: Fast_pinned reads them after calls that may run Python */
         PyObject *host_ptr = slot_of(block, SL_BLOCK_PTR), *device_ptr = slot_of(device, SL_DEV_PTR);
+        PyObject *nbytes = slot_of(device, SL_DEV_NBYTES);
+        Py_INCREF(host_ptr);
+        Py_INCREF(device_ptr);
+        Py_INCREF(nbytes);
         PyObject *a[9] = {upload ? self->upload_type : self->download_type,
                           upload ? self->h2d : self->d2h,
                           copy,
                           upload ? device_ptr : host_ptr,
                           upload ? host_ptr : device_ptr,
-                          slot_of(device, SL_DEV_NBYTES),
+                          nbytes,
                           host,
                           device,
                           upload ? Py_True : Py_False};
         result = Fast_pinned((PyObject *)self, a, 9);
         Py_DECREF(copy);
+        Py_DECREF(host_ptr);
+        Py_DECREF(device_ptr);
+        Py_DECREF(nbytes);
     }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -4508,16 +4583,127 @@ static PyObject *fast_entry(FastObject *self, int upload, PyObject *const *args,
     return result;
 }
 
-static PyObject *Fast_upload_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return fast_entry((FastObject *)obj, 1, args, nargs, kwnames);
-}
-
-static PyObject *Fast_download_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    return fast_entry((FastObject *)obj, 0, args, nargs, kwnames);
-}
-
 static PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
-static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+static PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames);
+
+/*
+ * Entry: what a runtime's compiled methods are bound to, (its Fast, the runtime). Fast.entries(runtime)
+ * returns them as builtin methods of one Entry, which the runtime keeps as its own attributes: like a
+ * bound method, each holds its runtime (rt.upload_pending kept alone keeps the runtime alive), which makes
+ * a reference cycle through the runtime's __dict__ (Entry takes part in garbage collection: a dropped
+ * runtime is collected, and closed with its ResourceWarning, by the cyclic collector).
+ */
+static PyTypeObject *EntryType;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *fast, *runtime;
+} EntryObject;
+
+static int Entry_traverse(PyObject *obj, visitproc visit, void *arg) {
+    EntryObject *self = (EntryObject *)obj;
+    Py_VISIT(self->fast);
+    Py_VISIT(self->runtime);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Entry_clear(PyObject *obj) {
+    EntryObject *self = (EntryObject *)obj;
+    Py_CLEAR(self->fast);
+    Py_CLEAR(self->runtime);
+    return 0;
+}
+
+static void Entry_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Entry_clear(obj);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(obj);
+    Py_DECREF((PyObject *)tp);
+}
+
+static PyObject *entry_check(PyObject *obj) {
+    EntryObject *self = (EntryObject *)obj;
+    if (!self->fast || !self->runtime) {
+        PyErr_SetString(PyExc_RuntimeError, "this entry was cleared");
+        return NULL;
+    }
+    return self->fast;
+}
+
+static PyObject *Entry_upload_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *fast = entry_check(obj);
+    return fast ? fast_entry((FastObject *)fast, ((EntryObject *)obj)->runtime, 1, args, nargs, kwnames) : NULL;
+}
+
+static PyObject *Entry_download_pending(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *fast = entry_check(obj);
+    return fast ? fast_entry((FastObject *)fast, ((EntryObject *)obj)->runtime, 0, args, nargs, kwnames) : NULL;
+}
+
+static PyObject *Entry_upload(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *fast = entry_check(obj);
+    return fast ? fast_small_upload((FastObject *)fast, ((EntryObject *)obj)->runtime, args, nargs, kwnames) : NULL;
+}
+
+static PyMethodDef entry_defs[] = {
+    {"upload_pending", (PyCFunction)(void (*)(void))Entry_upload_pending, METH_FASTCALL | METH_KEYWORDS,
+     "upload_pending(buffer, destination) -> PendingUpload: Runtime.upload_pending, checks and all, in one C call "
+     "(see ferry.Runtime.upload_pending)"},
+    {"download_pending", (PyCFunction)(void (*)(void))Entry_download_pending, METH_FASTCALL | METH_KEYWORDS,
+     "download_pending(source, buffer) -> PendingDownload: Runtime.download_pending, checks and all, in one C call "
+     "(see ferry.Runtime.download_pending)"},
+    {"upload", (PyCFunction)(void (*)(void))Entry_upload, METH_FASTCALL | METH_KEYWORDS,
+     "upload(source, destination=None) -> PendingUpload: Runtime.upload, its small pageable case in one C call "
+     "(see ferry.Runtime.upload)"},
+};
+
+static PyType_Slot Entry_slots[] = {
+    {Py_tp_dealloc, Entry_dealloc},
+    {Py_tp_traverse, Entry_traverse},
+    {Py_tp_clear, Entry_clear},
+    {Py_tp_doc, "Entry: a runtime's compiled methods are bound to it (Fast.entries)"},
+    {0, NULL},
+};
+
+static PyType_Spec Entry_spec = {
+    "ferry._native._engine.Entry",
+    sizeof(EntryObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Entry_slots,
+};
+
+/* entries(runtime) -> (upload_pending, download_pending, upload or None): the runtime's compiled methods
+ * (bind_entries first; upload only after bind_small) */
+static PyObject *Fast_entries(PyObject *obj, PyObject *runtime) {
+    FastObject *self = (FastObject *)obj;
+    if (!self->slow_upload) {
+        PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(EntryType, Py_tp_alloc);
+    EntryObject *entry = (EntryObject *)alloc(EntryType, 0);
+    if (!entry) return NULL;
+    Py_INCREF(obj);
+    entry->fast = obj;
+    Py_INCREF(runtime);
+    entry->runtime = runtime;
+    PyObject *up = PyCFunction_NewEx(&entry_defs[0], (PyObject *)entry, NULL);
+    PyObject *down = up ? PyCFunction_NewEx(&entry_defs[1], (PyObject *)entry, NULL) : NULL;
+    PyObject *small = !down                ? NULL
+                      : self->small_ring ? PyCFunction_NewEx(&entry_defs[2], (PyObject *)entry, NULL)
+                                         : (Py_INCREF(Py_None), Py_None);
+    Py_DECREF(entry);
+    PyObject *result = small ? PyTuple_Pack(3, up, down, small) : NULL;
+    Py_XDECREF(up);
+    Py_XDECREF(down);
+    Py_XDECREF(small);
+    return result;
+}
 
 static PyMethodDef Fast_methods[] = {
     {"enqueue", (PyCFunction)(void (*)(void))Fast_enqueue, METH_FASTCALL,
@@ -4529,15 +4715,11 @@ static PyMethodDef Fast_methods[] = {
      "pinned(handle_type, stream, copy, dst, src, nbytes, host, device, upload) -> handle: "
      "Completion.submit_pinned in C"},
     {"bind_entries", (PyCFunction)(void (*)(void))Fast_bind_entries, METH_FASTCALL,
-     "bind_entries(runtime_ref, slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend)"},
-    {"upload_pending", (PyCFunction)(void (*)(void))Fast_upload_pending, METH_FASTCALL | METH_KEYWORDS,
-     "upload_pending(buffer, destination) -> PendingUpload: Runtime.upload_pending, checks and all, in C"},
-    {"download_pending", (PyCFunction)(void (*)(void))Fast_download_pending, METH_FASTCALL | METH_KEYWORDS,
-     "download_pending(source, buffer) -> PendingDownload: Runtime.download_pending, checks and all, in C"},
+     "bind_entries(slow_upload, slow_download, upload_type, download_type, h2d, d2h, backend)"},
     {"bind_small", (PyCFunction)(void (*)(void))Fast_bind_small, METH_FASTCALL,
-     "bind_small(small_route, ndarray, slow_upload): what upload needs of the small pageable route"},
-    {"upload", (PyCFunction)(void (*)(void))Fast_upload, METH_FASTCALL | METH_KEYWORDS,
-     "upload(source, destination) -> PendingUpload: Runtime.upload's small pageable case in C"},
+     "bind_small(small_route, ndarray, slow_upload): what the upload entry needs of the small pageable route"},
+    {"entries", Fast_entries, METH_O,
+     "entries(runtime) -> (upload_pending, download_pending, upload or None): the runtime's compiled methods"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -5008,7 +5190,8 @@ static PyObject *mod_set_array_shape_layout(PyObject *Py_UNUSED(mod), PyObject *
 /* Whether an exact ndarray has the shape ``shape`` (a tuple of ints) and the dtype object ``dtype`` itself
  * (an equal dtype that is another object: no, the caller's Python path compares it). Shape layout set. */
 static int array_matches(PyObject *array, PyObject *shape, PyObject *dtype) {
-    if (*(PyObject **)((char *)array + array_descr_offset) != dtype || !PyTuple_Check(shape)) return 0;
+    if (!shape || !dtype || *(PyObject **)((char *)array + array_descr_offset) != dtype || !PyTuple_Check(shape))
+        return 0;
     int nd = *(int *)((char *)array + array_nd_offset);
     if (nd != PyTuple_Size(shape)) return 0;
     Py_ssize_t *dims = *(Py_ssize_t **)((char *)array + array_dims_offset);
@@ -5086,15 +5269,13 @@ static void slot_set(PyObject *obj, int which, PyObject *value) {
  * as the record's extras, the array's read-only lease, the destination in flight, the ring's counts;
  * then the handle. Anything else is Runtime.upload's, before anything changed.
  */
-static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    FastObject *self = (FastObject *)obj;
-    if (!self->runtime_ref || !self->small_ring) {
+static PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    if (!self->slow_upload || !self->small_ring) {
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries and bind_small were not called");
         return NULL;
     }
-    PyObject *runtime = PyWeakref_GetObject(self->runtime_ref); /* borrowed */
-    if (!runtime) return NULL;
-    if (runtime == Py_None || nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[4] ||
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[4] ||
         array_descr_offset < 0 || array_data_offset < 0 || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type ||
         Py_TYPE(args[1]) != (PyTypeObject *)slot_types[1])
         return fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
@@ -5102,6 +5283,15 @@ static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t na
     Py_INCREF(runtime); /* held across the submission */
     RLockObject *lock = (RLockObject *)self->rlock;
     if (rlock_take(lock, -1) != 1) {
+        Py_DECREF(runtime);
+        return NULL;
+    }
+    PyObject *copy = PyObject_GetAttr(self->entry_backend, S_htod_record); /* before the checks (it may run Python) */
+    if (!copy) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        rlock_give(lock);
+        PyErr_Restore(type, value, tb);
         Py_DECREF(runtime);
         return NULL;
     }
@@ -5129,24 +5319,28 @@ static PyObject *Fast_upload(PyObject *obj, PyObject *const *args, Py_ssize_t na
         PyErr_Clear(); /* anything odd: the Python route says what */
     }
     if (!common) {
+        Py_DECREF(copy);
         if (rlock_give(lock) == 0) result = fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
         Py_DECREF(runtime);
         return result;
     }
     Py_INCREF(slot);
-    PyObject *slot_ptr = slot_of(slot, SL_SLOT_PTR);
+    /* held: read again after Fast_enqueue, which may run Python (maintenance) */
+    PyObject *slot_ptr = slot_of(slot, SL_SLOT_PTR), *device_ptr = slot_of(device, SL_DEV_PTR);
+    Py_INCREF(slot_ptr);
+    Py_INCREF(device_ptr);
+    Py_INCREF(nbytes_obj);
     unsigned long long dst = as_u64(slot_ptr);
-    PyObject *moved = NULL, *leased = NULL, *res = NULL, *copy = NULL;
+    PyObject *moved = NULL, *leased = NULL, *res = NULL;
     if ((dst == (unsigned long long)-1 && PyErr_Occurred()) || PyList_SetSlice(free_list, nfree - 1, nfree, NULL))
         goto fail_unchanged;
     /* taken from the ring: from here an error gives it back (nothing enqueued) or loses it (SmallRoute's rule) */
     memcpy((void *)(uintptr_t)dst, array_data(source), (size_t)n);
-    if (!(moved = PyTuple_Pack(1, device)) || !(leased = PyTuple_New(0)) || !(res = PyTuple_Pack(2, source, device)) ||
-        !(copy = PyObject_GetAttr(self->entry_backend, S_htod_record))) {
+    if (!(moved = PyTuple_Pack(1, device)) || !(leased = PyTuple_New(0)) || !(res = PyTuple_Pack(2, source, device))) {
         PyList_Append(free_list, slot);
         goto fail_unchanged;
     }
-    PyObject *e[8] = {self->h2d, copy, slot_of(device, SL_DEV_PTR), slot_ptr, nbytes_obj, moved, leased, res};
+    PyObject *e[8] = {self->h2d, copy, device_ptr, slot_ptr, nbytes_obj, moved, leased, res};
     record = Fast_enqueue((PyObject *)self, e, 8);
     if (!record) { /* ring.lost(slot, exc): back to the ring if nothing was enqueued, else abandoned */
         PyObject *type, *value, *tb;
@@ -5199,13 +5393,15 @@ fail_unchanged:
     Py_XDECREF(moved);
     Py_XDECREF(leased);
     Py_XDECREF(res);
-    Py_XDECREF(copy);
-    moved = leased = res = copy = NULL;
+    moved = leased = res = NULL;
 done:
     Py_XDECREF(moved);
     Py_XDECREF(leased);
     Py_XDECREF(res);
     Py_XDECREF(copy);
+    Py_DECREF(slot_ptr);
+    Py_DECREF(device_ptr);
+    Py_DECREF(nbytes_obj);
     Py_DECREF(slot);
     {
         PyObject *type, *value, *tb;
@@ -5916,6 +6112,8 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_setflags = PyUnicode_InternFromString("setflags")) || !(S_base = PyUnicode_InternFromString("base")) ||
         !(S_write = PyUnicode_InternFromString("write")))
         goto fail;
+    EntryType = (PyTypeObject *)PyType_FromSpec(&Entry_spec);
+    if (!EntryType) goto fail;
     RLockType = (PyTypeObject *)PyType_FromSpec(&RLock_spec);
     if (!RLockType) goto fail;
     Py_INCREF((PyObject *)RLockType);
