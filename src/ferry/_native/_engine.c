@@ -3650,6 +3650,7 @@ typedef struct {
     /* bind_small: the small route's upload ring, its free slots and lost(), the lease table's take(), the active
      * registrations, numpy.ndarray, Runtime.upload */
     PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
+    PyObject *small_give; /* the upload ring's give (the lease table's) */
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
@@ -3673,7 +3674,7 @@ static PyObject *S_htod_record, *S_dtoh_record;
 static PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 39
+#define FAST_OBJECTS 40
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {
@@ -4222,9 +4223,10 @@ static PyObject *fast_claim(FastObject *self, RecordObject *r) {
         return NULL;
     }
     PyObject *result = NULL;
-    int contained = (r->settled == Py_False && r->error == Py_None) ? PySet_Contains(self->live, (PyObject *)r) : 0;
+    /* taken out of live in the same lookup that finds it there (1), or not there (0: settled elsewhere) */
+    int contained = (r->settled == Py_False && r->error == Py_None) ? PySet_Discard(self->live, (PyObject *)r) : 0;
     if (contained > 0) {
-        int ok = PySet_Discard(self->live, (PyObject *)r) >= 0;
+        int ok = 1;
         if (ok && r->extra == Py_None && r->shared == Py_None) {
             ok = fast_settle_plain(self, r) == 0;
         } else if (ok && r->extra == Py_None) {
@@ -4364,6 +4366,7 @@ static int is_small_slot(PyObject *extra) {
 }
 
 static PyObject *S_give, *S_free, *S_host_copied;
+static PyObject *Leases_give(PyObject *obj, PyObject *array); /* the lease table's, below */
 
 /* Completion.settle for a small-route slot (the record's extras), lock held: a download's copy-out (Slot.copy_out:
  * the slot's bytes into the caller's array, counted), Slot.release(False) (the array's lease given back, the
@@ -4398,9 +4401,17 @@ static int fast_settle_slot(FastObject *self, RecordObject *r) {
         Py_XDECREF(sum);
         if (set) goto out;
     }
-    /* Slot.release(False) */
-    if (!(give = PyObject_GetAttr(ring, S_give))) goto out;
-    PyObject *gave = PyObject_CallFunctionObjArgs(give, host, NULL);
+    /* Slot.release(False): the upload ring's give and free list are the ones bind_small kept */
+    int up_ring = ring == self->small_ring;
+    if (up_ring) {
+        give = self->small_give;
+        Py_INCREF(give);
+    } else if (!(give = PyObject_GetAttr(ring, S_give))) {
+        goto out;
+    }
+    PyObject *gave = PyCFunction_Check(give) && PyCFunction_GetFunction(give) == (PyCFunction)Leases_give
+                         ? Leases_give(PyCFunction_GetSelf(give), host)
+                         : PyObject_CallFunctionObjArgs(give, host, NULL);
     if (!gave) goto out;
     Py_DECREF(gave);
     PyObject **field = (PyObject **)((char *)slot + slot_at[SL_SLOT_HOST]);
@@ -4412,7 +4423,13 @@ static int fast_settle_slot(FastObject *self, RecordObject *r) {
         Py_INCREF(Py_None);
         Py_XSETREF_LOCAL(*field, Py_None);
     }
-    if (!(free_list = PyObject_GetAttr(ring, S_free)) || PyList_Append(free_list, slot)) goto out;
+    if (up_ring) {
+        free_list = self->small_free;
+        Py_INCREF(free_list);
+    } else if (!(free_list = PyObject_GetAttr(ring, S_free))) {
+        goto out;
+    }
+    if (PyList_Append(free_list, slot)) goto out;
     if (PyList_Append(self->events, r->event)) goto out;
     set_field(&r->event, Py_None);
     rc = fast_settle_states(self, r);
@@ -5228,11 +5245,17 @@ static PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_
         for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
         return NULL;
     }
-    PyObject *values[7] = {ring, got[0], got[1], got[2], got[3], args[1], args[2]}; /* references taken */
+    PyObject *give = PyObject_GetAttr(ring, S_give);
+    if (!give) {
+        Py_DECREF(ring);
+        for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
+        return NULL;
+    }
+    PyObject *values[8] = {ring, got[0], got[1], got[2], got[3], args[1], args[2], give}; /* references taken */
     Py_INCREF(args[1]);
     Py_INCREF(args[2]);
     PyObject **fields = &self->small_ring;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 8; i++) {
         PyObject *old = fields[i];
         fields[i] = values[i];
         Py_XDECREF(old);
