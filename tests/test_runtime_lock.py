@@ -4,13 +4,14 @@ Every test runs on both locks, so a difference between them fails here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,26 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     return box["value"]
 
 
+@contextlib.contextmanager
+def held_by_another_thread(lock: Any) -> Iterator[threading.Event]:
+    """``lock`` held by a thread until the yielded event is set (at the latest when the block ends)."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    try:
+        yield release
+    finally:
+        release.set()
+        t.join(10)
+
+
 def test_reentrant_and_counted(make: Callable[[], Any]) -> None:
     lock = make()
     assert lock.acquire() is True
@@ -73,29 +94,18 @@ def test_release_by_a_thread_that_does_not_hold_it_raises(make: Callable[[], Any
 
 def test_timeout_and_blocking_arguments(make: Callable[[], Any]) -> None:
     lock = make()
-    held, done = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            held.set()
-            done.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    held.wait(10)
-    start = time.monotonic()
-    assert lock.acquire(timeout=0.05) is False
-    assert time.monotonic() - start >= 0.04
-    assert lock.acquire(blocking=False) is False
-    assert lock.acquire(True, 0) is False
-    with pytest.raises(ValueError):
-        lock.acquire(False, 1.0)
-    with pytest.raises(ValueError):
-        lock.acquire(timeout=-2)
-    with pytest.raises(TypeError):
-        lock.acquire(nonsense=1)
-    done.set()
-    t.join(10)
+    with held_by_another_thread(lock):
+        start = time.monotonic()
+        assert lock.acquire(timeout=0.05) is False
+        assert time.monotonic() - start >= 0.04
+        assert lock.acquire(blocking=False) is False
+        assert lock.acquire(True, 0) is False
+        with pytest.raises(ValueError):
+            lock.acquire(False, 1.0)
+        with pytest.raises(ValueError):
+            lock.acquire(timeout=-2)
+        with pytest.raises(TypeError):
+            lock.acquire(nonsense=1)
     assert lock.acquire(timeout=1.0) is True  # a bounded wait that is met returns True
     lock.release()
 
@@ -192,22 +202,12 @@ def test_timeout_nan_is_refused_and_the_largest_timeout_waits(make: Callable[[],
         lock.acquire(timeout=float("nan"))
     with pytest.raises(OverflowError):
         lock.acquire(timeout=threading.TIMEOUT_MAX * 2)
-    held, go = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            held.set()
-            go.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    held.wait(10)
-    threading.Timer(0.1, go.set).start()
-    start = time.monotonic()
-    assert lock.acquire(timeout=threading.TIMEOUT_MAX) is True  # waited for the holder, did not give up
-    assert time.monotonic() - start >= 0.05
-    lock.release()
-    t.join(10)
+    with held_by_another_thread(lock) as release:
+        threading.Timer(0.1, release.set).start()
+        start = time.monotonic()
+        assert lock.acquire(timeout=threading.TIMEOUT_MAX) is True  # waited for the holder, did not give up
+        assert time.monotonic() - start >= 0.05
+        lock.release()
 
 
 def test_a_condition_on_the_lock_releases_every_level_while_it_waits(make: Callable[[], Any]) -> None:

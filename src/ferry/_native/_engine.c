@@ -4613,30 +4613,37 @@ static PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject
  */
 static PyTypeObject *EntryType;
 
-typedef struct {
+typedef struct { /* a PairObject's shape (defined below; its traverse, clear and dealloc are Pair_*) */
     PyObject_HEAD
     PyObject *fast, *runtime;
 } EntryObject;
 
-static int Entry_traverse(PyObject *obj, visitproc visit, void *arg) {
-    EntryObject *self = (EntryObject *)obj;
-    Py_VISIT(self->fast);
-    Py_VISIT(self->runtime);
+/* A garbage-collected object whose fields are two object references after its header (Entry, Leases): their
+ * traverse, clear and dealloc */
+typedef struct {
+    PyObject_HEAD
+    PyObject *first, *second;
+} PairObject;
+
+static int Pair_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PairObject *self = (PairObject *)obj;
+    Py_VISIT(self->first);
+    Py_VISIT(self->second);
     Py_VISIT((PyObject *)Py_TYPE(obj));
     return 0;
 }
 
-static int Entry_clear(PyObject *obj) {
-    EntryObject *self = (EntryObject *)obj;
-    Py_CLEAR(self->fast);
-    Py_CLEAR(self->runtime);
+static int Pair_clear(PyObject *obj) {
+    PairObject *self = (PairObject *)obj;
+    Py_CLEAR(self->first);
+    Py_CLEAR(self->second);
     return 0;
 }
 
-static void Entry_dealloc(PyObject *obj) {
+static void Pair_dealloc(PyObject *obj) {
     PyTypeObject *tp = Py_TYPE(obj);
     PyObject_GC_UnTrack(obj);
-    Entry_clear(obj);
+    Pair_clear(obj);
     freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     f(obj);
     Py_DECREF((PyObject *)tp);
@@ -4679,9 +4686,9 @@ static PyMethodDef entry_defs[] = {
 };
 
 static PyType_Slot Entry_slots[] = {
-    {Py_tp_dealloc, Entry_dealloc},
-    {Py_tp_traverse, Entry_traverse},
-    {Py_tp_clear, Entry_clear},
+    {Py_tp_dealloc, Pair_dealloc},
+    {Py_tp_traverse, Pair_traverse},
+    {Py_tp_clear, Pair_clear},
     {Py_tp_doc, "Entry: a runtime's compiled methods are bound to it (Fast.entries)"},
     {0, NULL},
 };
@@ -5474,7 +5481,7 @@ static PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
  */
 static PyTypeObject *LeasesType;
 
-typedef struct {
+typedef struct { /* a PairObject's shape (its traverse, clear and dealloc are Pair_*) */
     PyObject_HEAD
     PyObject *table, *ndarray;
 } LeasesObject;
@@ -5497,29 +5504,6 @@ static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)self;
 }
 
-static int Leases_traverse(PyObject *obj, visitproc visit, void *arg) {
-    LeasesObject *self = (LeasesObject *)obj;
-    Py_VISIT(self->table);
-    Py_VISIT(self->ndarray);
-    Py_VISIT((PyObject *)Py_TYPE(obj));
-    return 0;
-}
-
-static int Leases_clear(PyObject *obj) {
-    LeasesObject *self = (LeasesObject *)obj;
-    Py_CLEAR(self->table);
-    Py_CLEAR(self->ndarray);
-    return 0;
-}
-
-static void Leases_dealloc(PyObject *obj) {
-    PyTypeObject *tp = Py_TYPE(obj);
-    PyObject_GC_UnTrack(obj);
-    Leases_clear(obj);
-    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    tp_free(obj);
-    Py_DECREF(tp);
-}
 
 /* array.setflags(write=value): 0, or -1 with the error set. */
 static int leases_setflags(PyObject *array, int value) {
@@ -5664,9 +5648,9 @@ static PyGetSetDef Leases_getset[] = {
 
 static PyType_Slot Leases_slots[] = {
     {Py_tp_new, Leases_new},
-    {Py_tp_dealloc, Leases_dealloc},
-    {Py_tp_traverse, Leases_traverse},
-    {Py_tp_clear, Leases_clear},
+    {Py_tp_dealloc, Pair_dealloc}, /* a PairObject: table, ndarray */
+    {Py_tp_traverse, Pair_traverse},
+    {Py_tp_clear, Pair_clear},
     {Py_tp_methods, Leases_methods},
     {Py_tp_getset, Leases_getset},
     {Py_tp_doc, "Leases(ndarray_type): HostLeases' table of read-only flags in flight, in C"},
