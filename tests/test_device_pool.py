@@ -151,7 +151,10 @@ def test_memory_a_consumer_stream_used_is_reused_once_its_work_is_done(emu: ferr
         del dev
     assert eventually(lambda: used(emu) == 0)  # every free ran once the consumer's reads completed
     assert all(np.all(read.result() == 9) for read in reads)
-    assert emu.stats().device_pool_reserved_bytes <= 8 * MiB  # reused, not one block per array
+    # reused, not one block per array (50 MiB). How many blocks are in use at once depends on how far the
+    # consumer's thread lags the submitting one: 8 MiB here failed 1 run in 3 on a loaded 2-CPU machine
+    # (10 - 14 MiB), the pool being right (it cannot reuse memory a consumer still reads)
+    assert emu.stats().device_pool_reserved_bytes <= 25 * MiB
     assert testing.violations(emu) == []
 
 
