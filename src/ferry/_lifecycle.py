@@ -11,7 +11,9 @@ answers every later call.
 The registry keeps every runtime's *parts* (not the :class:`~ferry.Runtime`
 facade) alive until they are closed. A runtime that is dropped without
 ``close()`` is therefore never left half-alive with its threads running: when
-the facade is collected, a :class:`ResourceWarning` names it and its parts are
+the facade is collected (by the cyclic garbage collector where the extension
+runs: its compiled methods, bound like methods to it, make a cycle through its
+``__dict__``), a :class:`ResourceWarning` names it and its parts are
 closed on a background thread (closing waits for copies in flight, and a
 finalizer must never block); at interpreter exit every runtime still open is
 closed. In a forked child every inherited runtime is marked forked, so its

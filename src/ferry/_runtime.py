@@ -8,7 +8,10 @@ outside the lock, so one thread waiting never stops another from submitting.
 
 The pinned fast path stays inline here: :meth:`Runtime.upload_pending` and
 :meth:`Runtime.download_pending` admit the common case with one expression
-and enqueue at once; everything else goes to its route's module.
+and enqueue at once; everything else goes to its route's module. Where the
+extension runs, a runtime replaces both, and :meth:`Runtime.upload`, by
+compiled entries that do the same common case in one C call and call these
+methods for everything else (``_bind_compiled_entries``).
 
 Every refusal happens before anything is enqueued and raises
 :class:`~ferry.TransferSubmitError` with every argument left as it was.
