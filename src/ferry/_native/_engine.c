@@ -3444,6 +3444,21 @@ static int rlock_give(RLockObject *self) {
     return 0;
 }
 
+/* Give the lock back once, a pending exception kept: result, or NULL (result released) if the give failed. */
+static PyObject *rlock_give_result(RLockObject *lock, PyObject *result) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (rlock_give(lock)) {
+        Py_XDECREF(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    return result;
+}
+
 /* acquire(blocking=True, timeout=-1) -> bool, as threading.RLock's */
 static PyObject *RLock_acquire(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *blocking_obj = NULL, *timeout_obj = NULL;
@@ -4538,10 +4553,7 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
      * their use */
     PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? S_htod_record : S_dtoh_record);
     if (!copy) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        rlock_give(lock);
-        PyErr_Restore(type, value, tb);
+        rlock_give_result(lock, NULL);
         Py_DECREF(runtime);
         return NULL;
     }
@@ -4586,16 +4598,7 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
         Py_DECREF(device_ptr);
         Py_DECREF(nbytes);
     }
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (rlock_give(lock)) {
-        Py_CLEAR(result);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-    } else {
-        PyErr_Restore(type, value, tb);
-    }
+    result = rlock_give_result(lock, result);
     Py_DECREF(runtime);
     return result;
 }
@@ -5318,10 +5321,7 @@ static PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject
     }
     PyObject *copy = PyObject_GetAttr(self->entry_backend, S_htod_record); /* before the checks (it may run Python) */
     if (!copy) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        rlock_give(lock);
-        PyErr_Restore(type, value, tb);
+        rlock_give_result(lock, NULL);
         Py_DECREF(runtime);
         return NULL;
     }
@@ -5433,18 +5433,7 @@ done:
     Py_DECREF(device_ptr);
     Py_DECREF(nbytes_obj);
     Py_DECREF(slot);
-    {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        if (rlock_give(lock)) {
-            Py_CLEAR(result);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-        } else {
-            PyErr_Restore(type, value, tb);
-        }
-    }
+    result = rlock_give_result(lock, result);
     Py_DECREF(runtime);
     return result;
 }
