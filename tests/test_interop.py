@@ -270,7 +270,7 @@ def test_dlpack_refusals(rt: ferry.Runtime) -> None:
     pending.wait()
 
 
-@pytest.mark.parametrize("nbytes", [4096, 6 << 20])  # the direct route, and the staging lanes
+@pytest.mark.parametrize("nbytes", [4096, 12 << 20])  # the direct route, and the staging lanes
 def test_pageable_routes_take_foreign_arrays_in_producer_order(emu: ferry.Runtime, nbytes: int) -> None:
     backing = emu.empty(nbytes, np.uint8)
     producer = testing.side_stream(emu)

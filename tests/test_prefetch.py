@@ -147,7 +147,7 @@ def test_the_source_is_read_depth_batches_ahead_of_the_consumer(emu: ferry.Runti
 
 def test_staged_batches_are_handed_off_or_waited_for_in_the_background(staged: ferry.Runtime) -> None:
     consumer = testing.side_stream(staged)
-    batches = [np.full(6 * MiB, i, np.uint8) for i in range(5)]  # above direct_bytes: staged
+    batches = [np.full(12 * MiB, i, np.uint8) for i in range(5)]  # above direct_bytes: staged
     reads = [testing.consume(staged, consumer, dev._ptr, dev.nbytes)
              for dev in ferry.prefetch(batches, runtime=staged, stream=consumer)]
     assert [int(r.result()[0]) for r in reads] == [0, 1, 2, 3, 4]

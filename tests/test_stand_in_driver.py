@@ -92,7 +92,7 @@ def test_a_staged_hand_off_joins_the_lanes_events_once_and_gives_everything_back
         backend.stream_create, backend.stream_destroy = made, gone
         jobs = 4
         for i in range(jobs):
-            data = (np.arange(8 << 20) % (251 - i)).astype(np.uint8)
+            data = (np.arange(16 << 20) % (251 - i)).astype(np.uint8)
             pending = rt.upload(data)  # above direct_bytes: the native lanes
             handed = pending.hand_off(7)  # a consumer stream (a token here)
             capsule = handed.__dlpack__(stream=9)  # a second consumer: ordered again
@@ -131,7 +131,7 @@ def test_a_hand_off_of_a_finished_staged_upload_orders_nothing_on_the_device(sta
                 calls.append(_name)
                 return _fn(*args)
             setattr(backend, name, spy)
-        data = (np.arange(8 << 20) % 239).astype(np.uint8)
+        data = (np.arange(16 << 20) % 239).astype(np.uint8)
         pending = rt.upload(data)  # above direct_bytes: the native lanes
         assert pending._record.extra.job.wait_done(30)  # the engine finished; nobody asked the handle
         assert not pending._record.done
@@ -155,7 +155,7 @@ def test_the_compiled_calls_and_the_native_engine_run_on_the_cuda_backend(stand_
         info = rt.info()
         print(info["fast_path"].split()[0], info["staging_engine"].split()[0])
         small = np.arange(4, dtype=np.float32)
-        big = np.arange(3 << 20, dtype=np.float32).reshape(1024, 3072)[:, ::3]  # strided, staged
+        big = np.arange(12 << 20, dtype=np.float32).reshape(4096, 3072)[:, ::3]  # strided, staged (16 MiB)
         for host in (small, big):
             _, dev = rt.upload(host).wait()
             assert np.array_equal(rt.to_host(dev), host)
@@ -186,7 +186,7 @@ def test_a_dead_context_at_settle_or_close_never_escapes(stand_in: Path) -> None
         def dead(*args):
             raise DeviceError("CUDA_ERROR_ILLEGAL_ADDRESS (stand-in)", code=700, sticky=True)
 
-        data = (np.arange(8 << 20) % 253).astype(np.uint8)
+        data = (np.arange(16 << 20) % 253).astype(np.uint8)
         kept = np.zeros(4096, np.uint8)
         registration = rt.register(kept)
         pending = rt.upload(data)
@@ -216,7 +216,7 @@ def test_a_staged_hand_off_waits_for_the_host_copies_without_the_runtimes_lock(s
         from ferry import testing
 
         rt = ferry.Runtime("cuda")
-        data = (np.arange(8 << 20) % 241).astype(np.uint8)
+        data = (np.arange(16 << 20) % 241).astype(np.uint8)
         handed = []
         with testing.hold(rt, "upload"):
             pending = rt.upload(data)
@@ -253,7 +253,7 @@ def test_the_cuda_engine_with_and_without_its_driver_thread(stand_in: Path, driv
         from ferry._runtime import parts_of
 
         with ferry.Runtime("cuda") as rt:
-            a = np.random.default_rng(3).integers(0, 255, (8 << 20) + 13, dtype=np.uint8)
+            a = np.random.default_rng(3).integers(0, 255, (16 << 20) + 13, dtype=np.uint8)
             a, dev = rt.upload(a).wait()
             assert (rt.download(dev).wait()[1] == a).all()
             engine = parts_of(rt).staged.engine(True).engine

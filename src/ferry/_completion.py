@@ -176,15 +176,17 @@ class Extras:
     """What the routes beyond the pinned one add to a record.
 
     ``finish`` publishes on success (a download's copy-out from pinned
-    memory). ``cleanups`` run once when the record leaves flight, with
-    ``failed`` telling how: a route gives pool blocks back (or abandons them),
+    memory); ``progress`` (a segmented download's) copies out the parts
+    whose DMA completed while a waiter waits, without the runtime's lock.
+    ``cleanups`` run once when the record leaves flight, with ``failed``
+    telling how: a route gives pool blocks back (or abandons them),
     restores the caller's array flags, ends registration uses, releases
     consumed DLPack capsules. ``job`` is a staged job whose workers prove
     completion (the record then has no event). ``handed`` is the destination
     an upload handed off before completing.
     """
 
-    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "ready_to_order")
+    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "progress", "ready_to_order")
 
     own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
 
@@ -194,6 +196,8 @@ class Extras:
 
     def __init__(self) -> None:
         self.finish: Callable[[], None] | None = None
+        # a segmented download's: publish the parts that landed, waiting for each until a deadline
+        self.progress: Callable[[float | None], None] | None = None
         self.cleanups: list[Callable[[bool], None]] = []
         self.job: Job | None = None
         self.handed: Any = None
@@ -782,8 +786,10 @@ class Completion:
             raise ValueError("timeout must be a number of seconds (or None), not NaN")
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         extra = record.extra
-        if extra is not None and extra.job is not None:
-            return self._ready_job(record, extra.job, deadline)
+        if extra is not None and (extra.job is not None or extra.progress is not None):
+            resolved = self._ready_extra(record, extra, deadline)
+            if resolved is not None:
+                return resolved
         if spin and not record.spun:
             budget = spin_budget(record.nbytes)
             seconds = budget if timeout is None or timeout >= budget else max(timeout, 0.0)
@@ -842,6 +848,19 @@ class Completion:
                 shared.done = True
             self.mark_done(record)
         return ready
+
+    def _ready_extra(self, record: Record, extra: Extras, deadline: float | None) -> bool | None:
+        """A job's wait, or a segmented download's copy out of its landed parts (then ``None``: the
+        record's own event is waited next)."""
+        if extra.job is not None:
+            return self._ready_job(record, extra.job, deadline)
+        if extra.progress is not None:
+            try:
+                extra.progress(deadline)
+            except DeviceError as exc:
+                self._failed(record, exc)
+                return True
+        return None
 
     def _ready_job(self, record: Record, job: Job, deadline: float | None) -> bool:
         while True:
@@ -931,6 +950,8 @@ class Completion:
                 if job.error is not None:
                     raise job.error.fresh()
                 return True
+            if extra.progress is not None:
+                extra.progress(0.0)  # a poll: the parts that landed, and a part's failure
         if record.batch is not None:
             self.flush_for(record)
             if record.error is not None:  # the device refused the segment

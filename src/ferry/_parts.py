@@ -53,7 +53,7 @@ class Parts:
         self.registrations = Registrations(backend, health, self.lock)
         self.host_cache = HostCache(options["host_cache_bytes"])
         self.buffers: weakref.WeakSet[PinnedHostBuffer] = weakref.WeakSet()
-        self.staging: StagingConfig = options["staging"]
+        self.staging: StagingConfig = options["staging"].resolved()
         self.h2d = backend.stream_create()
         self.d2h = backend.stream_create()
         self.host = HostRoutes(self.completion, self.pool, self.registrations, self.host_cache, self.staging,

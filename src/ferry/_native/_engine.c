@@ -164,6 +164,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -5730,6 +5731,341 @@ static PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py
     Py_RETURN_NONE;
 }
 
+/* -- the copier: one host copy shared by the caller and a few helper threads ----------------------- */
+/*
+ * The direct route copies a pageable array of up to StagingConfig.direct_bytes into one pinned block
+ * on the calling thread (and out of it, for a download, when wait() settles). One thread copies about
+ * 13 GB/s on the H200's VM, so 1 MiB costs ~80 us: close to all the time the driver's own pageable
+ * copy takes. A Copier cuts such a copy into pieces of piece_bytes that the caller and up to
+ * COPIER_MAX_HELPERS helper threads claim from one atomic counter. The caller never waits for a
+ * helper to wake up: it starts on the first piece at once and copies every piece nobody else claimed,
+ * so a copy costs at most what the caller alone costs plus one wake-up call, and helpers that are
+ * awake (they poll spin_us after their last piece before they sleep) take a share each.
+ *
+ * The task lives on the caller's stack. A helper announces itself (active++) before it reads the task
+ * pointer and leaves (active--) after its last piece; the caller, once every piece is copied, clears
+ * the pointer and waits until no helper is inside. With sequentially consistent operations a helper
+ * that read the pointer is counted before the caller reads the count, so the task outlives every
+ * reader. One caller at a time owns the copier (busy); a second caller at the same moment, a caller in
+ * a forked child (the helpers do not exist there) and a caller after close() copy alone. Helpers never
+ * touch a Python object and never take the GIL; copy() releases it.
+ */
+#define COPIER_MAX_HELPERS 8
+#define COPIER_MIN_PIECE ((size_t)16 << 10)
+
+typedef struct copy_task {
+    char *dst;
+    const char *src;
+    size_t n, piece, pieces;
+    int nt;
+    unsigned long long seq;
+    atomic_size_t next; /* the next piece to claim */
+    atomic_size_t done; /* pieces copied */
+} copy_task_t;
+
+static PyTypeObject *CopierType;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    _Atomic(copy_task_t *) task; /* the caller's task while it runs, else NULL */
+    atomic_ullong posted;        /* seq of the last task posted */
+    atomic_int active;           /* helpers that may be reading the task */
+    atomic_int sleepers;         /* helpers asleep (or about to be) on cv */
+    atomic_int stop;
+    atomic_int busy;             /* a caller owns the copier (for good after close) */
+    atomic_ullong helped;        /* pieces the helpers copied */
+    atomic_ullong shared;        /* copies cut into pieces */
+    unsigned long long seq;      /* owned by the caller that holds busy */
+    int helpers, started, caller_copies, ready;
+    size_t piece;
+    int64_t spin_ns;
+    pid_t pid;
+    pthread_t threads[COPIER_MAX_HELPERS];
+} CopierObject;
+
+static void copier_piece(const copy_task_t *t, size_t k) {
+    size_t off = k * t->piece;
+    size_t len = t->n - off < t->piece ? t->n - off : t->piece;
+    copy_bytes(t->dst + off, t->src + off, len, t->nt);
+}
+
+/* Claim and copy pieces until none is left; how many this thread copied. */
+static size_t copier_drain(copy_task_t *t) {
+    size_t k, got = 0;
+    while ((k = atomic_fetch_add(&t->next, 1)) < t->pieces) {
+        copier_piece(t, k);
+        atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
+        got++;
+    }
+    return got;
+}
+
+static void *copier_main(void *arg) {
+    CopierObject *c = (CopierObject *)arg;
+    unsigned long long seen = 0; /* not posted's value: the first task may be posted before this thread runs */
+    int64_t idle_since = now_ns();
+    unsigned polls = 0;
+    while (!atomic_load(&c->stop)) {
+        unsigned long long p = atomic_load(&c->posted);
+        if (p != seen) {
+            atomic_fetch_add(&c->active, 1);
+            copy_task_t *t = atomic_load(&c->task);
+            if (t) {
+                size_t got = copier_drain(t);
+                if (got) atomic_fetch_add_explicit(&c->helped, got, memory_order_relaxed);
+                p = t->seq > p ? t->seq : p;
+            }
+            atomic_fetch_sub(&c->active, 1);
+            seen = p;
+            idle_since = now_ns();
+            continue;
+        }
+        if ((++polls & 63) || now_ns() - idle_since < c->spin_ns) {
+            cpu_relax();
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        atomic_fetch_add(&c->sleepers, 1);
+        while (!atomic_load(&c->stop) && atomic_load(&c->posted) == seen) pthread_cond_wait(&c->cv, &c->mu);
+        atomic_fetch_sub(&c->sleepers, 1);
+        pthread_mutex_unlock(&c->mu);
+        idle_since = now_ns();
+    }
+    return NULL;
+}
+
+/* Start the helpers (GIL held, busy owned). Those that could not start are not counted. */
+static void copier_start(CopierObject *c) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* helpers inherit a full mask: signals go to Python's threads */
+    int n = 0;
+    while (n < c->helpers && !pthread_create(&c->threads[n], NULL, copier_main, c)) n++;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    c->started = n;
+}
+
+/* The shared copy (GIL released, busy owned, helpers started). */
+static void copier_share(CopierObject *c, char *dst, const char *src, size_t n, int nt) {
+    copy_task_t t;
+    t.dst = dst;
+    t.src = src;
+    t.n = n;
+    t.piece = c->piece;
+    t.pieces = (n + c->piece - 1) / c->piece;
+    t.nt = nt;
+    t.seq = ++c->seq;
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_store(&c->task, &t);
+    atomic_store(&c->posted, t.seq);
+    if (atomic_load(&c->sleepers)) {
+        pthread_mutex_lock(&c->mu);
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (c->caller_copies) copier_drain(&t);
+    for (unsigned i = 0; atomic_load_explicit(&t.done, memory_order_acquire) < t.pieces; i++) {
+        if (i < 4096) cpu_relax();
+        else sched_yield(); /* a helper was preempted in its piece */
+    }
+    atomic_store(&c->task, NULL);
+    while (atomic_load(&c->active)) cpu_relax();
+    atomic_fetch_add_explicit(&c->shared, 1, memory_order_relaxed);
+}
+
+static PyObject *Copier_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"helpers", "spin_us", "piece_bytes", "caller_copies", NULL};
+    int helpers, caller_copies = 1;
+    long long spin_us = 100, piece = 128 << 10;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|$LLp", kwlist, &helpers, &spin_us, &piece, &caller_copies))
+        return NULL;
+    if (helpers < 0 || helpers > COPIER_MAX_HELPERS) {
+        PyErr_Format(PyExc_ValueError, "Copier needs 0 <= helpers <= %d (got %d)", COPIER_MAX_HELPERS, helpers);
+        return NULL;
+    }
+    if (spin_us < 0 || spin_us > 1000000 || piece < (long long)COPIER_MIN_PIECE || piece > (1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "Copier needs 0 <= spin_us <= 1000000 and piece_bytes >= %zu",
+                     COPIER_MIN_PIECE);
+        return NULL;
+    }
+    if (!caller_copies && !helpers) {
+        PyErr_SetString(PyExc_ValueError, "Copier(caller_copies=False) needs helpers");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CopierObject *self = (CopierObject *)alloc(type, 0);
+    if (!self) return NULL;
+    if (pthread_mutex_init(&self->mu, NULL)) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a copier");
+        return NULL;
+    }
+    if (pthread_cond_init(&self->cv, NULL)) {
+        pthread_mutex_destroy(&self->mu);
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a copier");
+        return NULL;
+    }
+    self->ready = 1;
+    atomic_init(&self->task, NULL);
+    atomic_init(&self->posted, 0);
+    atomic_init(&self->active, 0);
+    atomic_init(&self->sleepers, 0);
+    atomic_init(&self->stop, 0);
+    atomic_init(&self->busy, 0);
+    atomic_init(&self->helped, 0);
+    atomic_init(&self->shared, 0);
+    self->helpers = helpers;
+    self->caller_copies = caller_copies;
+    self->piece = (size_t)piece;
+    self->spin_ns = spin_us * 1000;
+    self->pid = getpid();
+    return (PyObject *)self;
+}
+
+/* Stop and join the helpers (the GIL released by the caller when it may wait); the copier then copies
+ * alone for good. Only in the process that made it: a forked child has no helpers to join. */
+static void copier_close(CopierObject *c) {
+    int expected = 0;
+    for (unsigned i = 0; !atomic_compare_exchange_weak(&c->busy, &expected, 1); i++) {
+        if (expected == 2) return; /* closed already */
+        expected = 0;
+        if (i > 64) sched_yield(); /* a copy is running: it ends within its pieces */
+    }
+    atomic_store(&c->stop, 1);
+    pthread_mutex_lock(&c->mu);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->started; i++) pthread_join(c->threads[i], NULL);
+    c->started = 0;
+    atomic_store(&c->busy, 2);
+}
+
+static PyObject *Copier_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    CopierObject *c = (CopierObject *)obj;
+    if (c->pid == getpid()) {
+        Py_BEGIN_ALLOW_THREADS
+        copier_close(c);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static void Copier_dealloc(PyObject *obj) {
+    CopierObject *c = (CopierObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (c->ready && c->pid == getpid()) { /* a forked child leaks them: the parent's helpers are not here */
+        copier_close(c);
+        pthread_cond_destroy(&c->cv);
+        pthread_mutex_destroy(&c->mu);
+    }
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(obj);
+    Py_DECREF((PyObject *)tp);
+}
+
+/* copy(dst, src, nbytes, nontemporal=False): dst <- src (host addresses, not overlapping), the GIL
+ * released from 64 KiB; shared with the helpers from two pieces. */
+static PyObject *Copier_copy(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CopierObject *c = (CopierObject *)obj;
+    unsigned long long dst, src, n;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "copy takes 3 or 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) || int_arg(args[2], &n, 0)) return NULL;
+    int nt = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (nt < 0) return NULL;
+    if (n && (!dst || !src)) {
+        PyErr_SetString(PyExc_ValueError, "copy: NULL address");
+        return NULL;
+    }
+    char *d = (char *)(uintptr_t)dst;
+    const char *s = (const char *)(uintptr_t)src;
+    int expected = 0;
+    int share = n >= 2 * c->piece && c->helpers && c->pid == getpid() &&
+                atomic_compare_exchange_strong(&c->busy, &expected, 1);
+    if (!share) {
+        if (n < NT_MIN_BYTES) {
+            memcpy(d, s, (size_t)n);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            copy_bytes(d, s, (size_t)n, nt);
+            Py_END_ALLOW_THREADS
+        }
+        Py_RETURN_NONE;
+    }
+    if (c->started < c->helpers && !c->started) copier_start(c);
+    Py_BEGIN_ALLOW_THREADS
+    if (c->started) copier_share(c, d, s, (size_t)n, nt);
+    else copy_bytes(d, s, (size_t)n, nt);
+    Py_END_ALLOW_THREADS
+    atomic_store(&c->busy, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Copier_get_helpers(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CopierObject *)obj)->helpers);
+}
+
+static PyObject *Copier_get_started(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CopierObject *)obj)->started);
+}
+
+static PyObject *Copier_get_closed(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(atomic_load(&((CopierObject *)obj)->busy) == 2);
+}
+
+static PyObject *Copier_get_pieces_helped(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&((CopierObject *)obj)->helped));
+}
+
+static PyObject *Copier_get_shared_copies(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&((CopierObject *)obj)->shared));
+}
+
+static PyObject *Copier_get_piece_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((CopierObject *)obj)->piece);
+}
+
+static PyMethodDef Copier_methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))Copier_copy, METH_FASTCALL,
+     "copy(dst, src, nbytes, nontemporal=False): dst <- src, shared with the helpers from two pieces"},
+    {"close", Copier_close, METH_NOARGS, "close(): join the helpers; later copies run on the caller alone"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Copier_getset[] = {
+    {"helpers", Copier_get_helpers, NULL, "helper threads asked for", NULL},
+    {"started", Copier_get_started, NULL, "helper threads running (they start with the first shared copy)", NULL},
+    {"closed", Copier_get_closed, NULL, "whether close() ran", NULL},
+    {"pieces_helped", Copier_get_pieces_helped, NULL, "pieces the helpers copied", NULL},
+    {"shared_copies", Copier_get_shared_copies, NULL, "copies cut into pieces", NULL},
+    {"piece_bytes", Copier_get_piece_bytes, NULL, "the size of a piece", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Copier_slots[] = {
+    {Py_tp_new, Copier_new},
+    {Py_tp_dealloc, Copier_dealloc},
+    {Py_tp_methods, Copier_methods},
+    {Py_tp_getset, Copier_getset},
+    {Py_tp_doc, "Copier(helpers, *, spin_us=100, piece_bytes=131072, caller_copies=True): one host copy "
+                "shared by the caller and helper threads"},
+    {0, NULL},
+};
+
+static PyType_Spec Copier_spec = {
+    "ferry._native._engine.Copier",
+    sizeof(CopierObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    Copier_slots,
+};
+
 /* -- module ---------------------------------------------------------------------------------------- */
 
 static PyObject *mod_is_sticky(PyObject *Py_UNUSED(mod), PyObject *arg) {
@@ -6122,6 +6458,13 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF((PyObject *)LeasesType);
     if (PyModule_AddObject(m, "Leases", (PyObject *)LeasesType)) {
         Py_DECREF((PyObject *)LeasesType);
+        goto fail;
+    }
+    CopierType = (PyTypeObject *)PyType_FromSpec(&Copier_spec);
+    if (!CopierType) goto fail;
+    Py_INCREF((PyObject *)CopierType);
+    if (PyModule_AddObject(m, "Copier", (PyObject *)CopierType)) {
+        Py_DECREF((PyObject *)CopierType);
         goto fail;
     }
     CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);

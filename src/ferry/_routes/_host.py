@@ -66,7 +66,7 @@ class HostRoutes:
         self.config = config
         self.h2d, self.d2h = streams
         leases = HostLeases()
-        self.direct = DirectRoute(completion, pool, leases)
+        self.direct = DirectRoute(completion, pool, leases, config)
         self.registered = RegisteredRoute(completion, leases)
         self.staged = StagedRoute(completion, pool, config, leases)
         self.small = SmallRoute(completion, pool, leases, registrations, streams, config.direct_bytes)
@@ -180,6 +180,7 @@ class HostRoutes:
         return self.direct.held_bytes + self.staged.held_bytes + self.small.held_bytes
 
     def close(self) -> None:
-        """Stop the staging workers; the small route's slots back to the pool."""
+        """Stop the staging workers and the copy helpers; the small route's slots back to the pool."""
         self.staged.close()
+        self.direct.close()
         self.small.close()

@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -68,6 +69,9 @@ __all__ = ["StagingConfig"]
 
 _memmove = ctypes.memmove
 
+MAX_COPY_HELPERS = 8
+"""The most copy helpers a runtime runs (the extension's ``Copier`` limit)."""
+
 
 @dataclass(frozen=True)
 class StagingConfig:
@@ -83,8 +87,19 @@ class StagingConfig:
         Worker threads per direction, each with its own copy stream.
     direct_bytes
         Transfers up to this size skip the lanes: one pinned block from the
-        pool, the host copy on the calling thread, one DMA (cheaper for small
-        payloads than waking workers).
+        pool, the host copy on the calling thread (shared with the copy
+        helpers), the DMA behind it (cheaper up to a few MiB than cutting the
+        payload into chunks for the lanes). A direct transfer holds one
+        pinned block of its size class while it is in flight. ``-1`` (the
+        default) picks 8 MiB where the compiled extension shares the host
+        copy and 4 MiB on the pure-Python engine; a runtime's
+        ``info()["staging_threads"]`` shows the value it resolved.
+    copy_helpers
+        Native threads that share a direct transfer's host copy with the
+        calling thread (the compiled engine only): ``-1`` (the default) picks
+        ``min(4, CPUs - 1)``, ``0`` leaves the caller to copy alone. They start
+        at the first direct transfer of at least 256 KiB, poll 100 us after
+        their last piece, then sleep.
     min_chunk_bytes
         The smallest chunk a transfer is cut into. A transfer is cut into
         ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
@@ -101,26 +116,45 @@ class StagingConfig:
     slot_bytes: int = 4 << 20
     slots_per_lane: int = 3
     lanes: int = 12
-    direct_bytes: int = 4 << 20
+    direct_bytes: int = -1
     min_chunk_bytes: int = 1 << 20
     engine: str = "auto"
+    copy_helpers: int = -1
 
     def __post_init__(self) -> None:
         if (
             self.slot_bytes < 4096
             or self.slots_per_lane < 1
             or self.lanes < 1
-            or self.direct_bytes < 0
+            or self.direct_bytes < -1
             or self.min_chunk_bytes < 4096
         ):
             raise ValueError(
-                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 "
+                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 (or -1) "
                 "and min_chunk_bytes >= 4096"
             )
         if self.engine not in ("auto", "native", "python"):
             raise ValueError(f"StagingConfig.engine must be 'auto', 'native' or 'python', not {self.engine!r}")
         if self.lanes > 64 or self.slots_per_lane > 64:
             raise ValueError("StagingConfig allows at most 64 lanes and 64 slots per lane")
+        if not -1 <= self.copy_helpers <= MAX_COPY_HELPERS:
+            raise ValueError(f"StagingConfig.copy_helpers must be -1 (auto) or 0 - {MAX_COPY_HELPERS}")
+
+    def resolved(self) -> StagingConfig:
+        """This config with ``direct_bytes=-1`` resolved: 8 MiB where the compiled extension shares
+        the direct route's host copy (``engine`` is not ``"python"`` and it loads), else 4 MiB."""
+        if self.direct_bytes >= 0:
+            return self
+        from .. import _native
+
+        shared = self.engine != "python" and _native.load() is not None
+        return replace(self, direct_bytes=(8 << 20) if shared else (4 << 20))
+
+    def helper_count(self) -> int:
+        """The copy helpers a runtime with this config runs (``copy_helpers``, ``-1`` resolved)."""
+        if self.copy_helpers >= 0:
+            return self.copy_helpers
+        return max(0, min(4, (os.cpu_count() or 1) - 1))
 
     def chunk_bytes(self, nbytes: int) -> int:
         """The chunk size for a transfer of ``nbytes``: spread over every lane, within the bounds."""
@@ -479,8 +513,10 @@ def engine_status(config: StagingConfig) -> str:
 def engine_threads_status(config: StagingConfig, status: str) -> str:
     """The threads of a runtime's staging engine whose :func:`engine_status` is ``status``, in one line
     (``info()['staging_threads']``)."""
+    config = config.resolved()
+    direct = f"direct route up to {config.direct_bytes >> 10} KiB"
     if status != "native":
-        return f"{config.lanes} Python lanes per direction"
+        return f"{config.lanes} Python lanes per direction; {direct}, copied by the calling thread"
     from ._native import engine_threads
 
     driver_thread, wait_spin_us = engine_threads(config.lanes)  # what an engine made now would run
@@ -489,7 +525,11 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
         f"a wait polls until the job's expected end and {wait_spin_us:g} us more, then sleeps"
         if wait_spin_us > 0 else "a wait sleeps at once"
     )
-    return f"{config.lanes} native lanes per direction, {detail}; {waits}"
+    helpers = config.helper_count()
+    return (
+        f"{config.lanes} native lanes per direction, {detail}; {waits}; {direct}, "
+        f"its host copy shared by the calling thread and {helpers} copy helper{'s' if helpers != 1 else ''}"
+    )
 
 
 class StagedRoute:
