@@ -4,7 +4,8 @@ The choice, in order: a small C-contiguous array of the device array's shape
 and dtype (up to 64 KiB) takes the small route (``_small.py``), tried by the
 facade before anything here, with its own one-expression test; a registered
 array (pinned in place) takes the registered route, one DMA and no host copy;
-a payload up to ``StagingConfig.direct_bytes`` (or with elements larger than
+a payload up to ``StagingConfig.direct_bytes`` (``direct_download_bytes`` for a
+download; or with elements larger than
 a slot) takes the direct route, one pooled pinned block on the calling
 thread; anything larger is staged in chunks by the staging engine.
 """
@@ -153,7 +154,9 @@ class HostRoutes:
         route: Any
         if registration is not None:
             route = self.registered
-        elif nbytes <= config.direct_bytes or host.itemsize > config.slot_bytes:
+        elif nbytes <= (config.direct_bytes if upload else config.direct_download_bytes) or (
+            host.itemsize > config.slot_bytes
+        ):
             route = self.direct
         else:
             route = self.staged

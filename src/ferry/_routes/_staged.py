@@ -90,16 +90,15 @@ class StagingConfig:
         pool, the host copy on the calling thread (shared with the copy
         helpers), the DMA behind it (cheaper up to a few MiB than cutting the
         payload into chunks for the lanes). A direct transfer holds one
-        pinned block of its size class while it is in flight. ``-1`` (the
-        default) picks 8 MiB where the compiled extension shares the host
-        copy and 4 MiB on the pure-Python engine; a runtime's
-        ``info()["staging_threads"]`` shows the value it resolved.
-    copy_helpers
-        Native threads that share a direct transfer's host copy with the
-        calling thread (the compiled engine only): ``-1`` (the default) picks
-        ``min(4, CPUs - 1)``, ``0`` leaves the caller to copy alone. They start
-        at the first direct transfer of at least 256 KiB, poll 100 us after
-        their last piece, then sleep.
+        pinned block of its size class while it is in flight. An upload's
+        host copy runs in the submission, a download's in ``wait()``.
+    direct_download_bytes
+        Downloads up to this size take the direct route. ``-1`` (the
+        default) picks twice ``direct_bytes`` where the compiled extension
+        shares the host copy (a download's copy runs when it is waited for,
+        so the submitting thread never pays it, and one DMA then a shared
+        copy out beats the lanes there) and ``direct_bytes`` on the
+        pure-Python engine; ``info()["staging_threads"]`` shows both limits.
     min_chunk_bytes
         The smallest chunk a transfer is cut into. A transfer is cut into
         ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
@@ -116,21 +115,24 @@ class StagingConfig:
     slot_bytes: int = 4 << 20
     slots_per_lane: int = 3
     lanes: int = 12
-    direct_bytes: int = -1
+    direct_bytes: int = 4 << 20
     min_chunk_bytes: int = 1 << 20
     engine: str = "auto"
     copy_helpers: int = -1
+    direct_download_bytes: int = -1
 
     def __post_init__(self) -> None:
         if (
             self.slot_bytes < 4096
             or self.slots_per_lane < 1
             or self.lanes < 1
-            or self.direct_bytes < -1
+            or self.direct_bytes < 0
+            or self.direct_download_bytes < -1
             or self.min_chunk_bytes < 4096
         ):
             raise ValueError(
-                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0 (or -1) "
+                "StagingConfig needs slot_bytes >= 4096, slots_per_lane >= 1, lanes >= 1, direct_bytes >= 0, "
+                "direct_download_bytes >= 0 (or -1) "
                 "and min_chunk_bytes >= 4096"
             )
         if self.engine not in ("auto", "native", "python"):
@@ -141,14 +143,15 @@ class StagingConfig:
             raise ValueError(f"StagingConfig.copy_helpers must be -1 (auto) or 0 - {MAX_COPY_HELPERS}")
 
     def resolved(self) -> StagingConfig:
-        """This config with ``direct_bytes=-1`` resolved: 8 MiB where the compiled extension shares
-        the direct route's host copy (``engine`` is not ``"python"`` and it loads), else 4 MiB."""
-        if self.direct_bytes >= 0:
+        """This config with ``direct_download_bytes=-1`` resolved: twice ``direct_bytes`` where the
+        compiled extension shares the direct route's host copy (``engine`` is not ``"python"`` and it
+        loads), else ``direct_bytes``."""
+        if self.direct_download_bytes >= 0:
             return self
         from .. import _native
 
         shared = self.engine != "python" and _native.load() is not None
-        return replace(self, direct_bytes=(8 << 20) if shared else (4 << 20))
+        return replace(self, direct_download_bytes=2 * self.direct_bytes if shared else self.direct_bytes)
 
     def helper_count(self) -> int:
         """The copy helpers a runtime with this config runs (``copy_helpers``, ``-1`` resolved)."""
@@ -514,7 +517,9 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
     """The threads of a runtime's staging engine whose :func:`engine_status` is ``status``, in one line
     (``info()['staging_threads']``)."""
     config = config.resolved()
-    direct = f"direct route up to {config.direct_bytes >> 10} KiB"
+    direct = (
+        f"direct route up to {config.direct_bytes >> 10} KiB up, {config.direct_download_bytes >> 10} KiB down"
+    )
     if status != "native":
         return f"{config.lanes} Python lanes per direction; {direct}, copied by the calling thread"
     from ._native import engine_threads
