@@ -248,13 +248,17 @@ def test_a_segmented_download_pools_its_events(rt: ferry.Runtime) -> None:
     assert completion.event_count == made  # the segments' events come back to the pool
 
 
-def test_a_held_segmented_download_times_out_and_completes_later(rt: ferry.Runtime) -> None:
+def four_segments(rt: ferry.Runtime, seed: int) -> tuple[np.ndarray, ferry.DeviceArray, np.ndarray]:
+    """Data of four download segments on the device and a zeroed output (skips above the limit)."""
     nbytes = 4 * DOWNLOAD_SEGMENT_BYTES
     if nbytes > parts_of(rt).staging.direct_download_bytes:
         pytest.skip("above this engine's direct route")
-    data = pattern(nbytes, 9)
-    dev = rt.to_device(data)
-    out = np.zeros_like(data)
+    data = pattern(nbytes, seed)
+    return data, rt.to_device(data), np.zeros_like(data)
+
+
+def test_a_held_segmented_download_times_out_and_completes_later(rt: ferry.Runtime) -> None:
+    data, dev, out = four_segments(rt, 9)
     with testing.hold(rt, "download"):
         pending = rt.download(dev, out)
         start = time.monotonic()
@@ -267,8 +271,6 @@ def test_a_held_segmented_download_times_out_and_completes_later(rt: ferry.Runti
 
 
 def test_a_failure_in_the_middle_of_a_direct_upload_publishes_nothing(rt: ferry.Runtime) -> None:
-    if not isinstance(testing.backend_of(rt), object) or rt.backend != "emulated":
-        pytest.skip("fault injection needs the emulated device")
     nbytes = 4 * SEGMENT_BYTES
     data = pattern(nbytes, 10)
     testing.fail_next_copy(rt, after=1 if shared(rt) else 0)  # the second segment (or the one DMA)
@@ -282,12 +284,8 @@ def test_a_failure_in_the_middle_of_a_direct_upload_publishes_nothing(rt: ferry.
 
 
 def test_a_failure_in_the_middle_of_a_segmented_download_publishes_nothing(rt: ferry.Runtime) -> None:
-    nbytes = 4 * DOWNLOAD_SEGMENT_BYTES
-    if nbytes > parts_of(rt).staging.direct_download_bytes:
-        pytest.skip("above this engine's direct route")
-    data = pattern(nbytes, 12)
-    dev = rt.to_device(data)
-    out = np.zeros_like(data)
+    data, dev, out = four_segments(rt, 12)
+    nbytes = data.nbytes
     testing.fail_next_copy(rt, after=2)  # the third segment
     pending = rt.download(dev, out)
     with pytest.raises(ferry.TransferFailedError):
