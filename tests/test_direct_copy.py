@@ -296,3 +296,30 @@ def test_a_failure_in_the_middle_of_a_segmented_download_publishes_nothing(rt: f
     back = np.zeros_like(fresh)
     _, got = rt.download(rt.to_device(fresh), back).wait()
     assert np.array_equal(got, fresh)
+
+
+def test_a_segment_refused_after_the_first_was_queued_leaves_everything_owned(
+    rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry._backends._base import DeviceError
+
+    if not shared(rt):
+        pytest.skip("one DMA on the pure-Python engine: no segments")
+    backend = testing.backend_of(rt)
+    real, calls = backend.htod_record, []
+
+    def second_refused(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise DeviceError("the device refused the copy (test)", code=1)
+        real(*args)
+
+    monkeypatch.setattr(backend, "htod_record", second_refused)
+    data = pattern(4 * SEGMENT_BYTES, 14)
+    dev = rt.empty(data.shape, data.dtype)
+    with pytest.raises(ferry.TransferSubmitError):
+        rt.upload(data, dev)  # the first segment was queued: proven done (the stream waited), then refused
+    assert len(calls) == 2 and data.flags.writeable and dev.state == "owned"
+    monkeypatch.setattr(backend, "htod_record", real)
+    _, dev = rt.upload(data, dev).wait()  # both still usable
+    assert np.array_equal(rt.to_host(dev), data)

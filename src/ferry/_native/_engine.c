@@ -5998,7 +5998,7 @@ static PyObject *Copier_copy(PyObject *obj, PyObject *const *args, Py_ssize_t na
         }
         Py_RETURN_NONE;
     }
-    if (c->started < c->helpers && !c->started) copier_start(c);
+    if (!c->started) copier_start(c); /* the first shared copy (or a retry after none could start) */
     Py_BEGIN_ALLOW_THREADS
     if (c->started) copier_share(c, d, s, (size_t)n, nt);
     else copy_bytes(d, s, (size_t)n, nt);

@@ -29,7 +29,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import _native
 from .._backends._base import DeviceError
@@ -55,6 +55,13 @@ DOWNLOAD_SEGMENT_BYTES = 2 << 20
 _Copy = Callable[[int, int, int, Any, Any], None]
 
 _SLICE = 0.05  # s: a waiter copying out a segmented download asks for Ctrl-C this often
+
+
+def _raise_queued(exc: DeviceError, *, after_first: bool) -> NoReturn:
+    """Re-raise a segment's refused enqueue: once an earlier segment is queued, the copy counts as queued."""
+    if after_first and not exc.enqueued:
+        raise DeviceError(str(exc), code=exc.code, sticky=exc.sticky, enqueued=True) from exc
+    raise exc
 
 
 class DirectRoute:
@@ -92,9 +99,7 @@ class DirectRoute:
                 try:
                     copy(dst + off, src + off, m, stream, event if last else None)
                 except DeviceError as exc:
-                    if off and not exc.enqueued:  # the segments before it are queued
-                        raise DeviceError(str(exc), code=exc.code, sticky=exc.sticky, enqueued=True) from exc
-                    raise
+                    _raise_queued(exc, after_first=off > 0)
                 if last:
                     return
                 off += m
@@ -228,9 +233,7 @@ class _Parts:
                 try:
                     copy(dst + off, src + off, m, stream, event if i == last else self.events[i])
                 except DeviceError as exc:
-                    if i and not exc.enqueued:  # the segments before it are queued
-                        raise DeviceError(str(exc), code=exc.code, sticky=exc.sticky, enqueued=True) from exc
-                    raise
+                    _raise_queued(exc, after_first=i > 0)
 
         return segmented
 
