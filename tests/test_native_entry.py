@@ -206,16 +206,23 @@ def test_a_held_runtime_lock_is_reentered_by_the_entry(rt: ferry.Runtime) -> Non
 
 
 def test_a_small_pageable_wait_settles_its_slot_in_c(rt: ferry.Runtime) -> None:
+    # wait() settles in C when the copy completes within its poll; past that poll it sleeps in
+    # Completion.wait, which settles in Python (the next test). The device is drained first, through
+    # the backend (which settles nothing), so that a loaded machine cannot push the copy past the poll:
+    # this test failed once in a whole-suite run on the H200 for that reason (2026-11-30).
+    backend = parts_of(rt).backend
     data = np.arange(256, dtype=np.uint8)
     dev = rt.empty(256, np.uint8)
     pending = rt.upload(data, dev)
     assert not data.flags.writeable
+    backend.device_synchronize()
     result, names = python_calls(pending.wait)
     assert not {"settle", "release", "copy_out"} & set(names)
     source, dev = result
     assert source is data and data.flags.writeable
     out = np.zeros(256, np.uint8)
     pending = rt.download(dev, out)
+    backend.device_synchronize()
     result, names = python_calls(pending.wait)
     assert not {"settle", "release", "copy_out"} & set(names)
     assert result[1] is out and (out == data).all() and out.flags.writeable
@@ -225,6 +232,26 @@ def test_a_small_pageable_wait_settles_its_slot_in_c(rt: ferry.Runtime) -> None:
     # the slots are back in their rings: the next transfers reuse them
     assert (rt.to_host(rt.upload(data, rt.empty(256, np.uint8)).wait()[1]) == data).all()
     assert parts_of(rt).host.small.counts()["small_upload_slots"] == 1
+
+
+def test_a_small_pageable_wait_past_its_poll_sleeps_and_settles_the_same(rt: ferry.Runtime) -> None:
+    backend = parts_of(rt).backend
+    backend.latency = 0.05  # the copy outlasts wait()'s poll: wait() sleeps in Completion.wait
+    data = np.arange(256, dtype=np.uint8)
+    dev = rt.empty(256, np.uint8)
+    pending = rt.upload(data, dev)
+    result, names = python_calls(pending.wait)
+    assert "settle" in names  # the Python path, not the C one
+    source, dev = result
+    assert source is data and data.flags.writeable
+    out = np.zeros(256, np.uint8)
+    result, names = python_calls(rt.download(dev, out).wait)
+    assert "settle" in names
+    assert result[1] is out and (out == data).all() and out.flags.writeable
+    counts = parts_of(rt).host.small.counts()
+    assert counts["small_uploads"] == counts["small_downloads"] == 1
+    assert counts["small_upload_slots"] == 1  # the slot went back to its ring on that path too
+    assert parts_of(rt).host.small.host_copied == 512
 
 
 def test_a_small_pageable_upload_is_submitted_in_c(rt: ferry.Runtime) -> None:
