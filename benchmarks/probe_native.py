@@ -246,6 +246,7 @@ def time_jobs(
         elapsed = time.perf_counter() - start
         timeline = job.timeline()
         timeline["wait"] = elapsed * 1e6
+        timeline["chunks"] = job.chunk_times()
         runs.append((elapsed, timeline))
     runs.sort(key=lambda r: r[0])
     return runs[len(runs) // 2]
@@ -274,6 +275,16 @@ def fmt_timeline(t: dict[str, Any]) -> str:
     keys = ("start_first", "start_last", "copy_last", "enqueue_last", "done", "wait", "enqueues", "enqueue_us",
             "lock_wait_us")
     return " ".join(f"{k}={t[k]:.0f}" if t.get(k) is not None else f"{k}=-" for k in keys)
+
+
+def fmt_chunks(t: dict[str, Any], upload: bool) -> str:
+    """Each chunk's path, ordered by chunk: upload ``L<lane> <taken>/<copy start>-<copy end>/<enqueued>``,
+    download ``L<lane> <handed>/<enqueued>/<copy-out start>-<end>`` (us after submit)."""
+    rows = []
+    for k, (lane, a, b, c, d) in enumerate(t.get("chunks") or []):
+        path = f"{a:.0f}/{b:.0f}-{c:.0f}/{d:.0f}" if upload else f"{a:.0f}/{b:.0f}/{c:.0f}-{d:.0f}"
+        rows.append(f"#{k} L{lane} {path}")
+    return "; ".join(rows)
 
 
 def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) -> list[dict[str, Any]]:
@@ -352,6 +363,9 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
             if args.timeline:
                 print(f"{'':>6} h2d us: {fmt_timeline(tl_up)}")
                 print(f"{'':>6} d2h us: {fmt_timeline(tl_down)}")
+            if args.chunk_times:
+                print(f"{'':>6} h2d chunks (lane taken/copy-copied/enqueued): {fmt_chunks(tl_up, True)}")
+                print(f"{'':>6} d2h chunks (lane handed/enqueued/copy out-end): {fmt_chunks(tl_down, False)}")
     finally:
         up.close()
         down.close()
@@ -413,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent-enqueues", action="store_true", help="let lanes call the driver concurrently (no spinlock)"
     )
     parser.add_argument("--timeline", action="store_true", help="print the median run's timeline per size")
+    parser.add_argument(
+        "--chunk-times", action="store_true", help="print each chunk's times in the median run (Job.chunk_times)"
+    )
     parser.add_argument("--no-nt", action="store_true", help="chunk copies through the cache (memcpy), not streaming")
     parser.add_argument("--nt-ab", action="store_true", help="also run the shape with the other kind of chunk copy")
     parser.add_argument("--no-driver-thread", action="store_true", help="lanes call the driver themselves")

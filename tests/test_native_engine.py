@@ -341,6 +341,28 @@ def test_timeline_and_the_spinning_knobs(driver_thread: bool) -> None:
         assert dev.tobytes() == data.tobytes()
 
 
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_chunk_times_trace_each_chunk_through_its_lane(direction: str) -> None:
+    with contextlib.closing(make(direction, min_chunks_per_lane=2)) as engine:
+        data = pattern(1 << 20)
+        host, dev = (data, device_like(data.nbytes)) if direction == "upload" else (np.zeros_like(data), data.copy())
+        engine.hold()
+        try:
+            job = submit(engine, host, dev)
+            with pytest.raises(RuntimeError, match="finished job"):
+                job.chunk_times()  # held: it cannot be done
+        finally:
+            engine.release()
+        assert job.wait(30) and job.error is None
+        times = job.chunk_times()
+        assert len(times) == job.chunks >= 2 * LANES
+        for lane, *t in times:
+            assert 0 <= lane < LANES
+            assert 0 <= t[0] <= t[1] <= t[2] <= t[3]  # taken / handed, copy begun / answered, ..., ended
+        assert len({lane for lane, *_ in times}) == job.lanes  # every lane's share is in it
+        assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
+
+
 def test_empty_job_is_done_at_once(up: Any) -> None:
     array = np.zeros((0, 5), np.float32)
     job = submit(up, array, device_like(1))

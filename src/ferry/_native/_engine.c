@@ -326,7 +326,23 @@ typedef struct job {
     int64_t t_submit;
     atomic_llong t_start_first, t_start_last, t_copy_last, t_enqueue_last, t_done;
     atomic_llong n_enqueues, enqueue_ns, lock_wait_ns; /* summed over the lanes' d_enqueue calls */
+    struct chunk_trace *trace; /* per chunk, for Job.chunk_times(): NULL above TRACE_CHUNKS chunks */
 } job_t;
+
+/* One chunk's path through its lane (CLOCK_MONOTONIC ns; each chunk is written by its lane only). An upload:
+ * the lane took it up, its copy began (after any wait for the slot) and ended, its enqueue was answered. A
+ * download: its DMA was handed over and answered, its copy out began (after the DMA's end) and ended. */
+#define TRACE_CHUNKS 1024
+typedef struct chunk_trace {
+    int lane;
+    int64_t t[4];
+} chunk_trace_t;
+
+static inline void trace_at(job_t *job, size_t k, int lane, int i) {
+    if (!job->trace) return;
+    job->trace[k].lane = lane;
+    job->trace[k].t[i] = now_ns();
+}
 
 static void at_min(atomic_llong *a, long long v) {
     long long cur = atomic_load_explicit(a, memory_order_relaxed);
@@ -354,6 +370,7 @@ static void job_decref(job_t *job) {
     if (atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1) {
         pthread_mutex_destroy(&job->mu);
         pthread_cond_destroy(&job->cv);
+        free(job->trace);
         free(job);
     }
 }
@@ -1486,11 +1503,14 @@ static void run_upload(lane_t *L, share_t *s) {
             job_fail(job, &L->broken_err);
             break;
         }
+        trace_at(job, k, L->index, 0);
         hold_wait(L->eng);
         slot_t *slot = &L->slots[L->cursor % (size_t)L->nslots];
         if (slot->busy && reap(L, slot)) continue; /* recovered: re-check this chunk's job, fresh slots */
         job_chunk(job, k, &c);
+        trace_at(job, k, L->index, 1);
         chunk_copy(job, &c, slot->ptr, 1);
+        trace_at(job, k, L->index, 2);
         s->copied += c.nbytes;
         at_max(&job->t_copy_last, now_ns());
         slot->job = job;
@@ -1498,6 +1518,7 @@ static void run_upload(lane_t *L, share_t *s) {
         slot->busy = 1; /* from here on a DMA may touch it */
         const char *op = "";
         int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+        trace_at(job, k, L->index, 3);
         if (rc) {
             fail_with(L, job, rc, op);
             lane_recover(L);
@@ -1547,7 +1568,9 @@ static void run_download(lane_t *L, share_t *s) {
             slot->ends = NULL;
             slot->busy = 1;
             const char *op = "";
+            trace_at(job, s->first + issued * s->stride, L->index, 0);
             int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+            trace_at(job, s->first + issued * s->stride, L->index, 1);
             if (rc) {
                 fail_with(L, job, rc, op);
                 lane_recover(L);
@@ -1580,7 +1603,9 @@ static void run_download(lane_t *L, share_t *s) {
         }
         if (!atomic_load(&job->failed)) {
             job_chunk(job, s->first + i * s->stride, &c);
+            trace_at(job, s->first + i * s->stride, L->index, 2);
             chunk_copy(job, &c, slot->ptr, 0);
+            trace_at(job, s->first + i * s->stride, L->index, 3);
             s->copied += c.nbytes;
             at_max(&job->t_copy_last, now_ns());
         }
@@ -2191,6 +2216,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         for (int a = 0; a < axis; a++) prefixes *= (size_t)job->shape[a];
         job->nchunks = prefixes * job->nper;
     }
+    if (job->nchunks && job->nchunks <= TRACE_CHUNKS) job->trace = calloc(job->nchunks, sizeof(chunk_trace_t));
     int nl = job->nchunks < (size_t)eng->nlanes ? (int)job->nchunks : eng->nlanes;
     job->nlanes = nl;
     atomic_init(&job->done, nl == 0);
@@ -2699,6 +2725,29 @@ static PyObject *Job_timeline(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     return d;
 }
 
+static PyObject *Job_chunk_times(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    job_t *job = ((JobObject *)obj)->job;
+    if (!job_is_done(job)) {
+        PyErr_SetString(PyExc_RuntimeError, "chunk_times() needs a finished job");
+        return NULL;
+    }
+    PyObject *list = PyList_New(0);
+    if (!list || !job->trace) return list;
+    for (size_t k = 0; k < job->nchunks; k++) {
+        const chunk_trace_t *t = &job->trace[k];
+        PyObject *row = Py_BuildValue("(idddd)", t->lane, (double)(t->t[0] - job->t_submit) / 1e3,
+                                      (double)(t->t[1] - job->t_submit) / 1e3, (double)(t->t[2] - job->t_submit) / 1e3,
+                                      (double)(t->t[3] - job->t_submit) / 1e3);
+        if (!row || PyList_Append(list, row)) {
+            Py_XDECREF(row);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(row);
+    }
+    return list;
+}
+
 static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
@@ -2710,6 +2759,11 @@ static PyMethodDef Job_methods[] = {
      "timeline() -> {event: microseconds after submit or None}: start_first, start_last, copy_last, "
      "enqueue_last, done; and the chunks' enqueues: enqueues (count), enqueue_us (summed time in the driver's "
      "copy and record calls), lock_wait_us (summed time waiting for the process's driver lock)"},
+    {"chunk_times", Job_chunk_times, METH_NOARGS,
+     "chunk_times() -> [(lane, t0, t1, t2, t3)] per chunk, microseconds after submit, of a finished job (up to "
+     "1024 chunks, else []): an upload's chunk taken up, its copy begun and ended, its enqueue answered; a "
+     "download's DMA handed over and answered, its copy out begun and ended. A chunk a failure skipped reads "
+     "negative times"},
     {NULL, NULL, 0, NULL},
 };
 

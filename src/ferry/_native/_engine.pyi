@@ -169,6 +169,11 @@ class Job:
     def timeline(self) -> dict[str, float | None]:
         """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
         lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued), ``done``."""
+    def chunk_times(self) -> list[tuple[int, float, float, float, float]]:
+        """Per chunk of a finished job (up to 1024 chunks, else ``[]``), its lane and four times in
+        microseconds after submit: an upload's chunk taken up, its copy begun (after any wait for its
+        slot) and ended, its enqueue answered; a download's DMA handed over and answered, its copy out
+        begun and ended. RuntimeError before the job is done."""
     def hand_off(self, timeout: float | None = None) -> list[int] | None:
         """For a job submitted with ``hand_off=True``: sleep (GIL released, signals checked) until
         every lane enqueued its share's last DMA, then the events recorded right after them (raw
