@@ -363,6 +363,21 @@ def test_chunk_times_trace_each_chunk_through_its_lane(direction: str) -> None:
         assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
 
 
+def test_chunk_sizes_give_the_plan(up: Any, down: Any) -> None:
+    data = pattern((3 << 20) + 5)
+    job = submit(up, data, device_like(data.nbytes))
+    strided = pattern(1 << 20).reshape(512, 2048)[:, ::2]
+    across = submit(up, strided, device_like(strided.nbytes))
+    back = submit(down, np.zeros_like(data), data.copy(), chunk_bytes=100000)
+    for j in (job, across, back):
+        assert j.wait(30) and j.error is None
+        sizes = j.chunk_sizes()
+        assert len(sizes) == j.chunks and sum(sizes) == j.nbytes
+        assert all(0 < size <= j.chunk_bytes for size in sizes)
+    assert set(job.chunk_sizes()[:-1]) == {job.chunk_bytes}  # a contiguous payload: even chunks, the last shorter
+    assert set(back.chunk_sizes()[:-1]) == {100000}
+
+
 def test_empty_job_is_done_at_once(up: Any) -> None:
     array = np.zeros((0, 5), np.float32)
     job = submit(up, array, device_like(1))

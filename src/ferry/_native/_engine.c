@@ -2302,6 +2302,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     if (eng->dt) dt_wake(eng->dt); /* up and polling before the job's first copy ends */
     return (PyObject *)jo;
 fail:
+    free(job->trace);
     free(job);
     return NULL;
 }
@@ -2748,6 +2749,22 @@ static PyObject *Job_chunk_times(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     return list;
 }
 
+static PyObject *Job_chunk_sizes(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    job_t *job = ((JobObject *)obj)->job;
+    PyObject *list = PyList_New((Py_ssize_t)job->nchunks);
+    if (!list) return NULL;
+    chunk_t c;
+    for (size_t k = 0; k < job->nchunks; k++) {
+        job_chunk(job, k, &c);
+        PyObject *v = PyLong_FromSize_t(c.nbytes);
+        if (!v || PyList_SetItem(list, (Py_ssize_t)k, v)) { /* steals v */
+            Py_DECREF(list);
+            return NULL;
+        }
+    }
+    return list;
+}
+
 static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
@@ -2759,6 +2776,8 @@ static PyMethodDef Job_methods[] = {
      "timeline() -> {event: microseconds after submit or None}: start_first, start_last, copy_last, "
      "enqueue_last, done; and the chunks' enqueues: enqueues (count), enqueue_us (summed time in the driver's "
      "copy and record calls), lock_wait_us (summed time waiting for the process's driver lock)"},
+    {"chunk_sizes", Job_chunk_sizes, METH_NOARGS,
+     "chunk_sizes() -> [bytes of chunk k]: the job's plan (chunk k goes to share k mod lanes)"},
     {"chunk_times", Job_chunk_times, METH_NOARGS,
      "chunk_times() -> [(lane, t0, t1, t2, t3)] per chunk, microseconds after submit, of a finished job (up to "
      "1024 chunks, else []): an upload's chunk taken up, its copy begun and ended, its enqueue answered; a "

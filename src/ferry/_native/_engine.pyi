@@ -169,6 +169,8 @@ class Job:
     def timeline(self) -> dict[str, float | None]:
         """Microseconds after submit (None: not yet) of ``start_first``/``start_last`` (the first and last
         lane to start on it), ``copy_last`` (last host copy), ``enqueue_last`` (last DMA enqueued), ``done``."""
+    def chunk_sizes(self) -> list[int]:
+        """The job's plan: the bytes of each chunk, in order (chunk ``k`` goes to share ``k % lanes``)."""
     def chunk_times(self) -> list[tuple[int, float, float, float, float]]:
         """Per chunk of a finished job (up to 1024 chunks, else ``[]``), its lane and four times in
         microseconds after submit: an upload's chunk taken up, its copy begun (after any wait for its
