@@ -250,8 +250,10 @@ def test_a_small_pageable_wait_past_its_poll_sleeps_and_settles_the_same(rt: fer
     assert result[1] is out and (out == data).all() and out.flags.writeable
     counts = parts_of(rt).host.small.counts()
     assert counts["small_uploads"] == counts["small_downloads"] == 1
-    assert counts["small_upload_slots"] == 1  # the slot went back to its ring on that path too
     assert parts_of(rt).host.small.host_copied == 512
+    # the slot went back to its ring on that path too: the next upload reuses it
+    assert (rt.to_host(rt.upload(data, rt.empty(256, np.uint8)).wait()[1]) == data).all()
+    assert parts_of(rt).host.small.counts()["small_upload_slots"] == 1
 
 
 def test_a_small_pageable_upload_is_submitted_in_c(rt: ferry.Runtime) -> None:
