@@ -210,6 +210,8 @@ class Shape:
     one_stream: bool = False
     min_chunk_kib: int = 256
     lane_wait_us: float = 100.0
+    helpers: int = 0
+    piece_kib: int = 128
 
     def __str__(self) -> str:
         return (
@@ -220,6 +222,7 @@ class Shape:
             f"{'a driver thread' if self.driver_thread else 'lanes call the driver'}"
             f"{' (one DMA stream)' if self.driver_thread and self.one_stream else ''}, "
             f"min chunk {self.min_chunk_kib} KiB, lanes wait {self.lane_wait_us:g} us awake"
+            + (f", cooperative: {self.helpers} helpers, pieces of {self.piece_kib} KiB" if self.helpers else "")
         )
 
 
@@ -307,6 +310,8 @@ def probe_shape(gpu: Gpu | EmulatedGpu, args: argparse.Namespace, shape: Shape) 
         "one_stream": shape.one_stream,
         "lane_wait_us": shape.lane_wait_us,
         "wait_spin_us": args.wait_spin_us,
+        "helpers": shape.helpers,
+        "piece_bytes": shape.piece_kib << 10,
     }
     up = Engine("upload", **kw)
     down = Engine("download", **kw)
@@ -456,6 +461,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="sweep serialized/concurrent enqueues x 8/12 lanes x 1/2/4 chunks per lane x spin 0/30 us",
     )
+    parser.add_argument(
+        "--helpers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="cooperative jobs: idle lanes that help a lead copy (comma-separated: one shape each; 0: dealt)",
+    )
+    parser.add_argument(
+        "--piece-kib",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[128],
+        help="pieces of a cooperative chunk copy, KiB (comma-separated: one shape each with helpers)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="run every shape this many times, in turn")
     parser.add_argument("--threads", type=int, default=0, help="memcpy ceiling threads (default: --lanes)")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
@@ -487,8 +505,11 @@ def main(argv: list[str] | None = None) -> int:
         args.one_stream,
         args.min_chunk_kib,
         args.lane_wait_us,
+        args.helpers[0],
+        args.piece_kib[0],
     )
     shapes = [first]
+    shapes += [dataclasses.replace(first, helpers=h, piece_kib=p) for h in args.helpers for p in args.piece_kib]
     if args.nt_ab:  # the same shape with the other kind of chunk copy, right after
         shapes.append(dataclasses.replace(first, nontemporal=args.no_nt))
     if args.stream_ab:  # the same shape with the other stream choice, right after
@@ -521,10 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             for chunks in (1, 2, 4)
             for spin in (0.0, 30.0)
         ]
-    seen: set[Shape] = set()
-    for shape in shapes:
-        if shape not in seen:
-            seen.add(shape)
+    unique = list(dict.fromkeys(shapes))
+    for _ in range(args.rounds):  # rounds of every shape in turn: a drifting host shows as a spread, not a winner
+        for shape in unique:
             rows["engine"] += probe_shape(gpu, args, shape)
     if len(shapes) > 1:
         print("\n## best shape per size")

@@ -54,6 +54,7 @@ def make(direction: str, **kw: Any) -> Any:
 THREADS = [
     pytest.param({"driver_thread": True, "nontemporal": True}, id="driver-thread"),
     pytest.param({"driver_thread": False, "nontemporal": False}, id="lanes-call"),
+    pytest.param({"driver_thread": True, "nontemporal": True, "helpers": LANES - 1}, id="cooperative"),
 ]
 
 
@@ -61,6 +62,15 @@ THREADS = [
 def up(request: pytest.FixtureRequest) -> Iterator[Any]:
     engine = make("upload", **request.param)
     assert engine.driver_thread is request.param["driver_thread"]
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=THREADS[:2])
+def dealt_up(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """An upload engine without helpers: every job's chunks are dealt round-robin to the lanes."""
+    engine = make("upload", **request.param)
+    assert engine.helpers == 0
     yield engine
     engine.close()
 
@@ -384,33 +394,33 @@ def test_empty_job_is_done_at_once(up: Any) -> None:
     assert job.done() and job.wait() and job.chunks == 0 and job.host_bytes == 0
 
 
-def test_hand_off_posts_one_event_per_lane_once_its_last_dma_is_enqueued(up: Any) -> None:
+def test_hand_off_posts_one_event_per_lane_once_its_last_dma_is_enqueued(dealt_up: Any) -> None:
     # held: the (emulated) streams run nothing, but each lane can enqueue as many chunks as it has slots
     data = pattern(8 * SLOT // 2)
     dev = device_like(data.nbytes)
-    up.hold()
+    dealt_up.hold()
     try:
-        job = submit(up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 2 chunks per lane = its slots
+        job = submit(dealt_up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 2 chunks per lane = its slots
         events = job.hand_off(timeout=30)
         assert events is not None and len(events) == job.lanes == LANES
         assert len(set(events)) == LANES and all(events)  # one per lane's stream
         assert not job.done()  # posted when enqueued, before the DMAs ran
         assert dev.tobytes() != data.tobytes()
-        assert submit(up, data, device_like(data.nbytes)).hand_off(timeout=0) == []  # without hand_off
+        assert submit(dealt_up, data, device_like(data.nbytes)).hand_off(timeout=0) == []  # without hand_off
     finally:
-        up.release()
+        dealt_up.release()
     assert job.wait(30) and job.error is None
     assert job.hand_off() == events  # posted once; asking again changes nothing
     assert dev.tobytes() == data.tobytes()
 
 
-def test_a_posted_event_is_not_recorded_again_by_the_next_jobs(up: Any) -> None:
+def test_a_posted_event_is_not_recorded_again_by_the_next_jobs(dealt_up: Any) -> None:
     # a late hand-off must not wait for later jobs: each post takes a fresh event of its lane (the
     # slots' own events come back every SLOTS chunks, and a later job's chunk would record them)
     data = pattern(LANES * SLOT // 2)
     seen: list[int] = []
     for _ in range(12):  # fewer than the lane's hand-off events
-        job = submit(up, data, device_like(data.nbytes), chunk_bytes=SLOT // 2, hand_off=True)  # a chunk per lane
+        job = submit(dealt_up, data, device_like(data.nbytes), chunk_bytes=SLOT // 2, hand_off=True)  # a chunk per lane
         assert job.wait(30) and job.error is None
         events = job.hand_off(timeout=30)
         assert events is not None and len(events) == LANES
@@ -418,16 +428,16 @@ def test_a_posted_event_is_not_recorded_again_by_the_next_jobs(up: Any) -> None:
     assert len(set(seen)) == len(seen)
 
 
-def test_hand_off_waits_until_every_lane_enqueued_its_last_dma(up: Any) -> None:
+def test_hand_off_waits_until_every_lane_enqueued_its_last_dma(dealt_up: Any) -> None:
     data = pattern(32 * SLOT // 2)
     dev = device_like(data.nbytes)
-    up.hold()
+    dealt_up.hold()
     try:
-        job = submit(up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 8 chunks per lane, 2 slots
+        job = submit(dealt_up, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 8 chunks per lane, 2 slots
         assert job.hand_off(timeout=0.1) is None  # the lanes wait for their slots: nothing posted yet
         assert job.hand_off(timeout=0) is None
     finally:
-        up.release()
+        dealt_up.release()
     events = job.hand_off()
     assert events is not None and len(events) == LANES
     assert job.wait(30) and job.error is None and dev.tobytes() == data.tobytes()
@@ -440,6 +450,105 @@ def test_downloads_hand_off_too(down: Any) -> None:
     events = job.hand_off(timeout=30)
     assert events is not None and len(events) == job.lanes
     assert job.wait(30) and job.error is None and np.array_equal(out, data)
+
+
+# -- cooperative jobs -----------------------------------------------------------------------------------
+
+
+def coop(direction: str, **kw: Any) -> Any:
+    """An engine whose contiguous jobs are cooperative: one lead lane, its copies shared with idle lanes."""
+    opts: dict[str, Any] = {"helpers": LANES - 1, "piece_bytes": 16 << 10}
+    opts.update(kw)
+    return make(direction, **opts)
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_a_contiguous_job_is_one_lead_share_in_chunks_of_a_quarter(direction: str) -> None:
+    with contextlib.closing(coop(direction)) as engine:
+        assert engine.helpers == LANES - 1 and engine.piece_bytes == 16 << 10
+        data = pattern(SLOT * 3 + 5)
+        host, dev = (data, device_like(data.nbytes)) if direction == "upload" else (np.zeros_like(data), data.copy())
+        job = submit(engine, host, dev)
+        assert job.wait(30) and job.error is None
+        assert job.lanes == 1 and engine.cooperative_jobs == 1
+        assert job.chunk_bytes == engine.chunk_bytes(data.nbytes) == SLOT  # a quarter, at most a slot
+        assert job.chunk_sizes() == [SLOT, SLOT, SLOT, 5]
+        assert len({lane for lane, *_ in job.chunk_times()}) == 1  # the lead took every chunk, in order
+        assert job.host_bytes == data.nbytes
+        assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
+        strided = pattern(1 << 20).reshape(512, 2048)[:, ::2]  # not contiguous: dealt to the lanes
+        out = device_like(strided.nbytes)
+        if direction == "upload":
+            dealt = submit(engine, strided, out)
+            assert dealt.wait(30) and dealt.error is None and dealt.lanes == LANES
+            assert out[: strided.nbytes].tobytes() == np.ascontiguousarray(strided).tobytes()
+        tiny = submit(engine, *(pattern(16 << 10), device_like(16 << 10))[:: 1 if direction == "upload" else -1])
+        assert tiny.wait(30) and tiny.error is None
+        assert engine.cooperative_jobs == 1  # one piece: nothing to share
+
+
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_helpers_copy_the_pieces_a_lead_leaves(direction: str) -> None:
+    # lead_copies=False (a test knob): the lead copies nothing, so every piece is a helper's
+    with contextlib.closing(coop(direction, lead_copies=False)) as engine:
+        data = pattern((2 << 20) + 3)
+        host, dev = (data, device_like(data.nbytes)) if direction == "upload" else (np.zeros_like(data), data.copy())
+        job = submit(engine, host, dev)
+        assert job.wait(30) and job.error is None
+        pieces = sum(-(-size // engine.piece_bytes) for size in job.chunk_sizes())
+        assert engine.helped_pieces == pieces
+        assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
+
+
+def test_lanes_whose_queues_hold_each_others_jobs_never_wait_for_each_other() -> None:
+    # two lanes, each the lead of one job and a would-be helper of the other's, from many threads
+    with contextlib.closing(coop("upload", lanes=2, helpers=1, slots_per_lane=1)) as engine:
+        arrays = [pattern(SLOT * 2 + i, i) for i in range(16)]
+        devs = [device_like(a.nbytes) for a in arrays]
+        jobs: list[Any] = [None] * len(arrays)
+
+        def feed(i: int) -> None:
+            jobs[i] = submit(engine, arrays[i], devs[i])
+
+        threads = [threading.Thread(target=feed, args=(i,)) for i in range(len(arrays))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for job, a, d in zip(jobs, arrays, devs, strict=True):
+            assert job.wait(30) and job.error is None
+            assert d[: a.nbytes].tobytes() == a.tobytes()
+        assert engine.cooperative_jobs == len(arrays)
+
+
+def test_a_cooperative_job_hands_off_once_its_lead_enqueued_its_last_dma() -> None:
+    with contextlib.closing(coop("upload")) as engine:
+        data = pattern(SLOT * 2)
+        dev = device_like(data.nbytes)
+        engine.hold()
+        try:
+            job = submit(engine, data, dev, chunk_bytes=SLOT // 2, hand_off=True)  # 4 chunks, 2 slots: it waits
+            assert job.hand_off(timeout=0.1) is None
+        finally:
+            engine.release()
+        events = job.hand_off(timeout=30)
+        assert events is not None and len(events) == job.lanes == 1
+        assert job.wait(30) and job.error is None and dev.tobytes() == data.tobytes()
+
+
+def test_a_failed_cooperative_chunk_fails_its_job_and_abandons_the_leads_slots() -> None:
+    with contextlib.closing(coop("upload")) as engine:
+        data = pattern(SLOT * 4)
+        dev = device_like(data.nbytes)
+        engine.fail_next_copy(after=1)
+        job = submit(engine, data, dev, hand_off=True)
+        assert job.wait(30)
+        assert job.error is not None and job.error[0] == _engine.INJECTED_FAILURE
+        assert job.host_bytes < data.nbytes  # the chunks after the failed one were never copied
+        assert engine.abandoned_bytes == SLOTS * SLOT  # the lead's slots, given up
+        assert engine.held_bytes == LANES * SLOTS * SLOT  # and replaced
+        assert job.hand_off(timeout=30) == []
+        assert upload(engine, data).tobytes() == data.tobytes()
 
 
 # -- failures -------------------------------------------------------------------------------------------
@@ -647,6 +756,10 @@ def test_engine_arguments_are_checked() -> None:
         assert plain.lane_wait_us == 100.0 and set_.lane_wait_us == 250.0
     with pytest.raises(ValueError, match="min_chunks_per_lane"):
         Engine("upload", min_chunks_per_lane=0)
+    for bad in ({"helpers": 4, "lanes": 4}, {"helpers": -1}, {"help_spin_us": -1.0}, {"piece_bytes": 4096},
+                {"lead_copies": False}):
+        with pytest.raises(ValueError, match="helpers"):
+            Engine("upload", **bad)
     with pytest.raises(TypeError):
         _engine.Job()
 
@@ -826,17 +939,41 @@ def test_the_runtime_runs_a_driver_thread_where_cpus_are_to_spare(monkeypatch: p
     assert native_route.engine_threads(12) == (False, 0.0)
 
 
+def test_lane_helpers_resolve_where_cpus_are_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ferry
+    from ferry._routes import _native as native_route
+    from ferry._routes._staged import DEFAULT_LANE_HELPERS
+
+    monkeypatch.delenv("FERRY_DRIVER_THREAD", raising=False)
+    monkeypatch.setattr(native_route, "usable_cpus", lambda: 16)
+    assert ferry.StagingConfig().lane_helper_count() == min(11, DEFAULT_LANE_HELPERS)
+    assert ferry.StagingConfig(lanes=3).lane_helper_count() == 2  # at most every other lane
+    assert ferry.StagingConfig(lane_helpers=0).lane_helper_count() == 0
+    monkeypatch.setattr(native_route, "usable_cpus", lambda: 2)
+    assert ferry.StagingConfig().lane_helper_count() == 0  # helpers would take the CPUs the lanes need
+    assert ferry.StagingConfig(lanes=3, lane_helpers=2).lane_helper_count() == 2
+    for bad in (-2, 12):
+        with pytest.raises(ValueError, match="lane_helpers"):
+            ferry.StagingConfig(lane_helpers=bad)
+
+
+@pytest.mark.parametrize("helpers", [0, 2])
 @pytest.mark.parametrize("forced", ["0", "1"])
-def test_a_runtime_with_either_thread_shape_moves_the_bytes(monkeypatch: pytest.MonkeyPatch, forced: str) -> None:
+def test_a_runtime_with_either_thread_shape_moves_the_bytes(
+    monkeypatch: pytest.MonkeyPatch, forced: str, helpers: int
+) -> None:
     import ferry
 
     monkeypatch.setenv("FERRY_DRIVER_THREAD", forced)
-    config = ferry.StagingConfig(lanes=3, slot_bytes=256 << 10, direct_bytes=64 << 10, min_chunk_bytes=64 << 10)
+    config = ferry.StagingConfig(
+        lanes=3, slot_bytes=256 << 10, direct_bytes=64 << 10, min_chunk_bytes=64 << 10, lane_helpers=helpers
+    )
     with ferry.Runtime("emulated", staging=config) as rt:
         info = rt.info()
         if info["staging_engine"] != "native":
             pytest.skip("the runtime does not run the compiled engine here")
         assert ("one driver thread" in info["staging_threads"]) is (forced == "1")
+        assert ("shared with up to 2 idle lanes" in info["staging_threads"]) is (helpers == 2)
         data = pattern((3 << 20) + 77)
         data, dev = rt.upload(data).wait()
         back = rt.download(dev).wait()[1]
@@ -846,12 +983,15 @@ def test_a_runtime_with_either_thread_shape_moves_the_bytes(monkeypatch: pytest.
         assert rt.download(sdev).wait()[1].tobytes() == np.ascontiguousarray(strided).tobytes()
 
 
-def test_lanes_sleep_through_long_dmas_and_the_driver_thread_idles_while_held() -> None:
+@pytest.mark.parametrize("helpers", [0, LANES - 1])
+def test_lanes_sleep_through_long_dmas_and_the_driver_thread_idles_while_held(helpers: int) -> None:
     """DMAs much longer than a lane's awake wait (the emulated copy of a 256 KiB slot at 0.25 GB/s takes
     1 ms): the lanes sleep for the driver thread's answers and every byte arrives. Then, with the engine
-    held, neither the lanes nor the driver thread keep a CPU busy: the process's CPU time over a third of
-    a second stays far below it."""
-    with contextlib.closing(make("upload", bandwidth=0.25e9, latency=0.0, driver_thread=True)) as up:
+    held, neither the lanes nor the driver thread (nor, for a cooperative job, the helpers waiting for its
+    lead's next copy) keep a CPU busy: the process's CPU time over a third of a second stays far below it."""
+    with contextlib.closing(
+        make("upload", bandwidth=0.25e9, latency=0.0, driver_thread=True, helpers=helpers, piece_bytes=16 << 10)
+    ) as up:
         data = pattern(4 << 20, 5)
         dev = device_like(data.nbytes)
         job = submit(up, data, dev)

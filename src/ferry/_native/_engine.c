@@ -300,6 +300,7 @@ typedef struct job {
     int ndim;
     int contiguous;
     int nontemporal; /* the engine's: chunk copies stream past the cache (copy_bytes) */
+    int coop;        /* one lead share, each chunk's host copy shared with idle lanes (coop_copy) */
     size_t chunk_bytes;
     size_t nchunks;
     /* strided plan (like _staging.plan_chunks): chunks cut along `axis`, `per` indices each */
@@ -476,6 +477,37 @@ static void copy_bytes(char *dst, const char *src, size_t n, int nt) {
     memcpy(dst, src, n);
 }
 
+#define COPIER_MIN_PIECE ((size_t)16 << 10) /* the smallest piece of a shared copy */
+
+/* One host copy cut into pieces that several threads claim from one atomic counter (the copier
+ * below, and a staging lane with its idle lanes as helpers: coop_copy). */
+typedef struct copy_task {
+    char *dst;
+    const char *src;
+    size_t n, piece, pieces;
+    int nt;
+    unsigned long long seq;
+    atomic_size_t next; /* the next piece to claim */
+    atomic_size_t done; /* pieces copied */
+} copy_task_t;
+
+static void copier_piece(const copy_task_t *t, size_t k) {
+    size_t off = k * t->piece;
+    size_t len = t->n - off < t->piece ? t->n - off : t->piece;
+    copy_bytes(t->dst + off, t->src + off, len, t->nt);
+}
+
+/* Claim and copy pieces until none is left; how many this thread copied. */
+static size_t copier_drain(copy_task_t *t) {
+    size_t k, got = 0;
+    while ((k = atomic_fetch_add(&t->next, 1)) < t->pieces) {
+        copier_piece(t, k);
+        atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
+        got++;
+    }
+    return got;
+}
+
 /* Copy one run of `e` bytes `m` times, host side stepping by `s`, image side contiguous. */
 static inline void copy_row(char *img, char *host, size_t e, Py_ssize_t m, Py_ssize_t s, int gather) {
 #define ROW(T)                                                                                  \
@@ -650,6 +682,11 @@ typedef struct lane {
     void *handoff[HANDOFF_EVENTS]; /* CUevent or emu_event_t*: recorded after a posting share's last DMA */
     int nhandoff;                  /* how many were made (all, once set up) */
     unsigned handoff_next;         /* the next to record (lane thread only) */
+    /* a cooperative job's lead posts its chunk's copy here for idle lanes (see coop_copy) */
+    _Atomic(copy_task_t *) help_task;
+    atomic_ullong help_posted; /* the seq of the last copy posted */
+    atomic_int help_active; /* helpers that may be reading help_task */
+    int help_woken;         /* under mu: a lead woke this sleeping lane to help (one signal is enough) */
 } lane_t;
 
 typedef struct engine {
@@ -668,6 +705,17 @@ typedef struct engine {
     int serialize; /* CUDA: enqueue through g_driver_lock */
     int64_t wait_spin_ns; /* Job.wait polls done this long before sleeping (the caller's thread) */
     int64_t lane_wait_ns; /* a lane waits this long for the driver thread's answer awake, then sleeps */
+    /* cooperative jobs (coop_copy): idle lanes that help a lead copy, piece by piece */
+    int helpers;          /* the most lanes a lead wakes to help it (0: no cooperative jobs) */
+    int lead_copies;      /* the lead copies pieces too (False only in tests: helpers copy everything) */
+    size_t piece_bytes;   /* a piece of a shared chunk copy */
+    int64_t help_spin_ns; /* a helper polls for the next posted copy this long, then sleeps */
+    atomic_int leads;     /* cooperative jobs submitted whose lead has not finished copying */
+    atomic_int idle_sleepers; /* lanes asleep with nothing queued, not yet woken to help */
+    atomic_int helping;       /* lanes inside help() */
+    atomic_ullong task_seq;   /* the last posted copy's seq */
+    atomic_ullong helped;     /* pieces copied by helpers */
+    atomic_ullong coop_jobs;  /* cooperative jobs submitted */
     /* the driver thread (see the essay above d_enqueue): NULL where the lanes call the driver themselves */
     struct driver_thread *dt;
     CUcontext ctx;
@@ -1487,6 +1535,148 @@ static void hold_wait(engine_t *eng) {
     pthread_mutex_unlock(&eng->mu);
 }
 
+/*
+ * Cooperative jobs. A staged job's chunks dealt one per lane are copied side by side and reach the
+ * link together: an 8 MiB upload's eight 1 MiB chunks were all copied at ~130 us and the link moved
+ * most of the bytes after that (the ninth session's chunk traces), and a lane that wakes late or is
+ * preempted holds its chunk up. A cooperative job (a contiguous one, on an engine with helpers) is
+ * one share instead: its *lead* lane takes the chunks in order, and each chunk's host copy is cut
+ * into pieces of piece_bytes that the lead and idle lanes claim from one counter, as the copier's
+ * helpers do (the copier's essay below says why the task on the lead's stack outlives every
+ * reader). Chunk k is on the link while chunk k+1 is copied, the lead never waits for a helper to
+ * wake (it copies every piece nobody else claimed), and a late helper costs one piece at most.
+ *
+ * submit() counts the job in `leads` and wakes up to `helpers` sleeping lanes; an idle lane helps
+ * while a lead runs, and goes back to sleep after help_spin_ns without a posted copy (a lead waiting
+ * for its slots to drain, or held) or as soon as a share is queued for it: a helper never waits for a
+ * lead, so helping cannot deadlock lanes whose queues hold each other's shares. A lead that posts a
+ * copy while helpers sleep wakes one per piece it copies, up to `helpers`.
+ */
+#define COOP_CHUNKS 4 /* a cooperative job is cut in this many chunks (within bounds) */
+#define LEAD_ALONE_NS ((int64_t)2000000000) /* lead_copies=False: a lead copies alone after waiting this long */
+
+static int wake_helper(lane_t *L) {
+    engine_t *eng = L->eng;
+    for (int j = 1; j < eng->nlanes; j++) {
+        lane_t *M = &eng->lanes[(L->index + j) % eng->nlanes];
+        pthread_mutex_lock(&M->mu);
+        int go = M->sleeping && !M->help_woken && !M->head;
+        if (go) {
+            M->help_woken = 1;
+            atomic_fetch_sub(&eng->idle_sleepers, 1);
+        }
+        pthread_mutex_unlock(&M->mu);
+        if (go) {
+            pthread_cond_signal(&M->cv);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Wake one more helper if the lead may (up to `helpers` per share, while helpers sleep). */
+static void maybe_wake(lane_t *L, int *woken) {
+    engine_t *eng = L->eng;
+    if (*woken >= eng->helpers || atomic_load(&eng->idle_sleepers) <= 0 ||
+        atomic_load(&eng->helping) >= eng->helpers)
+        return;
+    if (wake_helper(L))
+        (*woken)++;
+    else
+        *woken = eng->helpers; /* none asleep to wake: stop looking for this share */
+}
+
+/* The lead's chunk copy, shared with the lanes that help (see above). */
+static void coop_copy(lane_t *L, char *dst, const char *src, size_t n, int nt, int *woken) {
+    engine_t *eng = L->eng;
+    copy_task_t t;
+    t.dst = dst;
+    t.src = src;
+    t.n = n;
+    t.piece = eng->piece_bytes;
+    t.pieces = (n + t.piece - 1) / t.piece;
+    t.nt = nt;
+    if (t.pieces < 2 && eng->lead_copies) {
+        copy_bytes(dst, src, n, nt);
+        return;
+    }
+    t.seq = atomic_fetch_add(&eng->task_seq, 1) + 1;
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_store(&L->help_task, &t);
+    atomic_store(&L->help_posted, t.seq);
+    if (eng->lead_copies) {
+        size_t k;
+        for (;;) {
+            maybe_wake(L, woken);
+            if ((k = atomic_fetch_add(&t.next, 1)) >= t.pieces) break;
+            copier_piece(&t, k);
+            atomic_fetch_add_explicit(&t.done, 1, memory_order_release);
+        }
+    }
+    int64_t alone_at = eng->lead_copies ? 0 : now_ns() + LEAD_ALONE_NS;
+    for (unsigned i = 0; atomic_load_explicit(&t.done, memory_order_acquire) < t.pieces; i++) {
+        if (alone_at && (i & 255) == 0) { /* tests only: the helpers copy; a lead left alone copies */
+            *woken = 0;
+            maybe_wake(L, woken);
+            if (now_ns() > alone_at) {
+                copier_drain(&t);
+                alone_at = 0;
+            }
+        }
+        if (i < 4096) cpu_relax();
+        else sched_yield(); /* a helper was preempted in its piece */
+    }
+    atomic_store(&L->help_task, NULL);
+    while (atomic_load(&L->help_active)) cpu_relax();
+}
+
+/*
+ * An idle lane helps the leads of cooperative jobs: it returns when a share is queued for it, when no
+ * lead is left, or (1) after help_spin_ns without a posted copy it has not taken part in yet.
+ */
+static int help(lane_t *L) {
+    engine_t *eng = L->eng;
+    unsigned long long seen[MAX_LANES]; /* per lane, the last posted copy joined (a copy posted before this
+                                         * lane came may still have pieces: every posted copy is new once) */
+    memset(seen, 0, sizeof seen);
+    atomic_fetch_add(&eng->helping, 1);
+    int64_t idle_since = now_ns();
+    unsigned polls = 0;
+    int timed_out = 0;
+    while (atomic_load(&eng->leads) > 0 && !atomic_load_explicit(&L->queued, memory_order_acquire)) {
+        size_t got = 0;
+        int joined = 0;
+        for (int j = 1; j < eng->nlanes; j++) {
+            int m = (L->index + j) % eng->nlanes;
+            lane_t *M = &eng->lanes[m];
+            unsigned long long p = atomic_load_explicit(&M->help_posted, memory_order_relaxed);
+            if (p == seen[m]) continue;
+            atomic_fetch_add(&M->help_active, 1); /* before reading the task: see the copier's essay */
+            copy_task_t *t = atomic_load(&M->help_task);
+            if (t) {
+                got += copier_drain(t);
+                if (t->seq > p) p = t->seq;
+            }
+            atomic_fetch_sub(&M->help_active, 1);
+            seen[m] = p;
+            joined = 1;
+        }
+        if (got) atomic_fetch_add_explicit(&eng->helped, got, memory_order_relaxed);
+        if (joined) {
+            idle_since = now_ns();
+            continue;
+        }
+        if ((++polls & 63) == 0 && now_ns() - idle_since >= eng->help_spin_ns) {
+            timed_out = 1;
+            break;
+        }
+        cpu_relax();
+    }
+    atomic_fetch_sub(&eng->helping, 1);
+    return timed_out;
+}
+
 static void fail_with(lane_t *L, job_t *job, int rc, const char *op) {
     err_t e;
     make_err(L->eng, rc, op, &e);
@@ -1496,6 +1686,7 @@ static void fail_with(lane_t *L, job_t *job, int rc, const char *op) {
 static void run_upload(lane_t *L, share_t *s) {
     job_t *job = s->job;
     chunk_t c;
+    int woken = 0; /* helpers this lead woke (cooperative jobs) */
     L->cur_last = NULL;
     for (size_t k = s->first; k < job->nchunks;) {
         if (atomic_load_explicit(&job->failed, memory_order_acquire)) break;
@@ -1509,7 +1700,10 @@ static void run_upload(lane_t *L, share_t *s) {
         if (slot->busy && reap(L, slot)) continue; /* recovered: re-check this chunk's job, fresh slots */
         job_chunk(job, k, &c);
         trace_at(job, k, L->index, 1);
-        chunk_copy(job, &c, slot->ptr, 1);
+        if (job->coop)
+            coop_copy(L, slot->ptr, c.host, c.nbytes, job->nontemporal, &woken);
+        else
+            chunk_copy(job, &c, slot->ptr, 1);
         trace_at(job, k, L->index, 2);
         s->copied += c.nbytes;
         at_max(&job->t_copy_last, now_ns());
@@ -1557,7 +1751,7 @@ static void run_download(lane_t *L, share_t *s) {
         return;
     }
     size_t depth = (size_t)L->nslots, issued = 0;
-    int broke = 0;
+    int broke = 0, woken = 0;
     /* every slot is idle here: download shares end with their slots reaped */
     for (size_t i = 0; i < n && !broke; i++) {
         while (issued < n && issued < i + depth && !atomic_load(&job->failed)) {
@@ -1604,7 +1798,10 @@ static void run_download(lane_t *L, share_t *s) {
         if (!atomic_load(&job->failed)) {
             job_chunk(job, s->first + i * s->stride, &c);
             trace_at(job, s->first + i * s->stride, L->index, 2);
-            chunk_copy(job, &c, slot->ptr, 0);
+            if (job->coop)
+                coop_copy(L, c.host, slot->ptr, c.nbytes, job->nontemporal, &woken);
+            else
+                chunk_copy(job, &c, slot->ptr, 0);
             trace_at(job, s->first + i * s->stride, L->index, 3);
             s->copied += c.nbytes;
             at_max(&job->t_copy_last, now_ns());
@@ -1697,12 +1894,18 @@ static void *lane_main(void *arg) {
     pthread_mutex_unlock(&eng->mu);
     if (failed) return NULL;
     for (;;) {
-        int spun = 0;
+        int spun = 0, helped_out = 0;
         pthread_mutex_lock(&L->mu);
         while (!L->head && !L->stopping) {
             if (any_busy(L)) { /* idle: finish what is in flight before sleeping */
                 pthread_mutex_unlock(&L->mu);
                 reap_all(L);
+                pthread_mutex_lock(&L->mu);
+                continue;
+            }
+            if (eng->helpers && !helped_out && atomic_load(&eng->leads) > 0) { /* a lead may post a copy */
+                pthread_mutex_unlock(&L->mu);
+                helped_out = help(L);
                 pthread_mutex_lock(&L->mu);
                 continue;
             }
@@ -1715,8 +1918,14 @@ static void *lane_main(void *arg) {
                 continue;
             }
             L->sleeping = 1; /* under mu: a submitter that queues after this signals */
+            atomic_fetch_add(&eng->idle_sleepers, 1);
             pthread_cond_wait(&L->cv, &L->mu);
             L->sleeping = 0;
+            if (L->help_woken) /* the waker took this lane off idle_sleepers */
+                L->help_woken = 0;
+            else
+                atomic_fetch_sub(&eng->idle_sleepers, 1);
+            helped_out = 0;
         }
         share_t *s = L->head;
         if (!s) {
@@ -1730,10 +1939,12 @@ static void *lane_main(void *arg) {
         long long t = now_ns();
         at_min(&s->job->t_start_first, t);
         at_max(&s->job->t_start_last, t);
+        int coop = s->job->coop; /* the share (and maybe the job) is gone once it ran */
         if (eng->upload)
             run_upload(L, s);
         else
             run_download(L, s);
+        if (coop) atomic_fetch_sub(&eng->leads, 1); /* copied all it will: helpers may sleep */
         if (eng->dt) atomic_fetch_sub_explicit(&eng->dt->active, 1, memory_order_release); /* enqueued all */
     }
     reap_all(L);
@@ -1889,7 +2100,8 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     static char *kwlist[] = {"direction",  "mode",    "lanes",     "slots_per_lane", "slot_bytes",
                              "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us",
                              "idle_spin_us", "min_chunks_per_lane", "serialize_driver", "nontemporal",
-                             "driver_thread", "wait_spin_us", "one_stream", "lane_wait_us", NULL};
+                             "driver_thread", "wait_spin_us", "one_stream", "lane_wait_us", "helpers",
+                             "help_spin_us", "piece_bytes", "lead_copies", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
@@ -1897,12 +2109,14 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     PyObject *entry_points = Py_None;
     double bandwidth = 25e9, latency = 5e-6, spin_us = 0, idle_spin_us = 0;
     int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 0;
-    double wait_spin_us = 0, lane_wait_us = DT_LANE_SLEEP_NS / 1e3;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdpd", kwlist, &direction, &mode, &lanes, &slots,
-                                     &slot_bytes, &min_chunk, address_converter, &context, &entry_points, &bandwidth, &latency,
-                                     &spin_us, &idle_spin_us, &min_chunks_per_lane,
+    double wait_spin_us = 0, lane_wait_us = DT_LANE_SLEEP_NS / 1e3, help_spin_us = 200;
+    int helpers = 0, lead_copies = 1;
+    Py_ssize_t piece_bytes = 128 << 10;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdpdidnp", kwlist, &direction, &mode, &lanes,
+                                     &slots, &slot_bytes, &min_chunk, address_converter, &context, &entry_points,
+                                     &bandwidth, &latency, &spin_us, &idle_spin_us, &min_chunks_per_lane,
                                      &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us, &one_stream,
-                                     &lane_wait_us))
+                                     &lane_wait_us, &helpers, &help_spin_us, &piece_bytes, &lead_copies))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -1932,6 +2146,14 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     if (!(spin_us >= 0 && spin_us <= 1e6 && idle_spin_us >= 0 && idle_spin_us <= 1e6 && wait_spin_us >= 0 &&
           wait_spin_us <= 1e6 && lane_wait_us >= 0 && lane_wait_us <= 1e6)) {
         PyErr_SetString(PyExc_ValueError, "spin_us, idle_spin_us, wait_spin_us and lane_wait_us must be in [0, 1e6]");
+        return NULL;
+    }
+    if (helpers < 0 || helpers >= lanes || !(help_spin_us >= 0 && help_spin_us <= 1e6) ||
+        piece_bytes < (Py_ssize_t)COPIER_MIN_PIECE || (!lead_copies && !helpers)) {
+        PyErr_Format(PyExc_ValueError,
+                     "the engine needs 0 <= helpers < lanes, help_spin_us in [0, 1e6], piece_bytes >= %zu, "
+                     "and helpers for lead_copies=False",
+                     COPIER_MIN_PIECE);
         return NULL;
     }
     if (min_chunks_per_lane < 1 || min_chunks_per_lane > 64) {
@@ -1968,6 +2190,16 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     eng->nontemporal = nontemporal;
     eng->wait_spin_ns = (int64_t)(wait_spin_us * 1e3);
     eng->lane_wait_ns = (int64_t)(lane_wait_us * 1e3);
+    eng->helpers = helpers;
+    eng->lead_copies = lead_copies;
+    eng->piece_bytes = (size_t)piece_bytes;
+    eng->help_spin_ns = (int64_t)(help_spin_us * 1e3);
+    atomic_init(&eng->leads, 0);
+    atomic_init(&eng->idle_sleepers, 0);
+    atomic_init(&eng->helping, 0);
+    atomic_init(&eng->task_seq, 0);
+    atomic_init(&eng->helped, 0);
+    atomic_init(&eng->coop_jobs, 0);
     eng->ctx = (CUcontext)(uintptr_t)context;
     eng->drv = drv;
     eng->pid = getpid();
@@ -1990,6 +2222,9 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         L->eng = eng;
         L->index = inited;
         atomic_init(&L->queued, 0);
+        atomic_init(&L->help_task, NULL);
+        atomic_init(&L->help_posted, 0);
+        atomic_init(&L->help_active, 0);
         if (pthread_mutex_init(&L->mu, NULL)) break;
         if (cond_init_monotonic(&L->cv)) { /* dt_call's timed wait uses monotonic deadlines */
             pthread_mutex_destroy(&L->mu);
@@ -2095,6 +2330,21 @@ static size_t auto_chunk(const engine_t *eng, size_t nbytes) {
     return chunk;
 }
 
+/* A cooperative job's chunk: a quarter of the job (so that the link starts after a quarter's copy),
+ * whole 64 KiB, at least two pieces and min_chunk_bytes, at most a slot. */
+static size_t coop_chunk(const engine_t *eng, size_t nbytes) {
+    size_t chunk = (nbytes + COOP_CHUNKS - 1) / COOP_CHUNKS;
+    chunk = (chunk + 65535) / 65536 * 65536;
+    if (chunk < eng->min_chunk_bytes) chunk = eng->min_chunk_bytes;
+    if (chunk < 2 * eng->piece_bytes) chunk = 2 * eng->piece_bytes;
+    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
+    return chunk;
+}
+
+static int is_coop(const engine_t *eng, int contiguous, size_t nbytes) {
+    return eng->helpers > 0 && contiguous && nbytes >= 2 * eng->piece_bytes;
+}
+
 static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
     EngineObject *self = (EngineObject *)obj;
     if (check_open(self)) return NULL;
@@ -2104,7 +2354,8 @@ static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0");
         return NULL;
     }
-    return PyLong_FromSize_t(auto_chunk(self->eng, (size_t)n));
+    engine_t *eng = self->eng;
+    return PyLong_FromSize_t(is_coop(eng, 1, (size_t)n) ? coop_chunk(eng, (size_t)n) : auto_chunk(eng, (size_t)n));
 }
 
 static int seq_to_ssize(PyObject *seq, Py_ssize_t *out, Py_ssize_t *n, const char *what) {
@@ -2192,7 +2443,10 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         if (job->shape[a] != 1 && job->strides[a] != (Py_ssize_t)step) job->contiguous = 0;
         step *= (size_t)job->shape[a];
     }
-    size_t chunk = chunk_bytes ? (size_t)chunk_bytes : auto_chunk(eng, job->nbytes);
+    job->coop = is_coop(eng, job->contiguous, job->nbytes);
+    size_t chunk = chunk_bytes ? (size_t)chunk_bytes
+                   : job->coop ? coop_chunk(eng, job->nbytes)
+                               : auto_chunk(eng, job->nbytes);
     if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
     if (chunk < 1) chunk = 1;
     job->chunk_bytes = chunk;
@@ -2218,6 +2472,8 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     }
     if (job->nchunks && job->nchunks <= TRACE_CHUNKS) job->trace = calloc(job->nchunks, sizeof(chunk_trace_t));
     int nl = job->nchunks < (size_t)eng->nlanes ? (int)job->nchunks : eng->nlanes;
+    if (job->coop && nl > 1) nl = 1; /* the lead takes every chunk; helpers copy with it */
+    if (!nl) job->coop = 0;
     job->nlanes = nl;
     atomic_init(&job->done, nl == 0);
     atomic_init(&job->failed, 0);
@@ -2271,7 +2527,11 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     int start = eng->next_lane;
-    eng->next_lane = (int)(((size_t)start + job->nchunks) % (size_t)eng->nlanes);
+    eng->next_lane = (int)(((size_t)start + (job->coop ? 1 : job->nchunks)) % (size_t)eng->nlanes);
+    if (job->coop) { /* before the lead can run (and count down): helpers look for it */
+        atomic_fetch_add(&eng->leads, 1);
+        atomic_fetch_add_explicit(&eng->coop_jobs, 1, memory_order_relaxed);
+    }
     if (eng->dt) atomic_fetch_add(&eng->dt->active, nl); /* before a lane can run (and count down) one */
     for (int i = 0; i < nl; i++) {
         share_t *s = shares[i];
@@ -2299,6 +2559,8 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     }
     pthread_mutex_unlock(&eng->mu);
     for (int i = 0; i < nsleep; i++) pthread_cond_signal(&sleepers[i]->cv);
+    if (job->coop) /* helpers wake while the lead does: a wake-up costs 50 - 200 us on the H200's VM */
+        for (int i = 0; i < eng->helpers && wake_helper(&eng->lanes[start]); i++) {}
     if (eng->dt) dt_wake(eng->dt); /* up and polling before the job's first copy ends */
     return (PyObject *)jo;
 fail:
@@ -2440,6 +2702,26 @@ static PyObject *Engine_get_spin_us(PyObject *obj, void *Py_UNUSED(closure)) {
     return PyFloat_FromDouble(self->eng ? (double)self->eng->spin_ns / 1e3 : 0.0);
 }
 
+static PyObject *Engine_get_helpers(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromLong(self->eng ? self->eng->helpers : 0);
+}
+
+static PyObject *Engine_get_piece_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromSize_t(self->eng ? self->eng->piece_bytes : 0);
+}
+
+static PyObject *Engine_get_helped_pieces(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromUnsignedLongLong(self->eng ? atomic_load(&self->eng->helped) : 0);
+}
+
+static PyObject *Engine_get_cooperative_jobs(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromUnsignedLongLong(self->eng ? atomic_load(&self->eng->coop_jobs) : 0);
+}
+
 static PyObject *Engine_get_mode(PyObject *obj, void *Py_UNUSED(closure)) {
     EngineObject *self = (EngineObject *)obj;
     return PyUnicode_FromString(self->eng && self->eng->emulated ? "emulated" : "cuda");
@@ -2474,6 +2756,13 @@ static PyGetSetDef Engine_getset[] = {
      "how long a lane waits awake for the driver thread's answer (a DMA's end) before sleeping (at least "
      "20 us of spinning; no effect without the driver thread)",
      NULL},
+    {"helpers", Engine_get_helpers, NULL,
+     "the most idle lanes that help one cooperative job's lead copy (0: every job's chunks are dealt to lanes)",
+     NULL},
+    {"piece_bytes", Engine_get_piece_bytes, NULL, "the pieces a cooperative job's chunk copy is cut into", NULL},
+    {"helped_pieces", Engine_get_helped_pieces, NULL, "pieces of cooperative jobs that helpers copied", NULL},
+    {"cooperative_jobs", Engine_get_cooperative_jobs, NULL,
+     "jobs submitted as cooperative (contiguous, at least two pieces, on an engine with helpers)", NULL},
     {"driver_thread", Engine_get_driver_thread, NULL,
      "whether a driver thread makes the lanes' enqueues (False: each lane calls the driver, or the engine is closed)",
      NULL},
@@ -2488,7 +2777,8 @@ static PyType_Slot Engine_slots[] = {
     {Py_tp_doc, "Engine(direction, *, mode='emulated', lanes=4, slots_per_lane=2, slot_bytes=1 MiB, "
                 "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
                 "idle_spin_us=0, min_chunks_per_lane=1, serialize_driver=True, nontemporal=True, driver_thread=True, "
-                "wait_spin_us=0, one_stream=False, lane_wait_us=100)"},
+                "wait_spin_us=0, one_stream=False, lane_wait_us=100, helpers=0, help_spin_us=200, piece_bytes=128 KiB, "
+                "lead_copies=True)"},
     {0, NULL},
 };
 
@@ -5824,18 +6114,6 @@ static PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py
  * touch a Python object and never take the GIL; copy() releases it.
  */
 #define COPIER_MAX_HELPERS 8
-#define COPIER_MIN_PIECE ((size_t)16 << 10)
-
-typedef struct copy_task {
-    char *dst;
-    const char *src;
-    size_t n, piece, pieces;
-    int nt;
-    unsigned long long seq;
-    atomic_size_t next; /* the next piece to claim */
-    atomic_size_t done; /* pieces copied */
-} copy_task_t;
-
 static PyTypeObject *CopierType;
 
 typedef struct {
@@ -5857,23 +6135,6 @@ typedef struct {
     pid_t pid;
     pthread_t threads[COPIER_MAX_HELPERS];
 } CopierObject;
-
-static void copier_piece(const copy_task_t *t, size_t k) {
-    size_t off = k * t->piece;
-    size_t len = t->n - off < t->piece ? t->n - off : t->piece;
-    copy_bytes(t->dst + off, t->src + off, len, t->nt);
-}
-
-/* Claim and copy pieces until none is left; how many this thread copied. */
-static size_t copier_drain(copy_task_t *t) {
-    size_t k, got = 0;
-    while ((k = atomic_fetch_add(&t->next, 1)) < t->pieces) {
-        copier_piece(t, k);
-        atomic_fetch_add_explicit(&t->done, 1, memory_order_release);
-        got++;
-    }
-    return got;
-}
 
 static void *copier_main(void *arg) {
     CopierObject *c = (CopierObject *)arg;

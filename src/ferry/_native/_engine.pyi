@@ -195,7 +195,12 @@ class Engine:
     ``one_stream`` (CUDA mode with the driver thread only, ignored otherwise: every DMA on the
     driver thread's one stream, which :meth:`streams` then names alone), ``lane_wait_us`` (a lane
     waits that long awake for the driver thread's answer, a DMA's end, before it sleeps; it spins
-    20 us at least, and the knob does nothing without the driver thread).
+    20 us at least, and the knob does nothing without the driver thread), ``helpers`` (cooperative
+    jobs: a contiguous job of at least two pieces is one lead lane's, in chunks of a quarter of it,
+    and each chunk's host copy is cut into ``piece_bytes`` pieces that the lead and up to
+    ``helpers`` idle lanes claim; 0 deals every job's chunks to the lanes), ``help_spin_us`` (a
+    helper polls that long for the next posted copy, then sleeps until a lead wakes it) and
+    ``lead_copies`` (a test knob: ``False`` leaves every piece to the helpers).
     """
 
     def __init__(
@@ -220,7 +225,23 @@ class Engine:
         wait_spin_us: float = 0.0,
         one_stream: bool = False,
         lane_wait_us: float = 100.0,
+        helpers: int = 0,
+        help_spin_us: float = 200.0,
+        piece_bytes: int = 128 << 10,
+        lead_copies: bool = True,
     ) -> None: ...
+    @property
+    def helpers(self) -> int:
+        """The most idle lanes that help one cooperative job's lead copy (0: no cooperative jobs)."""
+    @property
+    def piece_bytes(self) -> int:
+        """The pieces a cooperative job's chunk copy is cut into."""
+    @property
+    def helped_pieces(self) -> int:
+        """Pieces of cooperative jobs that helpers copied (the lead copied the rest)."""
+    @property
+    def cooperative_jobs(self) -> int:
+        """Jobs submitted as cooperative (contiguous, two pieces or more, on an engine with helpers)."""
     @property
     def held_bytes(self) -> int:
         """Staging memory the lanes hold now (``lanes * slots_per_lane * slot_bytes`` while open)."""

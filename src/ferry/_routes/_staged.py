@@ -72,6 +72,9 @@ _memmove = ctypes.memmove
 MAX_COPY_HELPERS = 8
 """The most copy helpers a runtime runs (the extension's ``Copier`` limit)."""
 
+DEFAULT_LANE_HELPERS = 7
+"""Idle lanes that help a cooperative job's lead copy, where CPUs are to spare (``lane_helpers=-1``)."""
+
 
 @dataclass(frozen=True)
 class StagingConfig:
@@ -104,6 +107,19 @@ class StagingConfig:
         ``ceil(nbytes / lanes)`` chunks (so that every lane works on it),
         at least ``min_chunk_bytes`` (fewer lanes wake for mid-size payloads)
         and at most ``slot_bytes``.
+    copy_helpers
+        Threads that share the direct route's host copy with the calling
+        thread (compiled engine only). ``-1`` (the default): ``min(4, CPUs - 1)``.
+    lane_helpers
+        Compiled engine only: idle lanes that help copy a contiguous staged
+        transfer. With helpers, such a transfer is one *cooperative* job: one
+        lead lane takes its chunks (a quarter of it each, at most
+        ``slot_bytes``) in order, and each chunk's host copy is cut into
+        pieces that the lead and the helpers claim, so that chunk ``k`` is on
+        the link while chunk ``k + 1`` is copied. ``0``: chunks are dealt to
+        the lanes, one host copy each. ``-1`` (the default): up to
+        ``DEFAULT_LANE_HELPERS`` where the machine has CPUs to spare (as for
+        the driver thread), else 0.
     engine
         ``"auto"`` (the compiled engine when it is built and ``FERRY_NATIVE``
         is not ``0``, else the pure-Python one), ``"native"`` (the compiled
@@ -120,6 +136,7 @@ class StagingConfig:
     engine: str = "auto"
     copy_helpers: int = -1
     direct_download_bytes: int = -1
+    lane_helpers: int = -1
 
     def __post_init__(self) -> None:
         if (
@@ -141,6 +158,8 @@ class StagingConfig:
             raise ValueError("StagingConfig allows at most 64 lanes and 64 slots per lane")
         if not -1 <= self.copy_helpers <= MAX_COPY_HELPERS:
             raise ValueError(f"StagingConfig.copy_helpers must be -1 (auto) or 0 - {MAX_COPY_HELPERS}")
+        if not -1 <= self.lane_helpers < self.lanes:
+            raise ValueError("StagingConfig.lane_helpers must be -1 (auto) or 0 - lanes - 1")
 
     def resolved(self) -> StagingConfig:
         """This config with ``direct_download_bytes=-1`` resolved: twice ``direct_bytes`` where the
@@ -158,6 +177,15 @@ class StagingConfig:
         if self.copy_helpers >= 0:
             return self.copy_helpers
         return max(0, min(4, (os.cpu_count() or 1) - 1))
+
+    def lane_helper_count(self) -> int:
+        """The idle lanes that help a cooperative job's lead copy (``lane_helpers``, ``-1`` resolved)."""
+        if self.lane_helpers >= 0:
+            return self.lane_helpers
+        from ._native import engine_threads
+
+        roomy, _ = engine_threads(self.lanes)
+        return min(self.lanes - 1, DEFAULT_LANE_HELPERS) if roomy else 0
 
     def chunk_bytes(self, nbytes: int) -> int:
         """The chunk size for a transfer of ``nbytes``: spread over every lane, within the bounds."""
@@ -531,8 +559,14 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
         if wait_spin_us > 0 else "a wait sleeps at once"
     )
     helpers = config.helper_count()
+    lane_helpers = config.lane_helper_count()
+    coop = (
+        f"a contiguous transfer is one lead lane's, its chunk copies shared with up to {lane_helpers} idle "
+        f"lane{'s' if lane_helpers != 1 else ''}"
+        if lane_helpers else "a transfer's chunks are dealt to the lanes"
+    )
     return (
-        f"{config.lanes} native lanes per direction, {detail}; {waits}; {direct}, "
+        f"{config.lanes} native lanes per direction, {detail}; {waits}; {coop}; {direct}, "
         f"its host copy shared by the calling thread and {helpers} copy helper{'s' if helpers != 1 else ''}"
     )
 
