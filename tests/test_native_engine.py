@@ -487,6 +487,16 @@ def test_a_contiguous_job_is_one_lead_share_in_chunks_of_a_quarter(direction: st
         assert engine.cooperative_jobs == 1  # one piece: nothing to share
 
 
+def test_a_job_above_the_cooperative_limit_is_dealt() -> None:
+    with contextlib.closing(coop("upload", cooperative_max_bytes=SLOT * 2)) as engine:
+        assert engine.cooperative_max_bytes == SLOT * 2
+        at, above = pattern(SLOT * 2), pattern(SLOT * 2 + 1)
+        jobs = [submit(engine, a, device_like(a.nbytes)) for a in (at, above)]
+        assert all(j.wait(30) and j.error is None for j in jobs)
+        assert jobs[0].lanes == 1 and engine.cooperative_jobs == 1
+        assert jobs[1].lanes == min(jobs[1].chunks, LANES) > 1  # its chunks dealt
+
+
 @pytest.mark.parametrize("direction", ["upload", "download"])
 def test_helpers_copy_the_pieces_a_lead_leaves(direction: str) -> None:
     # lead_copies=False (a test knob): the lead copies nothing, so every piece is a helper's
@@ -757,7 +767,7 @@ def test_engine_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="min_chunks_per_lane"):
         Engine("upload", min_chunks_per_lane=0)
     for bad in ({"helpers": 4, "lanes": 4}, {"helpers": -1}, {"help_spin_us": -1.0}, {"piece_bytes": 4096},
-                {"lead_copies": False}):
+                {"lead_copies": False}, {"cooperative_max_bytes": -1}):
         with pytest.raises(ValueError, match="helpers"):
             Engine("upload", **bad)
     with pytest.raises(TypeError):
@@ -978,6 +988,11 @@ def test_a_runtime_with_either_thread_shape_moves_the_bytes(
         data, dev = rt.upload(data).wait()
         back = rt.download(dev).wait()[1]
         assert back.tobytes() == data.tobytes()
+        from ferry._runtime import parts_of
+
+        engines = parts_of(rt).staged.engines
+        assert engines["upload"].engine.cooperative_jobs == (1 if helpers else 0)
+        assert engines["download"].engine.helpers == 0  # downloads are dealt (StagingConfig.lane_helpers)
         strided = data[: (3 << 20)].reshape(3, -1)[:, ::3]  # non-contiguous, chunked along the axes
         strided, sdev = rt.upload(strided).wait()
         assert rt.download(sdev).wait()[1].tobytes() == np.ascontiguousarray(strided).tobytes()

@@ -709,6 +709,7 @@ typedef struct engine {
     int helpers;          /* the most lanes a lead wakes to help it (0: no cooperative jobs) */
     int lead_copies;      /* the lead copies pieces too (False only in tests: helpers copy everything) */
     size_t piece_bytes;   /* a piece of a shared chunk copy */
+    size_t coop_max_bytes; /* larger jobs are dealt to the lanes (one lead's slots cannot keep the link busy) */
     int64_t help_spin_ns; /* a helper polls for the next posted copy this long, then sleeps */
     atomic_int leads;     /* cooperative jobs submitted whose lead has not finished copying */
     atomic_int idle_sleepers; /* lanes asleep with nothing queued, not yet woken to help */
@@ -1546,6 +1547,12 @@ static void hold_wait(engine_t *eng) {
  * reader). Chunk k is on the link while chunk k+1 is copied, the lead never waits for a helper to
  * wake (it copies every piece nobody else claimed), and a late helper costs one piece at most.
  *
+ * Jobs above cooperative_max_bytes are dealt as before: one lead's slots_per_lane slots cannot keep
+ * the link busy through a long job (its wait for a slot to drain, then a sleeping lead's wake-up,
+ * leaves the link idle), where every lane's slots can. On the H200 (probe_native.py --helpers,
+ * 2026-12-01) cooperative uploads moved 8 MiB at 29 - 33 GB/s against 21 - 24 dealt, tied at
+ * 32 MiB, and lost at 256 MiB (25 - 35 against 39 - 40).
+ *
  * submit() counts the job in `leads` and wakes up to `helpers` sleeping lanes; an idle lane helps
  * while a lead runs, and goes back to sleep after help_spin_ns without a posted copy (a lead waiting
  * for its slots to drain, or held) or as soon as a share is queued for it: a helper never waits for a
@@ -2101,7 +2108,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
                              "min_chunk_bytes", "context", "entry_points", "bandwidth", "latency", "spin_us",
                              "idle_spin_us", "min_chunks_per_lane", "serialize_driver", "nontemporal",
                              "driver_thread", "wait_spin_us", "one_stream", "lane_wait_us", "helpers",
-                             "help_spin_us", "piece_bytes", "lead_copies", NULL};
+                             "help_spin_us", "piece_bytes", "lead_copies", "cooperative_max_bytes", NULL};
     const char *direction, *mode = "emulated";
     int lanes = 4, slots = 2;
     Py_ssize_t slot_bytes = 1 << 20, min_chunk = 256 << 10;
@@ -2111,12 +2118,13 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     int min_chunks_per_lane = 1, serialize_driver = 1, nontemporal = 1, driver_thread = 1, one_stream = 0;
     double wait_spin_us = 0, lane_wait_us = DT_LANE_SLEEP_NS / 1e3, help_spin_us = 200;
     int helpers = 0, lead_copies = 1;
-    Py_ssize_t piece_bytes = 128 << 10;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdpdidnp", kwlist, &direction, &mode, &lanes,
+    Py_ssize_t piece_bytes = 128 << 10, coop_max = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|$siinnO&Oddddipppdpdidnpn", kwlist, &direction, &mode, &lanes,
                                      &slots, &slot_bytes, &min_chunk, address_converter, &context, &entry_points,
                                      &bandwidth, &latency, &spin_us, &idle_spin_us, &min_chunks_per_lane,
                                      &serialize_driver, &nontemporal, &driver_thread, &wait_spin_us, &one_stream,
-                                     &lane_wait_us, &helpers, &help_spin_us, &piece_bytes, &lead_copies))
+                                     &lane_wait_us, &helpers, &help_spin_us, &piece_bytes, &lead_copies,
+                                     &coop_max))
         return NULL;
     int upload;
     if (!strcmp(direction, "upload"))
@@ -2149,10 +2157,10 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         return NULL;
     }
     if (helpers < 0 || helpers >= lanes || !(help_spin_us >= 0 && help_spin_us <= 1e6) ||
-        piece_bytes < (Py_ssize_t)COPIER_MIN_PIECE || (!lead_copies && !helpers)) {
+        piece_bytes < (Py_ssize_t)COPIER_MIN_PIECE || (!lead_copies && !helpers) || coop_max < 0) {
         PyErr_Format(PyExc_ValueError,
                      "the engine needs 0 <= helpers < lanes, help_spin_us in [0, 1e6], piece_bytes >= %zu, "
-                     "and helpers for lead_copies=False",
+                     "cooperative_max_bytes >= 0, and helpers for lead_copies=False",
                      COPIER_MIN_PIECE);
         return NULL;
     }
@@ -2193,6 +2201,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     eng->helpers = helpers;
     eng->lead_copies = lead_copies;
     eng->piece_bytes = (size_t)piece_bytes;
+    eng->coop_max_bytes = (size_t)coop_max;
     eng->help_spin_ns = (int64_t)(help_spin_us * 1e3);
     atomic_init(&eng->leads, 0);
     atomic_init(&eng->idle_sleepers, 0);
@@ -2342,7 +2351,7 @@ static size_t coop_chunk(const engine_t *eng, size_t nbytes) {
 }
 
 static int is_coop(const engine_t *eng, int contiguous, size_t nbytes) {
-    return eng->helpers > 0 && contiguous && nbytes >= 2 * eng->piece_bytes;
+    return eng->helpers > 0 && contiguous && nbytes >= 2 * eng->piece_bytes && nbytes <= eng->coop_max_bytes;
 }
 
 static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
@@ -2712,6 +2721,11 @@ static PyObject *Engine_get_piece_bytes(PyObject *obj, void *Py_UNUSED(closure))
     return PyLong_FromSize_t(self->eng ? self->eng->piece_bytes : 0);
 }
 
+static PyObject *Engine_get_cooperative_max_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    EngineObject *self = (EngineObject *)obj;
+    return PyLong_FromSize_t(self->eng ? self->eng->coop_max_bytes : 0);
+}
+
 static PyObject *Engine_get_helped_pieces(PyObject *obj, void *Py_UNUSED(closure)) {
     EngineObject *self = (EngineObject *)obj;
     return PyLong_FromUnsignedLongLong(self->eng ? atomic_load(&self->eng->helped) : 0);
@@ -2760,6 +2774,8 @@ static PyGetSetDef Engine_getset[] = {
      "the most idle lanes that help one cooperative job's lead copy (0: every job's chunks are dealt to lanes)",
      NULL},
     {"piece_bytes", Engine_get_piece_bytes, NULL, "the pieces a cooperative job's chunk copy is cut into", NULL},
+    {"cooperative_max_bytes", Engine_get_cooperative_max_bytes, NULL,
+     "the largest cooperative job (larger ones are dealt to the lanes)", NULL},
     {"helped_pieces", Engine_get_helped_pieces, NULL, "pieces of cooperative jobs that helpers copied", NULL},
     {"cooperative_jobs", Engine_get_cooperative_jobs, NULL,
      "jobs submitted as cooperative (contiguous, at least two pieces, on an engine with helpers)", NULL},
@@ -2778,7 +2794,7 @@ static PyType_Slot Engine_slots[] = {
                 "min_chunk_bytes=256 KiB, context=0, entry_points=None, bandwidth=25e9, latency=5e-6, spin_us=0, "
                 "idle_spin_us=0, min_chunks_per_lane=1, serialize_driver=True, nontemporal=True, driver_thread=True, "
                 "wait_spin_us=0, one_stream=False, lane_wait_us=100, helpers=0, help_spin_us=200, piece_bytes=128 KiB, "
-                "lead_copies=True)"},
+                "lead_copies=True, cooperative_max_bytes=no limit)"},
     {0, NULL},
 };
 

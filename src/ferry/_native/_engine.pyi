@@ -200,7 +200,8 @@ class Engine:
     and each chunk's host copy is cut into ``piece_bytes`` pieces that the lead and up to
     ``helpers`` idle lanes claim; 0 deals every job's chunks to the lanes), ``help_spin_us`` (a
     helper polls that long for the next posted copy, then sleeps until a lead wakes it) and
-    ``lead_copies`` (a test knob: ``False`` leaves every piece to the helpers).
+    ``lead_copies`` (a test knob: ``False`` leaves every piece to the helpers); jobs above
+    ``cooperative_max_bytes`` are dealt.
     """
 
     def __init__(
@@ -229,7 +230,11 @@ class Engine:
         help_spin_us: float = 200.0,
         piece_bytes: int = 128 << 10,
         lead_copies: bool = True,
+        cooperative_max_bytes: int = ...,
     ) -> None: ...
+    @property
+    def cooperative_max_bytes(self) -> int:
+        """The largest cooperative job: larger ones are dealt to the lanes (no limit by default)."""
     @property
     def helpers(self) -> int:
         """The most idle lanes that help one cooperative job's lead copy (0: no cooperative jobs)."""

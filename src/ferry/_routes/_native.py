@@ -208,7 +208,9 @@ class NativeEngine:
             "lanes": config.lanes, "slots_per_lane": config.slots_per_lane, "slot_bytes": config.slot_bytes,
             "min_chunk_bytes": min(config.min_chunk_bytes, config.slot_bytes),
             "driver_thread": driver_thread, "wait_spin_us": wait_spin_us,
-            "helpers": config.lane_helper_count(),
+            # uploads only: see StagingConfig.lane_helpers
+            "helpers": config.lane_helper_count() if direction == "upload" else 0,
+            "cooperative_max_bytes": config.cooperative_max_bytes,
         }
         if self.cuda:
             from cuda.bindings import driver
