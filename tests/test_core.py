@@ -488,7 +488,7 @@ def test_a_dropped_failed_transfer_is_kept_forever(emu: ferry.Runtime) -> None:
     alive = weakref.ref(buf)
     emu.upload_pending(buf, emu.empty(4096, np.uint8))
     del buf
-    time.sleep(0.01)
+    testing.backend_of(emu).device_synchronize()  # the failed copy has run (a sleep could be too short)
     emu.poll()
     gc.collect()
     assert emu.stats().failed == 1

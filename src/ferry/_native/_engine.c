@@ -54,7 +54,10 @@
  * _staging.py) and deals them round-robin to min(lanes, chunks) lanes,
  * starting at a rotating lane. A share is (job, first chunk, stride), so the
  * plan costs O(lanes) at submit time, whatever the array's size; a chunk's
- * geometry is computed by the lane when it gets to it.
+ * geometry is computed by the lane when it gets to it. On an engine with
+ * helpers a contiguous job of up to cooperative_max_bytes is one share
+ * instead, a lead lane's, whose chunk copies idle lanes help with piece by
+ * piece (cooperative jobs: see the essay above wake_helper).
  *
  * Upload, per chunk: reap the slot (wait for its previous DMA through its
  * event), gather the chunk into the slot, enqueue HtoD, record the slot's
