@@ -510,10 +510,42 @@ def test_helpers_copy_the_pieces_a_lead_leaves(direction: str) -> None:
         assert (dev if direction == "upload" else host).tobytes() == data.tobytes()
 
 
-def test_lanes_whose_queues_hold_each_others_jobs_never_wait_for_each_other() -> None:
-    # two lanes, each the lead of one job and a would-be helper of the other's, from many threads
+def test_a_helper_leaves_a_lead_as_soon_as_a_share_of_its_own_is_queued() -> None:
+    # two lanes: lane A leads a cooperative job that waits for its slots (held), lane B helps it and,
+    # with a 10 s help spin, would stay in help() for 10 s after the lead's last post if only a timeout
+    # sent it back. A dealt job queued for lane B must run at once: its share enqueues its DMA (posts)
+    import time
+
+    # lead_copies=False: the helper copies every piece, so its count shows when it is inside help()
+    with contextlib.closing(coop("upload", lanes=2, helpers=1, help_spin_us=1e7, lead_copies=False)) as engine:
+        data = pattern(SLOT * 2)
+        strided = pattern(1 << 16).reshape(256, 256)[:, ::2]  # not contiguous: dealt, one chunk
+        dev, sdev = device_like(data.nbytes), device_like(strided.nbytes)
+        engine.hold()
+        try:
+            lead = submit(engine, data, dev, chunk_bytes=SLOT // 2)  # 4 chunks, 2 slots: the lead waits
+            two_chunks = 2 * (SLOT // 2) // engine.piece_bytes
+            deadline = time.monotonic() + 30
+            while engine.helped_pieces < two_chunks and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert engine.helped_pieces == two_chunks  # copied by the helper; the lead waits for a slot
+            dealt = submit(engine, strided, sdev, hand_off=True)  # the next lane's: the helper's
+            assert dealt.lanes == 1 and engine.cooperative_jobs == 1
+            events = dealt.hand_off(timeout=5)
+            assert events is not None and len(events) == 1  # enqueued while the lead still runs
+            assert not lead.done()
+        finally:
+            engine.release()
+        assert lead.wait(30) and lead.error is None and dev.tobytes() == data.tobytes()
+        assert dealt.wait(30) and dealt.error is None
+        assert sdev[: strided.nbytes].tobytes() == np.ascontiguousarray(strided).tobytes()
+
+
+def test_cooperative_jobs_from_many_threads_on_two_lanes() -> None:
+    # each lane the lead of some jobs and a helper of the others', mixed with dealt jobs
     with contextlib.closing(coop("upload", lanes=2, helpers=1, slots_per_lane=1)) as engine:
         arrays = [pattern(SLOT * 2 + i, i) for i in range(16)]
+        arrays += [pattern(1 << 16, i).reshape(256, 256)[:, ::2] for i in range(4)]  # dealt
         devs = [device_like(a.nbytes) for a in arrays]
         jobs: list[Any] = [None] * len(arrays)
 
@@ -527,8 +559,8 @@ def test_lanes_whose_queues_hold_each_others_jobs_never_wait_for_each_other() ->
             t.join()
         for job, a, d in zip(jobs, arrays, devs, strict=True):
             assert job.wait(30) and job.error is None
-            assert d[: a.nbytes].tobytes() == a.tobytes()
-        assert engine.cooperative_jobs == len(arrays)
+            assert d[: a.nbytes].tobytes() == np.ascontiguousarray(a).tobytes()
+        assert engine.cooperative_jobs == 16
 
 
 def test_a_cooperative_job_hands_off_once_its_lead_enqueued_its_last_dma() -> None:
@@ -957,7 +989,7 @@ def test_lane_helpers_resolve_where_cpus_are_to_spare(monkeypatch: pytest.Monkey
     monkeypatch.delenv("FERRY_DRIVER_THREAD", raising=False)
     monkeypatch.setattr(native_route, "usable_cpus", lambda: 16)
     assert ferry.StagingConfig().lane_helper_count() == min(11, DEFAULT_LANE_HELPERS)
-    assert ferry.StagingConfig(lanes=3).lane_helper_count() == 2  # at most every other lane
+    assert ferry.StagingConfig(lanes=3).lane_helper_count() == 2  # at most every lane but the lead
     assert ferry.StagingConfig(lane_helpers=0).lane_helper_count() == 0
     monkeypatch.setattr(native_route, "usable_cpus", lambda: 2)
     assert ferry.StagingConfig().lane_helper_count() == 0  # helpers would take the CPUs the lanes need

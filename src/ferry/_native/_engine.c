@@ -1563,7 +1563,8 @@ static void hold_wait(engine_t *eng) {
  * copy while helpers sleep wakes one per piece it copies, up to `helpers`.
  */
 #define COOP_CHUNKS 4 /* a cooperative job is cut in this many chunks (within bounds) */
-#define LEAD_ALONE_NS ((int64_t)2000000000) /* lead_copies=False: a lead copies alone after waiting this long */
+/* lead_copies=False (a knob for one-job tests: with every lane a lead nobody helps) copies alone after this */
+#define LEAD_ALONE_NS ((int64_t)2000000000)
 
 static int wake_helper(lane_t *L) {
     engine_t *eng = L->eng;
@@ -1593,7 +1594,7 @@ static void maybe_wake(lane_t *L, int *woken) {
     if (wake_helper(L))
         (*woken)++;
     else
-        *woken = eng->helpers; /* none asleep to wake: stop looking for this share */
+        *woken = eng->helpers; /* none asleep to wake: stop looking until the lead's next chunk */
 }
 
 /* The lead's chunk copy, shared with the lanes that help (see above). */
@@ -1610,6 +1611,7 @@ static void coop_copy(lane_t *L, char *dst, const char *src, size_t n, int nt, i
         copy_bytes(dst, src, n, nt);
         return;
     }
+    if (*woken >= eng->helpers) *woken = 0; /* helpers that slept through a slot wait may be woken again */
     t.seq = atomic_fetch_add(&eng->task_seq, 1) + 1;
     atomic_init(&t.next, 0);
     atomic_init(&t.done, 0);
@@ -1638,7 +1640,10 @@ static void coop_copy(lane_t *L, char *dst, const char *src, size_t n, int nt, i
         else sched_yield(); /* a helper was preempted in its piece */
     }
     atomic_store(&L->help_task, NULL);
-    while (atomic_load(&L->help_active)) cpu_relax();
+    for (unsigned i = 0; atomic_load(&L->help_active); i++) { /* a helper counted itself, then was preempted */
+        if (i < 4096) cpu_relax();
+        else sched_yield();
+    }
 }
 
 /*
@@ -1665,21 +1670,28 @@ static int help(lane_t *L) {
             atomic_fetch_add(&M->help_active, 1); /* before reading the task: see the copier's essay */
             copy_task_t *t = atomic_load(&M->help_task);
             if (t) {
-                got += copier_drain(t);
+                size_t g = copier_drain(t);
+                /* counted while still counted in help_active: the lead waits for that, so the job
+                 * completes (and Engine.helped_pieces is read) after this count */
+                if (g) atomic_fetch_add_explicit(&eng->helped, g, memory_order_relaxed);
+                got += g;
                 if (t->seq > p) p = t->seq;
             }
             atomic_fetch_sub(&M->help_active, 1);
             seen[m] = p;
             joined = 1;
         }
-        if (got) atomic_fetch_add_explicit(&eng->helped, got, memory_order_relaxed);
+        (void)got;
         if (joined) {
             idle_since = now_ns();
             continue;
         }
-        if ((++polls & 63) == 0 && now_ns() - idle_since >= eng->help_spin_ns) {
-            timed_out = 1;
-            break;
+        if ((++polls & 63) == 0) {
+            if (now_ns() - idle_since >= eng->help_spin_ns) {
+                timed_out = 1;
+                break;
+            }
+            sched_yield(); /* a machine without CPUs to spare: the lead and the caller come first */
         }
         cpu_relax();
     }
@@ -2159,10 +2171,10 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         PyErr_SetString(PyExc_ValueError, "spin_us, idle_spin_us, wait_spin_us and lane_wait_us must be in [0, 1e6]");
         return NULL;
     }
-    if (helpers < 0 || helpers >= lanes || !(help_spin_us >= 0 && help_spin_us <= 1e6) ||
+    if (helpers < 0 || helpers >= lanes || !(help_spin_us >= 0 && help_spin_us <= 1e7) ||
         piece_bytes < (Py_ssize_t)COPIER_MIN_PIECE || (!lead_copies && !helpers) || coop_max < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "the engine needs 0 <= helpers < lanes, help_spin_us in [0, 1e6], piece_bytes >= %zu, "
+                     "the engine needs 0 <= helpers < lanes, help_spin_us in [0, 1e7], piece_bytes >= %zu, "
                      "cooperative_max_bytes >= 0, and helpers for lead_copies=False",
                      COPIER_MIN_PIECE);
         return NULL;

@@ -198,9 +198,12 @@ class Engine:
     20 us at least, and the knob does nothing without the driver thread), ``helpers`` (cooperative
     jobs: a contiguous job of at least two pieces is one lead lane's, in chunks of a quarter of it,
     and each chunk's host copy is cut into ``piece_bytes`` pieces that the lead and up to
-    ``helpers`` idle lanes claim; 0 deals every job's chunks to the lanes), ``help_spin_us`` (a
-    helper polls that long for the next posted copy, then sleeps until a lead wakes it) and
-    ``lead_copies`` (a test knob: ``False`` leaves every piece to the helpers); jobs above
+    ``helpers`` idle lanes claim; 0 deals every job's chunks to the lanes; helpers poll, so they
+    pay only where CPUs are to spare: the runtime turns them on only there), ``help_spin_us`` (a
+    helper polls that long, at most 10 s, for the next posted copy, then sleeps until a lead
+    wakes it) and
+    ``lead_copies`` (a knob for one-job tests: ``False`` leaves every piece to the helpers, and a
+    lead nobody helps copies alone after 2 s); jobs above
     ``cooperative_max_bytes`` are dealt.
     """
 
