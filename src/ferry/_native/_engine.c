@@ -717,6 +717,7 @@ typedef struct engine {
     atomic_int leads;     /* cooperative jobs submitted whose lead has not finished copying */
     atomic_int idle_sleepers; /* lanes asleep with nothing queued, not yet woken to help */
     atomic_int helping;       /* lanes inside help() */
+    atomic_int waking;        /* lanes woken to help that have not woken up yet */
     atomic_ullong task_seq;   /* the last posted copy's seq */
     atomic_ullong helped;     /* pieces copied by helpers */
     atomic_ullong coop_jobs;  /* cooperative jobs submitted */
@@ -1575,6 +1576,7 @@ static int wake_helper(lane_t *L) {
         if (go) {
             M->help_woken = 1;
             atomic_fetch_sub(&eng->idle_sleepers, 1);
+            atomic_fetch_add(&eng->waking, 1);
         }
         pthread_mutex_unlock(&M->mu);
         if (go) {
@@ -1585,11 +1587,12 @@ static int wake_helper(lane_t *L) {
     return 0;
 }
 
-/* Wake one more helper if the lead may (up to `helpers` per share, while helpers sleep). */
+/* Wake one more helper if the lead may: while lanes sleep, and fewer than `helpers` help or are on
+ * their way (every lead counts the same ones: the engine never wakes more than `helpers` to help). */
 static void maybe_wake(lane_t *L, int *woken) {
     engine_t *eng = L->eng;
     if (*woken >= eng->helpers || atomic_load(&eng->idle_sleepers) <= 0 ||
-        atomic_load(&eng->helping) >= eng->helpers)
+        atomic_load(&eng->helping) + atomic_load(&eng->waking) >= eng->helpers)
         return;
     if (wake_helper(L))
         (*woken)++;
@@ -1943,9 +1946,10 @@ static void *lane_main(void *arg) {
             atomic_fetch_add(&eng->idle_sleepers, 1);
             pthread_cond_wait(&L->cv, &L->mu);
             L->sleeping = 0;
-            if (L->help_woken) /* the waker took this lane off idle_sleepers */
+            if (L->help_woken) { /* the waker took this lane off idle_sleepers */
                 L->help_woken = 0;
-            else
+                atomic_fetch_sub(&eng->waking, 1);
+            } else
                 atomic_fetch_sub(&eng->idle_sleepers, 1);
             helped_out = 0;
         }
@@ -2221,6 +2225,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     atomic_init(&eng->leads, 0);
     atomic_init(&eng->idle_sleepers, 0);
     atomic_init(&eng->helping, 0);
+    atomic_init(&eng->waking, 0);
     atomic_init(&eng->task_seq, 0);
     atomic_init(&eng->helped, 0);
     atomic_init(&eng->coop_jobs, 0);
@@ -2584,7 +2589,9 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     pthread_mutex_unlock(&eng->mu);
     for (int i = 0; i < nsleep; i++) pthread_cond_signal(&sleepers[i]->cv);
     if (job->coop) /* helpers wake while the lead does: a wake-up costs 50 - 200 us on the H200's VM */
-        for (int i = 0; i < eng->helpers && wake_helper(&eng->lanes[start]); i++) {}
+        for (int i = 0; i < eng->helpers && atomic_load(&eng->helping) + atomic_load(&eng->waking) < eng->helpers &&
+                        wake_helper(&eng->lanes[start]);
+             i++) {}
     if (eng->dt) dt_wake(eng->dt); /* up and polling before the job's first copy ends */
     return (PyObject *)jo;
 fail:
