@@ -1561,7 +1561,8 @@ static void hold_wait(engine_t *eng) {
  * while a lead runs, and goes back to sleep after help_spin_ns without a posted copy (a lead waiting
  * for its slots to drain, or held) or as soon as a share is queued for it: a helper never waits for a
  * lead, so helping cannot deadlock lanes whose queues hold each other's shares. A lead that posts a
- * copy while helpers sleep wakes one per piece it copies, up to `helpers`.
+ * copy while lanes sleep wakes one per piece it copies, as long as fewer than `helpers` lanes help
+ * or are on their way (`helping` + `waking`, counted engine-wide: every lead counts the same ones).
  */
 #define COOP_CHUNKS 4 /* a cooperative job is cut in this many chunks (within bounds) */
 /* lead_copies=False (a knob for one-job tests: with every lane a lead nobody helps) copies alone after this */
@@ -1663,7 +1664,6 @@ static int help(lane_t *L) {
     unsigned polls = 0;
     int timed_out = 0;
     while (atomic_load(&eng->leads) > 0 && !atomic_load_explicit(&L->queued, memory_order_acquire)) {
-        size_t got = 0;
         int joined = 0;
         for (int j = 1; j < eng->nlanes; j++) {
             int m = (L->index + j) % eng->nlanes;
@@ -1677,14 +1677,12 @@ static int help(lane_t *L) {
                 /* counted while still counted in help_active: the lead waits for that, so the job
                  * completes (and Engine.helped_pieces is read) after this count */
                 if (g) atomic_fetch_add_explicit(&eng->helped, g, memory_order_relaxed);
-                got += g;
                 if (t->seq > p) p = t->seq;
             }
             atomic_fetch_sub(&M->help_active, 1);
             seen[m] = p;
             joined = 1;
         }
-        (void)got;
         if (joined) {
             idle_since = now_ns();
             continue;
