@@ -18,6 +18,9 @@ Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -217,3 +220,42 @@ def cupy() -> Any:
     except ImportError:
         pytest.skip("CuPy is not installed")
     return cupy
+
+
+# -- Ctrl-C tests: a signal sent once the main thread blocks in a call, not on a timer --------------
+
+
+# Call ``fn`` (a blocking C call): a SignalInside sees the main thread on the next line while it blocks
+# (no docstring: SignalInside looks for the line right after the def).
+def call_inside(fn: Callable[[], Any]) -> Any:
+    return fn()  # the main thread is inside fn (C, GIL released) while its innermost frame is here
+
+
+class SignalInside:
+    """Send ``signum`` to the main thread once it is inside ``call_inside(fn)``, ``fn`` a C function
+    that releases the GIL: only then (or right after fn returned) does this thread, holding the
+    GIL, see the main thread's innermost frame on ``call_inside``'s line. A timer could fire before the
+    call began on a loaded machine. Not seen there within 30 s, it is sent anyway (``inside``
+    stays False)."""
+
+    def __init__(self, signum: int) -> None:
+        self.inside = False
+        self._signum = signum
+        self._main = threading.main_thread().ident or 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        line, deadline = call_inside.__code__.co_firstlineno + 1, time.monotonic() + 30
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(self._main)
+            self.inside = frame is not None and frame.f_code is call_inside.__code__ and frame.f_lineno == line
+            del frame
+            if self.inside:
+                break
+            time.sleep(0.001)
+        signal.pthread_kill(self._main, self._signum)
+
+    def join(self) -> None:
+        self._thread.join()
+        assert self.inside, "the main thread was not seen inside the call within 30 s"

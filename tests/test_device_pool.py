@@ -7,8 +7,11 @@ happened to run first, so each test ends with ``violations == []``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +34,19 @@ def used(rt: ferry.Runtime) -> int:
 def slow_kernel(rt: ferry.Runtime, stream: int, seconds: float) -> None:
     """A long kernel on ``stream`` (it fills a scratch array that is exported, and dropped at once)."""
     testing.produce(rt, stream, rt.empty(16, np.uint8).ptr, 16, 0, delay=seconds)
+
+
+@contextlib.contextmanager
+def held(rt: ferry.Runtime, stream: int) -> Iterator[Callable[[], None]]:
+    """Work queued on ``stream`` from now on waits for a gate (emulated device), so it is still
+    pending for certain; the yielded function opens the gate, and so does the end of the block."""
+    backend = testing.backend_of(rt)
+    gate = backend.gate_create()
+    backend.stream_wait_gate(backend.stream_from_handle(stream), gate)
+    try:
+        yield lambda: backend.gate_open(gate)
+    finally:
+        backend.gate_open(gate)
 
 
 def address_through_dlpack(dev: ferry.DeviceArray, stream: int) -> tuple[int, Imported]:
@@ -119,18 +135,29 @@ def test_an_allocation_past_the_devices_memory_trims_the_pool_and_retries(emu: f
 
 
 def test_an_allocation_that_finds_the_device_full_waits_for_memory_a_consumer_still_reads(
-    emu: ferry.Runtime,
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = testing.backend_of(emu)
     consumer = testing.side_stream(emu)
     dev = emu.to_device(np.full(16 * MiB, 5, np.uint8))
     dev.record_stream(consumer)
-    slow_kernel(emu, consumer, 0.3)
-    seen = testing.consume(emu, consumer, dev._ptr, 16 * MiB)
-    del dev
-    assert used(emu) >= 16 * MiB  # dropped, but the consumer's read is queued: not freed
-    backend.memory_bytes = 40 * MiB  # 32 MiB more fits only once that memory is back
-    big = emu.empty(32 * MiB, np.uint8)  # waits (bounded, interruptible) for the consumer, then reuses
+    with held(emu, consumer) as go:
+        seen = testing.consume(emu, consumer, dev._ptr, 16 * MiB)
+        del dev
+        assert used(emu) >= 16 * MiB  # dropped, but the consumer's read is queued: not freed
+        backend.memory_bytes = 40 * MiB  # 32 MiB more fits only once that memory is back
+        waited = []  # whether the read had run when the allocation began to wait for it
+        real_wait = backend.event_wait
+
+        def event_wait(event: Any, timeout: float | None = None) -> bool:
+            waited.append(seen.ran())
+            go()  # the consumer's read runs now, while the allocation waits for it
+            return bool(real_wait(event, timeout))
+
+        monkeypatch.setattr(backend, "event_wait", event_wait)
+        big = emu.empty(32 * MiB, np.uint8)  # waits (bounded, interruptible) for the consumer, then reuses
+        monkeypatch.undo()
+    assert waited and not waited[0]
     assert big.nbytes == 32 * MiB
     assert seen.ran() and np.all(seen.result() == 5)
     assert testing.violations(emu) == []
@@ -172,22 +199,22 @@ def test_an_allocation_looks_at_a_few_awaiting_frees_however_many_wait(
 
     backend = testing.backend_of(emu)
     consumer = testing.side_stream(emu)
-    slow_kernel(emu, consumer, 0.5)  # everything below queues behind it
     data = np.full(4096, 3, np.uint8)
     reads = []
-    for _ in range(40):
-        dev = emu.to_device(data)
-        dev.record_stream(consumer)
-        reads.append(testing.consume(emu, consumer, dev._ptr, 4096))
-        del dev
-    emu.poll()  # 40 frees now wait for the consumer
-    queries = []
-    real_query = backend.event_query
-    monkeypatch.setattr(backend, "event_query", lambda event: queries.append(event) or real_query(event))
-    fresh = emu.empty(4096, np.uint8)
-    assert len(queries) <= REAP_LOOKAHEAD  # not one per waiting free
-    assert used(emu) >= 41 * 4096  # nothing freed under the consumer
-    monkeypatch.undo()
+    with held(emu, consumer):  # everything below queues behind the gate
+        for _ in range(40):
+            dev = emu.to_device(data)
+            dev.record_stream(consumer)
+            reads.append(testing.consume(emu, consumer, dev._ptr, 4096))
+            del dev
+        emu.poll()  # 40 frees now wait for the consumer
+        queries = []
+        real_query = backend.event_query
+        monkeypatch.setattr(backend, "event_query", lambda event: queries.append(event) or real_query(event))
+        fresh = emu.empty(4096, np.uint8)
+        assert len(queries) <= REAP_LOOKAHEAD  # not one per waiting free
+        assert used(emu) >= 41 * 4096  # nothing freed under the consumer
+        monkeypatch.undo()
     assert all(np.all(read.result() == 3) for read in reads)
     assert eventually(lambda: used(emu) == fresh.nbytes)  # then every free ran
     assert testing.violations(emu) == []
@@ -217,13 +244,13 @@ def test_a_hand_off_stream_orders_the_free_after_the_consumers_work(emu: ferry.R
     dev = emu.empty(MiB, np.uint8)
     pending = emu.upload_pending(buf, dev)
     dev = pending.hand_off(consumer)
-    slow_kernel(emu, consumer, 0.3)  # a long kernel first
-    seen = testing.consume(emu, consumer, dev._ptr, MiB)  # then the read (_ptr: no export)
-    pending.wait()
-    del dev, pending  # the last references (a waited handle keeps its result), while the read is queued
-    emu.poll()
-    assert not seen.ran()
-    assert emu.stats().device_pool_used_bytes >= MiB  # not back in the pool before the read
+    with held(emu, consumer):  # the consumer's work waits for a gate
+        seen = testing.consume(emu, consumer, dev._ptr, MiB)  # then the read (_ptr: no export)
+        pending.wait()
+        del dev, pending  # the last references (a waited handle keeps its result), while the read is queued
+        emu.poll()
+        assert not seen.ran()
+        assert emu.stats().device_pool_used_bytes >= MiB  # not back in the pool before the read
     assert np.array_equal(seen.result(), data)  # the read saw the bytes: nothing was freed under it
     assert eventually(lambda: used(emu) == 0)
     assert testing.violations(emu) == []
@@ -233,12 +260,12 @@ def test_the_stream_a_dlpack_consumer_names_orders_the_free(emu: ferry.Runtime) 
     consumer = testing.side_stream(emu)
     dev = emu.to_device(np.full(MiB, 7, np.uint8))
     ptr, imported = address_through_dlpack(dev, consumer)
-    slow_kernel(emu, consumer, 0.2)
-    seen = testing.consume(emu, consumer, ptr, MiB)
-    imported.release()  # the consumer is done with the capsule: its queued read is not
-    del dev
-    emu.poll()
-    assert not seen.ran()
+    with held(emu, consumer):
+        seen = testing.consume(emu, consumer, ptr, MiB)
+        imported.release()  # the consumer is done with the capsule: its queued read is not
+        del dev
+        emu.poll()
+        assert not seen.ran()
     assert np.all(seen.result() == 7)
     assert eventually(lambda: used(emu) == 0)
 
@@ -267,13 +294,13 @@ def test_an_export_with_no_known_stream_is_freed_only_after_the_device_was_idle(
     consumer = testing.side_stream(emu)
     dev = emu.to_device(np.full(MiB, 9, np.uint8))
     ptr = dev.__cuda_array_interface__["data"][0]
-    slow_kernel(emu, consumer, 0.3)
-    seen = testing.consume(emu, consumer, ptr, MiB)
-    waits = testing.host_waits(emu)
-    del dev
-    emu.poll()  # hands the memory to the background thread: the caller does not wait
-    assert testing.host_waits(emu) == waits
-    assert emu.stats().device_pool_used_bytes >= MiB
+    with held(emu, consumer):
+        seen = testing.consume(emu, consumer, ptr, MiB)
+        waits = testing.host_waits(emu)
+        del dev
+        emu.poll()  # hands the memory to the background thread: the caller does not wait
+        assert testing.host_waits(emu) == waits
+        assert emu.stats().device_pool_used_bytes >= MiB
     assert np.all(seen.result() == 9)
     assert eventually(lambda: used(emu) == 0)
     assert backend.device_syncs > syncs

@@ -10,6 +10,7 @@ exercised without a GPU; tests/test_small.py runs it on one.
 from __future__ import annotations
 
 import ctypes
+import functools
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import SignalInside, call_inside
 from ferry import _native
 
 engine = _native.load()
@@ -134,7 +136,7 @@ def make(driver: Driver, on_error: Callable[..., Any] | None = None, abi: int = 
     return engine.Calls(driver.points(abi), on_error or Failures(), batch_abi=abi)
 
 
-def test_a_copy_and_its_event_record_are_one_call(driver: Driver) -> None:
+def test_a_copy_and_its_event_record_are_onecall_inside(driver: Driver) -> None:
     calls = make(driver)
     calls.htod_record(0x1000, 0x2000, 16, 0x30, 0x40)
     calls.dtoh_record(0x2000, 0x1000, 8, 0x31, None)  # no event: a batch records one later
@@ -166,7 +168,7 @@ def test_a_failure_goes_to_on_error_with_its_stage(driver: Driver) -> None:
         boom.event_record(1, 2)
 
 
-def test_a_stream_waits_for_a_list_of_events_in_one_call(driver: Driver) -> None:
+def test_a_stream_waits_for_a_list_of_events_in_onecall_inside(driver: Driver) -> None:
     failures = Failures(result="retried")
     calls = make(driver, failures)
     assert calls.stream_wait_events(5, [11, 12, 13]) is None
@@ -213,13 +215,15 @@ def test_a_wait_is_interrupted_by_ctrl_c_within_milliseconds(driver: Driver) -> 
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        sender = SignalInside(signal.SIGALRM)
         start = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
-            calls.event_wait(600, 30.0)
-        assert time.perf_counter() - start < 0.5  # the handler ran within a slice (2 ms), not after 30 s
+            call_inside(functools.partial(calls.event_wait, 600, 30.0))
+        elapsed = time.perf_counter() - start
+        sender.join()
+        print(f"interrupted after {elapsed * 1e3:.2f} ms")
+        assert elapsed < 10, f"interrupted after {elapsed:.1f} s"  # within a slice (2 ms), not after its 30 s
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import SignalInside, call_inside
 from ferry import _native
 
 _engine = pytest.importorskip(
@@ -306,7 +308,7 @@ def test_wait_releases_the_gil(up: Any) -> None:
     assert job.wait(30)
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
 @pytest.mark.parametrize("sleep", ["wait", "hand_off"])
 def test_a_sleeping_job_call_is_interruptible(up: Any, sleep: str) -> None:
     # held with more chunks per lane than slots: the job neither completes nor posts until release
@@ -320,11 +322,11 @@ def test_a_sleeping_job_call_is_interruptible(up: Any, sleep: str) -> None:
     job = submit(up, pattern(16 * SLOT), device_like(16 * SLOT), chunk_bytes=SLOT // 2, hand_off=True)
     previous = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        sender = SignalInside(signal.SIGALRM)  # once the call sleeps: it never ends by itself
         with pytest.raises(SignalledError):
-            getattr(job, sleep)()
+            call_inside(getattr(job, sleep))
+        sender.join()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         up.release()
     assert job.hand_off(timeout=30) is not None and job.wait(30) and job.error is None
@@ -514,7 +516,6 @@ def test_a_helper_leaves_a_lead_as_soon_as_a_share_of_its_own_is_queued() -> Non
     # two lanes: lane A leads a cooperative job that waits for its slots (held), lane B helps it and,
     # with a 10 s help spin, would stay in help() for 10 s after the lead's last post if only a timeout
     # sent it back. A dealt job queued for lane B must run at once: its share enqueues its DMA (posts)
-    import time
 
     # lead_copies=False: the helper copies every piece, so its count shows when it is inside help()
     with contextlib.closing(coop("upload", lanes=2, helpers=1, help_spin_us=1e7, lead_copies=False)) as engine:
@@ -1064,28 +1065,47 @@ def test_a_polling_wait_polls_about_its_jobs_expected_time_then_sleeps() -> None
     """``wait_spin_us`` polls a job until its expected end (its bytes at 16 GB/s after submission,
     at most 5 ms) plus the spin, then sleeps; ``wait(poll=False)`` sleeps at once.
 
-    The emulated device's 0.1 GB/s per lane makes a 48 MiB job last about 120 ms; its expected
-    end is 3.1 ms after submission. A polling wait's thread therefore spends milliseconds of CPU
-    (at least 1 ms in the best of three: a loaded machine may take the CPU from the poll), far
-    below the wait itself; a wait with ``poll=False`` spends well under a millisecond."""
-    import time
+    Observed as the time the waiting thread slept: the wait's wall time less the thread's CPU
+    time and the time it waited for a CPU (Linux's schedstat run delay). A loaded machine takes
+    the CPU from a poll, which then waits for one, but the poll never sleeps. The engine is held,
+    so no job completes while it is waited. A 128 MiB job's expected end is 8.4 ms after its
+    submission: a polling wait with a 2 ms timeout polls until the timeout and sleeps not at all,
+    while a wait with ``poll=False`` (or one that polled only ``wait_spin_us``, 0.2 ms) sleeps
+    most of it. Five of each, and most must show it (a wait that starts over 6 ms after its
+    job's submission polls less). A polling wait with a 100 ms timeout sleeps past the job's
+    expected end, in the 5 ms slices its Ctrl-C checks take."""
 
-    with contextlib.closing(make("upload", bandwidth=0.1e9, latency=0.0, wait_spin_us=200)) as up:
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs the per-thread run delay of /proc/thread-self/schedstat (Linux)")
+
+    def run_delay() -> float:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+
+    with contextlib.closing(make("upload", bandwidth=50e9, latency=0.0, wait_spin_us=200)) as up:
         assert up.wait_spin_us == 200
-        data = pattern(48 << 20, 9)
+        data = pattern(128 << 20, 9)
         dev = device_like(data.nbytes)
+        jobs = []
 
-        def one(poll: bool) -> tuple[float, float]:
-            start, cpu = time.perf_counter(), time.thread_time()
-            job = submit(up, data, dev)
-            assert job.wait(60, poll=poll) and job.error is None
-            return time.perf_counter() - start, time.thread_time() - cpu
+        def one(timeout: float, poll: bool) -> tuple[float, float, float]:
+            """Seconds the wait of a fresh (held) job slept, its wall time and its CPU time."""
+            jobs.append(submit(up, data, dev))
+            start, cpu, delay = time.perf_counter(), time.thread_time(), run_delay()
+            assert jobs[-1].wait(timeout, poll=poll) is False  # held: not done
+            wall, cpu, delay = time.perf_counter() - start, time.thread_time() - cpu, run_delay() - delay
+            return wall - cpu - delay, wall, cpu
 
-        polled = [one(True) for _ in range(3)]
-        slept = [one(False) for _ in range(3)]
+        up.hold()
+        try:
+            polled = [one(0.002, True)[0] for _ in range(5)]
+            slept = [one(0.002, False)[0] for _ in range(5)]
+            long_asleep, long_wall, long_cpu = one(0.1, True)
+        finally:
+            up.release()
+        assert all(job.wait(60) and job.error is None for job in jobs)
         assert dev.tobytes() == data.tobytes()
-        for wall, busy in polled + slept:
-            assert wall > 0.03, f"the emulated 48 MiB job took {wall:.3f} s: the test's premise failed"
-            assert busy < 0.3 * wall, f"{busy:.4f} s of CPU in a {wall:.3f} s wait: the wait polled it all"
-        assert max(busy for _, busy in polled) > 1e-3, f"polling waits spent {polled}: no poll to the expected end"
-        assert min(busy for _, busy in slept) < 1e-3, f"waits with poll=False spent {slept}: they polled"
+    assert sum(s < 0.5e-3 for s in polled) >= 3, f"polling waits of 2 ms slept {polled} s: no poll to the expected end"
+    assert sum(s > 1e-3 for s in slept) >= 3, f"waits of 2 ms with poll=False slept {slept} s: they polled"
+    assert long_asleep > 0.01, f"a polling wait of 100 ms slept {long_asleep:.4f} s: it polled past the expected end"
+    assert long_cpu < 0.3 * long_wall, f"{long_cpu:.4f} s of CPU in a {long_wall:.3f} s wait: the wait polled it all"

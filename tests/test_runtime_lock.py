@@ -5,6 +5,7 @@ Every test runs on both locks, so a difference between them fails here."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import ferry
+from conftest import SignalInside, call_inside
 from ferry import _native
 from ferry._runtime import parts_of
 
@@ -133,14 +135,13 @@ def test_a_blocked_acquire_waits_for_the_holder_then_takes_it(make: Callable[[],
 def test_ctrl_c_interrupts_a_blocked_acquire(make: Callable[[], Any]) -> None:
     lock = make()
     in_thread(lock.acquire)  # held forever by a finished thread
-    main = threading.get_ident()
-    timer = threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT))
-    timer.start()
+    sender = SignalInside(signal.SIGINT)  # once the acquire blocks, not on a timer that could fire first
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        lock.acquire(timeout=5)
-    assert time.monotonic() - start < 2
-    timer.join()
+        call_inside(functools.partial(lock.acquire, timeout=20))
+    elapsed = time.monotonic() - start
+    sender.join()
+    assert elapsed < 10, f"interrupted after {elapsed:.1f} s"  # at once, not when the acquire timed out
 
 
 def test_weakref_and_context_manager(make: Callable[[], Any]) -> None:

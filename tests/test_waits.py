@@ -5,7 +5,8 @@
 (cancelled futures, ``asyncio.wait_for``) without stranding the others, and a
 ``wait()`` racing ``close()``. A held copy stream (:func:`ferry.testing.hold`)
 makes "not complete yet" deterministic; it is released from a timer thread
-where the main thread must be blocked meanwhile.
+where the main thread must be blocked meanwhile. Ctrl-C is sent once the main
+thread is seen asleep inside the wait, never on a timer that could fire first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,7 @@ import pytest
 
 import ferry
 from ferry import testing
+from ferry._routes._native import NativeJob
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 INTERRUPT_BOUND = 1.0  # s: generous; the requirement is 100 ms and the measured latency is printed
@@ -48,21 +52,57 @@ def _later(seconds: float, fn: Callable[[], None]) -> threading.Timer:
     return timer
 
 
-class _Interrupt:
-    """Send SIGINT to the main thread after ``after`` seconds; remember when."""
+def _sleeping_lines() -> dict[CodeType, set[int]]:
+    """Where a wait of ferry's sleeps: a lock's wait in ``threading.Condition.wait`` (ferry's
+    waits sleep on a ``threading.Event``), or the staging engine job's compiled wait."""
+    lines: dict[CodeType, set[int]] = {}
+    for fn, call in ((threading.Condition.wait, "waiter.acquire("), (NativeJob.wait_done, "self._inner.wait(")):
+        source, first = inspect.getsourcelines(fn)
+        lines[fn.__code__] = {first + i for i, text in enumerate(source) if call in text}
+        assert lines[fn.__code__], f"no {call} in {fn.__qualname__}"
+    return lines
 
-    def __init__(self, after: float) -> None:
+
+_SLEEPING = _sleeping_lines()
+
+
+class _Interrupt:
+    """Send SIGINT to the main thread once it sleeps inside a wait; remember when.
+
+    The main thread sleeps there when its innermost frame is on one of the calls of
+    :func:`_sleeping_lines` while this thread runs (holding the GIL): it is inside that call,
+    which released the GIL, or just back from it; either way inside the wait, so the signal
+    cannot arrive before the call under test began (a timer could, on a loaded machine).
+    Not seen there within 30 s (a wait that sleeps elsewhere), it is sent anyway and
+    :meth:`latency` fails."""
+
+    def __init__(self) -> None:
         self.sent: float | None = None
-        self.timer = _later(after, self._send)
+        self.asleep = False
+        self._main = threading.main_thread().ident or 0
+        self._armed = threading.Event()  # not while start() waits for the thread
+        self.timer = threading.Thread(target=self._send, daemon=True)
+        self.timer.start()
+        self._armed.set()
 
     def _send(self) -> None:
+        self._armed.wait()
+        deadline = time.monotonic() + 30
+        while True:
+            frame = sys._current_frames().get(self._main)
+            self.asleep = frame is not None and frame.f_lineno in _SLEEPING.get(frame.f_code, ())
+            del frame
+            if self.asleep or time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
         self.sent = time.perf_counter()
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        signal.pthread_kill(self._main, signal.SIGINT)
 
     def latency(self) -> float:
         caught = time.perf_counter()
         self.timer.join()
         assert self.sent is not None
+        assert self.asleep, "the main thread was not seen asleep in the wait within 30 s"
         return caught - self.sent
 
 
@@ -174,7 +214,7 @@ def test_ctrl_c_interrupts_wait_and_the_handle_can_be_waited_again(rt: ferry.Run
     data = np.arange(1 << 16, dtype=np.float32)
     with testing.hold(rt, "download"):
         pending = _download(rt, data)
-        interrupt = _Interrupt(0.2)
+        interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
             pending.wait()
         latency = interrupt.latency()
@@ -190,7 +230,7 @@ def test_ctrl_c_interrupts_a_wait_with_a_timeout(rt: ferry.Runtime) -> None:
     data = np.arange(1 << 10, dtype=np.float32)
     with testing.hold(rt, "download"):
         pending = _download(rt, data)
-        interrupt = _Interrupt(0.2)
+        interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
             pending.wait(timeout=30)
         latency = interrupt.latency()
@@ -203,7 +243,7 @@ def test_ctrl_c_interrupts_to_host_and_leaves_everything_valid(rt: ferry.Runtime
     data = np.arange(1 << 16, dtype=np.int64)
     dev = rt.to_device(data)
     with testing.hold(rt, "download"):
-        interrupt = _Interrupt(0.2)
+        interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
             rt.to_host(dev)
         latency = interrupt.latency()
@@ -224,7 +264,7 @@ def test_ctrl_c_interrupts_the_wait_of_a_staged_upload() -> None:
         dev = rt.empty(data.shape, data.dtype)
         with testing.hold(rt, "upload"):
             pending = rt.upload(data, dev)
-            interrupt = _Interrupt(0.2)
+            interrupt = _Interrupt()
             with pytest.raises(KeyboardInterrupt):
                 pending.wait()
             latency = interrupt.latency()
@@ -239,7 +279,7 @@ def test_ctrl_c_interrupts_wait_all(rt: ferry.Runtime) -> None:
     arrays = [np.full(1000, i, np.int32) for i in range(3)]
     with testing.hold(rt, "download"):
         handles = [_download(rt, a) for a in arrays]
-        interrupt = _Interrupt(0.2)
+        interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
             ferry.wait_all(handles)
         latency = interrupt.latency()
@@ -256,7 +296,7 @@ def test_ctrl_c_interrupts_close_and_the_runtime_stays_open(backend_name: str) -
         data = np.arange(1 << 12, dtype=np.uint16)
         with testing.hold(rt, "download"):
             pending = _download(rt, data)
-            interrupt = _Interrupt(0.2)
+            interrupt = _Interrupt()
             with pytest.raises(KeyboardInterrupt):
                 rt.close()
             latency = interrupt.latency()
