@@ -1,7 +1,7 @@
 """One ``pipeline`` configuration, its contenders interleaved round by round, for A/B questions.
 
     PYTHONPATH=src python3 benchmarks/probe_pipeline.py --mib 8 --work-ms 1 [--steps 60] [--rounds 5]
-        [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off]
+        [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off] [--lanes N] [--helpers N]
 
 The bench's ``pipeline`` group runs each contender's repeats back to back, so a drift of the machine
 (clocks, other tenants) lands on one contender. Here every round runs each contender once, in turn,
@@ -42,13 +42,20 @@ def main() -> None:
     parser.add_argument("--host-wait-hand-off", action="store_true")
     parser.add_argument("--backend", default="cuda", help="cuda, or emulated for a smoke test")
     parser.add_argument("--lanes", type=int, default=0, help="StagingConfig(lanes=...) (0: the default)")
+    parser.add_argument("--helpers", type=int, default=-1,
+                        help="StagingConfig(lane_helpers=...) (-1: the default, auto)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the host's phases of the hand-written fresh pipeline")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="with --phases: run it again under cProfile and print the N costliest functions")
     args = parser.parse_args()
 
-    staging = ferry.StagingConfig(lanes=args.lanes) if args.lanes else None
+    options: dict[str, int] = {}
+    if args.lanes:
+        options["lanes"] = args.lanes
+    if args.helpers >= 0:
+        options["lane_helpers"] = args.helpers
+    staging = ferry.StagingConfig(**options) if options else None
     rt = ferry.Runtime(args.backend, staging=staging)
     peers: dict[str, Any] = {}
     torch: Any = None

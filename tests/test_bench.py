@@ -228,6 +228,53 @@ def test_checks_read_the_pipeline_ceiling_and_gil_rows() -> None:
     assert checks["pageable h2d 64 MiB vs multi-threaded memcpy ceiling"].passed is False
 
 
+def test_steady_step_is_the_slope_and_shrugs_off_a_late_end_stamp() -> None:
+    steady = [0.5 + 1e-3 * k for k in range(41)]  # 1 ms per step
+    assert _pipeline.steady_step(steady) == pytest.approx(1e-3, rel=1e-9)
+    for late in (0, -1):  # the host noticed the first or the last arrival 2 ms late
+        stamps = list(steady)
+        stamps[late] += 2e-3
+        two_ended = (stamps[-1] - stamps[0]) / 40
+        assert abs(two_ended - 1e-3) == pytest.approx(2e-3 / 40)
+        error = abs(_pipeline.steady_step(stamps) - 1e-3)
+        assert error == pytest.approx(6 * 2e-3 / (41 * 42))  # 6 d / (n (n + 1)): 7x less than d / (n - 1)
+    stalled = steady[:21] + [t + 4e-3 for t in steady[21:]]  # a 4 ms stall inside the window counts
+    assert _pipeline.steady_step(stalled) > 1e-3 + 0.5 * 4e-3 / 40
+    with pytest.raises(ValueError):
+        _pipeline.steady_step([1.0])
+
+
+def _peer_rows(work: list[float], best: float, prefetch: float) -> list[Result]:
+    c = "8 MiB, 8 ms"
+    return [
+        Result("pipeline", "floor", "work_only", "both", 8 * MiB, samples=work, valid=True, config=c),
+        _row("pipeline", "torch", "best", best, config=c),
+        _row("pipeline", "ferry", "prefetch", prefetch, config=c),
+    ]
+
+
+@pytest.mark.parametrize(("work", "best", "prefetch", "passed", "tie"), [
+    ([7.840e-3, 7.841e-3, 7.842e-3], 7.838e-3, 7.836e-3, True, False),  # faster: a plain pass
+    ([7.840e-3, 7.841e-3, 7.842e-3], 7.838e-3, 7.845e-3, True, True),  # 1.0009x of best, 1.0005x of the floor
+    ([7.840e-3, 7.841e-3, 7.842e-3], 7.838e-3, 7.860e-3, False, False),  # 1.0024x of the floor: slower
+    ([7.840e-3, 7.841e-3, 7.842e-3], 7.700e-3, 7.845e-3, False, False),  # best 1.8% under the floor: no tie
+    ([7.800e-3, 7.841e-3, 7.900e-3], 7.838e-3, 7.860e-3, True, True),  # a noisy floor (1.3%) resolves less
+])
+def test_prefetch_against_torch_best_passes_below_it_or_in_a_tie_on_the_device_floor(
+        work: list[float], best: float, prefetch: float, passed: bool, tie: bool) -> None:
+    check = _checks(_peer_rows(work, best, prefetch), "pipeline 8 MiB, 8 ms: ferry.prefetch")
+    (only,) = check.values()
+    assert only.passed is passed
+    assert ("a tie on the device floor" in only.measured) is tie
+    assert only.target == "<= 1.0x, or both on the device floor"
+
+
+def test_no_tie_without_the_work_alone_row() -> None:
+    rows = _peer_rows([7.841e-3], 7.838e-3, 7.845e-3)[1:]  # 1.0005x of best, no floor measured
+    (only,) = _checks(rows, "pipeline 8 MiB, 8 ms: ferry.prefetch").values()
+    assert only.passed is False and "tie" not in only.measured
+
+
 def test_a_contender_that_fails_mid_run_leaves_the_next_one_a_clean_slate(
         emu: ferry.Runtime, small_plan: None, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}

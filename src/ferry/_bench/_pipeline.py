@@ -28,9 +28,15 @@ Contenders (one ``Result`` each per configuration, ``impl``/``route``):
                           ordered by events and ``record_stream``, results downloaded
                           ``non_blocking`` on a second side stream into pinned tensors
 
-Timing: a run is ``warmup + steps`` steps; its sample is the wall time from
-the arrival of result ``warmup - 1`` to the arrival of the last result,
-divided by ``steps`` (the steady state, ramp-up excluded). Each contender of
+Timing: a run is ``warmup + steps`` steps; the host stamps each result's
+arrival, and the run's sample is the time per step of its steady state
+(results ``warmup - 1`` to the last, ramp-up excluded): the least-squares
+slope of those stamps against the step number (:func:`steady_step`). The
+slope counts a stall inside the window as the wall clock does (on average
+over where it falls), but a stamp taken late at either end of the window
+(the host noticed the first or the last arrival late: a sleeping wait's
+wake-up, a pinning thread holding the host) moves it ~``steps / 6`` times
+less than the two-ended difference ``(last - first) / steps``. Each contender of
 a configuration runs once untimed, then the timed runs go round by round,
 every contender once per round, so that a drift of the machine (clocks, other
 tenants) lands on all of them alike; the median is reported.
@@ -444,6 +450,22 @@ class Run:
         self.handles.clear()
 
 
+def steady_step(stamps: list[float]) -> float:
+    """Seconds per step of a steady state: the least-squares slope of the arrival ``stamps``
+    against the step number (``stamps[i]`` is step ``i``'s; at least two).
+
+    Its expectation equals ``(stamps[-1] - stamps[0]) / (len(stamps) - 1)``'s, stalls included,
+    but an error of ``d`` in an end stamp moves it by ``6 d / (n (n + 1))`` (n stamps), not
+    ``d / (n - 1)``.
+    """
+    if len(stamps) < 2:
+        raise ValueError("a steady state needs at least two stamps")
+    t = np.asarray(stamps, dtype=np.float64) - stamps[0]
+    k = np.arange(len(t), dtype=np.float64)
+    k -= k.mean()
+    return float(np.dot(k, t - t.mean()) / np.dot(k, k))
+
+
 def _finish(downs: deque[tuple[Any, Any, Any]], run: Run) -> None:
     upload, download, _keep = downs.popleft()
     download.wait()
@@ -787,7 +809,7 @@ class Contender:
                 self.notes.append(f"run with shift {shift:g}: wrong results at steps {wrong[:8]}")
                 return
             if timed:
-                result.samples.append((run.stamps[-1] - run.stamps[p.warmup - 1]) / p.steps)
+                result.samples.append(steady_step(run.stamps[p.warmup - 1:]))
             run.handles.clear()
         except Exception as exc:
             self.valid = False
