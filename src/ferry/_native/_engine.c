@@ -57,7 +57,7 @@
  * geometry is computed by the lane when it gets to it. On an engine with
  * helpers a contiguous job of up to cooperative_max_bytes is one share
  * instead, a lead lane's, whose chunk copies idle lanes help with piece by
- * piece (cooperative jobs: see the essay above wake_helper).
+ * piece (cooperative jobs: see the essay above wake_helpers).
  *
  * Upload, per chunk: reap the slot (wait for its previous DMA through its
  * event), gather the chunk into the slot, enqueue HtoD, record the slot's
@@ -509,6 +509,35 @@ static size_t copier_drain(copy_task_t *t) {
         got++;
     }
     return got;
+}
+
+/* The i-th poll of a wait for other threads: spin first, then yield (the awaited one may be preempted). */
+static inline void backoff(unsigned i) {
+    if (i < 4096) cpu_relax();
+    else sched_yield();
+}
+
+static void task_init(copy_task_t *t, char *dst, const char *src, size_t n, size_t piece, int nt,
+                      unsigned long long seq) {
+    t->dst = dst;
+    t->src = src;
+    t->n = n;
+    t->piece = piece;
+    t->pieces = (n + piece - 1) / piece;
+    t->nt = nt;
+    t->seq = seq;
+    atomic_init(&t->next, 0);
+    atomic_init(&t->done, 0);
+}
+
+/* The poster's end of a shared copy: wait until every piece is copied, withdraw the task from
+ * `posted`, then wait until no helper may still read it. A helper counts itself in `active` before it
+ * loads the task pointer, so once `active` reads 0 after the withdrawal none can reach `t` (it lives on
+ * the poster's stack). Both waits yield after a while: a helper may be preempted in its piece. */
+static void task_retire(copy_task_t *t, _Atomic(copy_task_t *) *posted, atomic_int *active) {
+    for (unsigned i = 0; atomic_load_explicit(&t->done, memory_order_acquire) < t->pieces; i++) backoff(i);
+    atomic_store(posted, NULL);
+    for (unsigned i = 0; atomic_load(active); i++) backoff(i);
 }
 
 /* Copy one run of `e` bytes `m` times, host side stepping by `s`, image side contiguous. */
@@ -1568,9 +1597,15 @@ static void hold_wait(engine_t *eng) {
 /* lead_copies=False (a knob for one-job tests: with every lane a lead nobody helps) copies alone after this */
 #define LEAD_ALONE_NS ((int64_t)2000000000)
 
-static int wake_helper(lane_t *L) {
+/* Wake up to `k` sleeping lanes to help L's lead, scanning the other lanes once; how many were woken.
+ * Each wake-up first checks the engine-wide cap (`helping` + `waking` below `helpers`). */
+static int wake_helpers(lane_t *L, int k) {
     engine_t *eng = L->eng;
-    for (int j = 1; j < eng->nlanes; j++) {
+    int woken = 0;
+    for (int j = 1; j < eng->nlanes && woken < k; j++) {
+        if (atomic_load(&eng->idle_sleepers) <= 0 ||
+            atomic_load(&eng->helping) + atomic_load(&eng->waking) >= eng->helpers)
+            break;
         lane_t *M = &eng->lanes[(L->index + j) % eng->nlanes];
         pthread_mutex_lock(&M->mu);
         int go = M->sleeping && !M->help_woken && !M->head;
@@ -1582,43 +1617,33 @@ static int wake_helper(lane_t *L) {
         pthread_mutex_unlock(&M->mu);
         if (go) {
             pthread_cond_signal(&M->cv);
-            return 1;
+            woken++;
         }
     }
-    return 0;
+    return woken;
 }
 
 /* Wake one more helper if the lead may: while lanes sleep, and fewer than `helpers` help or are on
  * their way (every lead counts the same ones: the engine never wakes more than `helpers` to help). */
 static void maybe_wake(lane_t *L, int *woken) {
-    engine_t *eng = L->eng;
-    if (*woken >= eng->helpers || atomic_load(&eng->idle_sleepers) <= 0 ||
-        atomic_load(&eng->helping) + atomic_load(&eng->waking) >= eng->helpers)
+    if (*woken >= L->eng->helpers)
         return;
-    if (wake_helper(L))
+    if (wake_helpers(L, 1))
         (*woken)++;
     else
-        *woken = eng->helpers; /* none asleep to wake: stop looking until the lead's next chunk */
+        *woken = L->eng->helpers; /* none to wake now: stop looking until the lead's next chunk */
 }
 
 /* The lead's chunk copy, shared with the lanes that help (see above). */
 static void coop_copy(lane_t *L, char *dst, const char *src, size_t n, int nt, int *woken) {
     engine_t *eng = L->eng;
-    copy_task_t t;
-    t.dst = dst;
-    t.src = src;
-    t.n = n;
-    t.piece = eng->piece_bytes;
-    t.pieces = (n + t.piece - 1) / t.piece;
-    t.nt = nt;
-    if (t.pieces < 2 && eng->lead_copies) {
+    if (n <= eng->piece_bytes && eng->lead_copies) {
         copy_bytes(dst, src, n, nt);
         return;
     }
     if (*woken >= eng->helpers) *woken = 0; /* helpers that slept through a slot wait may be woken again */
-    t.seq = atomic_fetch_add(&eng->task_seq, 1) + 1;
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
+    copy_task_t t;
+    task_init(&t, dst, src, n, eng->piece_bytes, nt, atomic_fetch_add(&eng->task_seq, 1) + 1);
     atomic_store(&L->help_task, &t);
     atomic_store(&L->help_posted, t.seq);
     if (eng->lead_copies) {
@@ -1629,25 +1654,21 @@ static void coop_copy(lane_t *L, char *dst, const char *src, size_t n, int nt, i
             copier_piece(&t, k);
             atomic_fetch_add_explicit(&t.done, 1, memory_order_release);
         }
-    }
-    int64_t alone_at = eng->lead_copies ? 0 : now_ns() + LEAD_ALONE_NS;
-    for (unsigned i = 0; atomic_load_explicit(&t.done, memory_order_acquire) < t.pieces; i++) {
-        if (alone_at && (i & 255) == 0) { /* tests only: the helpers copy; a lead left alone copies */
-            *woken = 0;
-            maybe_wake(L, woken);
-            if (now_ns() > alone_at) {
-                copier_drain(&t);
-                alone_at = 0;
+    } else { /* tests only: the helpers copy; a lead left alone for LEAD_ALONE_NS copies what is left */
+        int64_t alone_at = now_ns() + LEAD_ALONE_NS;
+        for (unsigned i = 0; atomic_load_explicit(&t.done, memory_order_acquire) < t.pieces; i++) {
+            if ((i & 255) == 0) {
+                *woken = 0;
+                maybe_wake(L, woken);
+                if (now_ns() > alone_at) {
+                    copier_drain(&t);
+                    break;
+                }
             }
+            backoff(i);
         }
-        if (i < 4096) cpu_relax();
-        else sched_yield(); /* a helper was preempted in its piece */
     }
-    atomic_store(&L->help_task, NULL);
-    for (unsigned i = 0; atomic_load(&L->help_active); i++) { /* a helper counted itself, then was preempted */
-        if (i < 4096) cpu_relax();
-        else sched_yield();
-    }
+    task_retire(&t, &L->help_task, &L->help_active);
 }
 
 /*
@@ -2587,9 +2608,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     pthread_mutex_unlock(&eng->mu);
     for (int i = 0; i < nsleep; i++) pthread_cond_signal(&sleepers[i]->cv);
     if (job->coop) /* helpers wake while the lead does: a wake-up costs 50 - 200 us on the H200's VM */
-        for (int i = 0; i < eng->helpers && atomic_load(&eng->helping) + atomic_load(&eng->waking) < eng->helpers &&
-                        wake_helper(&eng->lanes[start]);
-             i++) {}
+        wake_helpers(&eng->lanes[start], eng->helpers);
     if (eng->dt) dt_wake(eng->dt); /* up and polling before the job's first copy ends */
     return (PyObject *)jo;
 fail:
@@ -6220,15 +6239,7 @@ static void copier_start(CopierObject *c) {
 /* The shared copy (GIL released, busy owned, helpers started). */
 static void copier_share(CopierObject *c, char *dst, const char *src, size_t n, int nt) {
     copy_task_t t;
-    t.dst = dst;
-    t.src = src;
-    t.n = n;
-    t.piece = c->piece;
-    t.pieces = (n + c->piece - 1) / c->piece;
-    t.nt = nt;
-    t.seq = ++c->seq;
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
+    task_init(&t, dst, src, n, c->piece, nt, ++c->seq);
     atomic_store(&c->task, &t);
     atomic_store(&c->posted, t.seq);
     if (atomic_load(&c->sleepers)) {
@@ -6237,12 +6248,7 @@ static void copier_share(CopierObject *c, char *dst, const char *src, size_t n, 
         pthread_mutex_unlock(&c->mu);
     }
     if (c->caller_copies) copier_drain(&t);
-    for (unsigned i = 0; atomic_load_explicit(&t.done, memory_order_acquire) < t.pieces; i++) {
-        if (i < 4096) cpu_relax();
-        else sched_yield(); /* a helper was preempted in its piece */
-    }
-    atomic_store(&c->task, NULL);
-    while (atomic_load(&c->active)) cpu_relax();
+    task_retire(&t, &c->task, &c->active);
     atomic_fetch_add_explicit(&c->shared, 1, memory_order_relaxed);
 }
 
