@@ -60,6 +60,32 @@ def test_the_pool_serves_fresh_arrays_and_gives_memory_back(gpu: ferry.Runtime) 
     assert gpu.stats().device_pool_reserved_bytes < 64 * MiB
 
 
+def test_the_pool_calls_are_compiled_where_the_extension_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry import _native, testing
+
+    monkeypatch.delenv("FERRY_CUDA_FAST_PATH", raising=False)  # the default
+    with ferry.Runtime("cuda") as rt:
+        fast_path = rt.info()["fast_path"]
+        backend = testing.backend_of(rt)
+        if _native.load() is None:
+            assert fast_path.startswith("cuda.bindings")
+            return
+        assert "device pool calls native" in fast_path, fast_path  # driver 580 has the entry points
+        assert backend.mem_pool_alloc.__self__ is backend.mem_free_async.__self__ is backend._calls
+        used = rt.stats().device_pool_used_bytes
+        data = np.arange(8 * MiB, dtype=np.uint8)
+        fresh = [rt.empty(8 * MiB, np.uint8) for _ in range(3)]
+        assert rt.stats().device_pool_used_bytes >= used + 24 * MiB
+        while fresh:
+            landed = rt.upload(data, fresh.pop()).wait()[1]
+            assert np.array_equal(rt.download(landed).wait()[1], data)
+            landed.close()
+        with pytest.raises(MemoryError, match="out of memory"):  # the driver's refusal, through on_error
+            rt.empty(1 << 44, np.uint8)
+        again = rt.upload(data).wait()[1]  # the runtime is unharmed
+        assert np.array_equal(rt.download(again).wait()[1], data)
+
+
 def test_device_pool_limit_on_the_gpu() -> None:
     with ferry.Runtime("cuda", device_pool_limit=64 * MiB) as rt:
         arrays = [rt.empty(64 * MiB, np.uint8) for _ in range(4)]

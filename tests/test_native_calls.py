@@ -36,6 +36,8 @@ COPY = ctypes.CFUNCTYPE(CU, U64, U64, SIZE, PTR)  # both directions: (dst, src, 
 RECORD = ctypes.CFUNCTYPE(CU, PTR, PTR)
 ONE = ctypes.CFUNCTYPE(CU, PTR)
 WAIT_EVENT = ctypes.CFUNCTYPE(CU, PTR, PTR, ctypes.c_uint)
+POOL_ALLOC = ctypes.CFUNCTYPE(CU, ctypes.POINTER(U64), SIZE, PTR, PTR)  # (&ptr, nbytes, pool, stream)
+FREE_ASYNC = ctypes.CFUNCTYPE(CU, U64, PTR)
 BATCH_13000 = ctypes.CFUNCTYPE(
     CU, ctypes.POINTER(U64), ctypes.POINTER(U64), ctypes.POINTER(SIZE), SIZE, PTR, ctypes.POINTER(SIZE), SIZE, PTR
 )
@@ -54,6 +56,7 @@ class Driver:
         self.answers: dict[str, list[int]] = {}
         self.otherwise: dict[str, int] = {}
         self.batch_seen: list[dict[str, Any]] = []
+        self.next_ptr = 0x7F0000000000
 
         def answer(name: str) -> int:
             queue = self.answers.get(name)
@@ -93,7 +96,22 @@ class Driver:
             self.log.append(("batch", count, stream))
             return answer("batch")
 
+        def pool_alloc(out: Any, nbytes: int, pool: int, stream: int) -> int:
+            self.log.append(("pool_alloc", nbytes, pool, stream))
+            code = answer("pool_alloc")
+            if not code:
+                out[0] = self.next_ptr
+                self.next_ptr += max(nbytes, 1 << 20)
+            return code
+
+        def free_async(ptr: int, stream: int) -> int:
+            self.log.append(("free_async", ptr, stream))
+            return answer("free_async")
+
         self.keep = {
+            "cuMemAllocFromPoolAsync": POOL_ALLOC(pool_alloc),
+            "cuMemFreeAsync": FREE_ASYNC(free_async),
+            "cuStreamSynchronize": one("stream_sync"),
             "cuMemcpyHtoDAsync": copy("htod"),
             "cuMemcpyDtoHAsync": copy("dtoh"),
             "cuEventRecord": RECORD(record),
@@ -166,6 +184,63 @@ def test_a_failure_goes_to_on_error_with_its_stage(driver: Driver) -> None:
     driver.answers["record"] = [1]
     with pytest.raises(ValueError, match="raised by on_error"):
         boom.event_record(1, 2)
+
+
+class PoolHandle:
+    """A pool handle as cuda.bindings gives it: an object ``int()`` takes."""
+
+    def __int__(self) -> int:
+        return 0x70
+
+
+def test_a_pool_allocation_is_synchronized_once_and_a_free_is_one_call(driver: Driver) -> None:
+    calls = make(driver)
+    assert calls.pool_calls is True
+    first = calls.mem_pool_alloc(0x70, 1 << 20, 0x30)
+    second = calls.mem_pool_alloc(PoolHandle(), 8 << 20, 0x30)
+    assert isinstance(first, int) and first == 0x7F0000000000 and second == first + (1 << 20)
+    assert calls.mem_free_async(first, 0x30) is None
+    assert driver.log == [
+        ("pool_alloc", 1 << 20, 0x70, 0x30), ("stream_sync", 0x30),  # usable on every stream from here
+        ("pool_alloc", 8 << 20, 0x70, 0x30), ("stream_sync", 0x30),
+        ("free_async", first, 0x30),
+    ]
+    with pytest.raises(TypeError):
+        calls.mem_pool_alloc(0x70, 16)
+    with pytest.raises(TypeError):
+        calls.mem_pool_alloc(object(), 16, 0x30)
+
+
+def test_a_failed_pool_call_leaves_nothing_allocated_and_goes_to_on_error(driver: Driver) -> None:
+    failures = Failures(result="answered")
+    calls = make(driver, failures)
+    driver.answers["pool_alloc"] = [2]  # out of memory: nothing allocated, no synchronization
+    assert calls.mem_pool_alloc(0x70, 1 << 30, 0x30) == "answered"
+    assert failures.calls[-1] == ("mem_pool_alloc", 2, 0, (0x70, 1 << 30, 0x30))
+    assert driver.log == [("pool_alloc", 1 << 30, 0x70, 0x30)]
+    driver.log.clear()
+    driver.answers["stream_sync"] = [700]  # allocated, then the synchronization failed: freed again
+    assert calls.mem_pool_alloc(0x70, 16, 0x31) == "answered"
+    (_, _, _, _), (_, _), (free, ptr, stream) = driver.log
+    assert (free, stream) == ("free_async", 0x31) and ptr == driver.next_ptr - (1 << 20)
+    assert failures.calls[-1] == ("mem_pool_alloc", 700, 0, (0x70, 16, 0x31))
+    driver.answers["free_async"] = [201]
+    assert calls.mem_free_async(ptr, 0x31) == "answered"
+    assert failures.calls[-1] == ("mem_free_async", 201, 0, (ptr, 0x31))
+
+
+@pytest.mark.parametrize("missing", ["cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuStreamSynchronize"])
+def test_the_pool_calls_need_all_three_entry_points(driver: Driver, missing: str) -> None:
+    assert engine is not None
+    points = driver.points()
+    del points[missing]
+    calls = engine.Calls(points, Failures())
+    assert calls.pool_calls is False
+    with pytest.raises(RuntimeError, match="stream-ordered allocator"):
+        calls.mem_pool_alloc(0x70, 16, 0x30)
+    with pytest.raises(RuntimeError, match="stream-ordered allocator"):
+        calls.mem_free_async(0x7F0000000000, 0x30)
+    assert driver.log == []
 
 
 def test_a_stream_waits_for_a_list_of_events_in_onecall_inside(driver: Driver) -> None:

@@ -221,7 +221,7 @@ class CudaBackend:
         except RuntimeError as exc:
             return str(exc)
         self._calls = calls
-        for name in _NATIVE_CALLS:
+        for name in _NATIVE_CALLS + (_NATIVE_POOL_CALLS if calls.pool_calls else ()):
             setattr(self, name, getattr(calls, name))
         return ""
 
@@ -232,11 +232,13 @@ class CudaBackend:
         if calls is None:
             return f"cuda.bindings ({self._why_bindings})"
         abi = calls.batch_abi
+        pool = "; device pool calls native" if calls.pool_calls else "; device pool calls through cuda.bindings"
         if abi:
-            return f"native (batches: cuMemcpyBatchAsync, CUDA {abi // 1000}.{abi % 1000 // 10} ABI)"
+            return f"native (batches: cuMemcpyBatchAsync, CUDA {abi // 1000}.{abi % 1000 // 10} ABI{pool})"
         if calls.batch_refused:
-            return f"native (batches: a loop of copies; the driver refused cuMemcpyBatchAsync: {calls.batch_refused})"
-        return "native (batches: a loop of copies; no cuMemcpyBatchAsync here)"
+            return (f"native (batches: a loop of copies; the driver refused cuMemcpyBatchAsync: "
+                    f"{calls.batch_refused}{pool})")
+        return f"native (batches: a loop of copies; no cuMemcpyBatchAsync here{pool})"
 
     @property
     def sync_calls(self) -> int:
@@ -703,6 +705,8 @@ class CudaBackend:
 _NATIVE_CALLS = (
     "htod_record", "dtoh_record", "event_record", "event_query", "event_wait", "event_synchronize", "copy_batch"
 )
+# rt.empty's and a dropped array's driver calls, where the driver has their entry points (Calls.pool_calls)
+_NATIVE_POOL_CALLS = ("mem_pool_alloc", "mem_free_async")
 
 
 def _kernel_driver_version() -> str:

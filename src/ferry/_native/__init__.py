@@ -142,6 +142,21 @@ def cuda_entry_points(driver: Any, version: int = _ABI_VERSION) -> dict[str, int
     return found
 
 
+POOL_ENTRY_POINTS = ("cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuStreamSynchronize")
+
+
+def pool_entry_points(driver: Any, version: int = _ABI_VERSION) -> dict[str, int]:
+    """The stream-ordered allocator's entry points for ``Calls.mem_pool_alloc``/``mem_free_async``:
+    name -> address, those the driver has (``Calls`` takes them only if all three are there)."""
+    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    found: dict[str, int] = {}
+    for name in POOL_ENTRY_POINTS:
+        result = driver.cuGetProcAddress(name.encode(), version, flags)
+        if not int(result[0]) and result[1] is not None and int(result[1]):
+            found[name] = int(result[1])
+    return found
+
+
 def batch_entry_point(driver: Any) -> tuple[int, int]:
     """``cuMemcpyBatchAsync`` of this driver: ``(address, abi)``, or ``(0, 0)`` where it has none.
 
@@ -177,6 +192,7 @@ def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]],
     if module is None:
         raise RuntimeError(f"the native engine is not available: {why}")
     points = cuda_entry_points(driver)
+    points.update(pool_entry_points(driver))
     address, abi = batch_entry_point(driver)
     if address:
         points["cuMemcpyBatchAsync"] = address

@@ -216,6 +216,10 @@ typedef CUresult (*fn_memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUst
 typedef CUresult (*fn_memcpy_dtoh_async)(void *, CUdeviceptr, size_t, CUstream);
 typedef CUresult (*fn_stream_wait_event)(CUstream, CUevent, unsigned int);
 typedef CUresult (*fn_get_error_text)(CUresult, const char **);
+typedef void *CUmemoryPool;
+typedef CUresult (*fn_mem_alloc_from_pool_async)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+typedef CUresult (*fn_mem_free_async)(CUdeviceptr, CUstream);
+typedef CUresult (*fn_stream_synchronize)(CUstream);
 
 typedef struct {
     fn_ctx_set_current cuCtxSetCurrent;
@@ -3201,6 +3205,10 @@ typedef struct {
     fn_event_query query;
     fn_event_synchronize synchronize;
     fn_stream_wait_event wait_event;
+    /* the device pool's calls (rt.empty and a dropped array), all three or none: see Calls_mem_pool_alloc */
+    fn_mem_alloc_from_pool_async pool_alloc;
+    fn_mem_free_async free_async;
+    fn_stream_synchronize stream_sync;
     void *batch;   /* cuMemcpyBatchAsync, or NULL: a batch is a loop of single copies */
     int batch_abi; /* 12080 (with failIdx) or 13000 (without), when batch is set */
     int batch_refused; /* the CUresult with which the driver refused a batch's description (then batch is NULL) */
@@ -3283,9 +3291,17 @@ static PyObject *Calls_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         entry(points, "cuEventQuery", (void **)&self->query, 1) ||
         entry(points, "cuEventSynchronize", (void **)&self->synchronize, 1) ||
         entry(points, "cuStreamWaitEvent", (void **)&self->wait_event, 1) ||
-        entry(points, "cuMemcpyBatchAsync", &batch, 0)) {
+        entry(points, "cuMemcpyBatchAsync", &batch, 0) ||
+        entry(points, "cuMemAllocFromPoolAsync", (void **)&self->pool_alloc, 0) ||
+        entry(points, "cuMemFreeAsync", (void **)&self->free_async, 0) ||
+        entry(points, "cuStreamSynchronize", (void **)&self->stream_sync, 0)) {
         Py_DECREF(self);
         return NULL;
+    }
+    if (!self->pool_alloc || !self->free_async || !self->stream_sync) { /* all or none */
+        self->pool_alloc = NULL;
+        self->free_async = NULL;
+        self->stream_sync = NULL;
     }
     self->batch = batch_abi ? batch : NULL;
     self->batch_abi = self->batch ? batch_abi : 0;
@@ -3523,6 +3539,64 @@ static PyObject *Calls_get_batch_refused(PyObject *obj, void *Py_UNUSED(closure)
     return PyLong_FromLong(((CallsObject *)obj)->batch_refused);
 }
 
+/*
+ * The device pool's hot calls (ferry's stream-ordered allocator: src/ferry/_memory/_device.py).
+ * mem_pool_alloc(pool, nbytes, stream) -> int: cuMemAllocFromPoolAsync on `stream`, then
+ * cuStreamSynchronize(stream): ferry's allocation stream holds only allocations and frees that wait
+ * for nothing, so the synchronization returns at once, and from it on the memory is usable on every
+ * stream. If the synchronization fails the allocation is freed again (cuMemFreeAsync) before the
+ * failure goes to on_error: stage 0 either way, nothing is left allocated. mem_free_async(ptr, stream):
+ * cuMemFreeAsync. `pool` is an int handle or an object int() takes (a cuda.bindings CUmemoryPool).
+ * Both keep the GIL: the driver answers in about a microsecond.
+ */
+static int handle_arg(PyObject *obj, unsigned long long *out) {
+    if (PyLong_Check(obj)) return int_arg(obj, out, 0);
+    PyObject *as_int = PyNumber_Long(obj);
+    if (!as_int) return -1;
+    int rc = int_arg(as_int, out, 0);
+    Py_DECREF(as_int);
+    return rc;
+}
+
+static int pool_calls_present(CallsObject *self) {
+    if (self->pool_alloc) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "this driver lacks the stream-ordered allocator's entry points");
+    return 0;
+}
+
+static PyObject *Calls_mem_pool_alloc(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long pool, nbytes, stream;
+    if (nargs_is(nargs, 3, "mem_pool_alloc") || !pool_calls_present(self) || handle_arg(args[0], &pool) ||
+        int_arg(args[1], &nbytes, 0) || int_arg(args[2], &stream, 0))
+        return NULL;
+    CUdeviceptr ptr = 0;
+    CUstream s = (CUstream)(uintptr_t)stream;
+    CUresult rc = self->pool_alloc(&ptr, (size_t)nbytes, (CUmemoryPool)(uintptr_t)pool, s);
+    if (rc) return calls_failed(self, "mem_pool_alloc", rc, 0, args, nargs);
+    rc = self->stream_sync(s);
+    if (rc) {
+        self->free_async(ptr, s);
+        return calls_failed(self, "mem_pool_alloc", rc, 0, args, nargs);
+    }
+    return PyLong_FromUnsignedLongLong(ptr);
+}
+
+static PyObject *Calls_mem_free_async(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CallsObject *self = (CallsObject *)obj;
+    unsigned long long ptr, stream;
+    if (nargs_is(nargs, 2, "mem_free_async") || !pool_calls_present(self) || int_arg(args[0], &ptr, 0) ||
+        int_arg(args[1], &stream, 0))
+        return NULL;
+    CUresult rc = self->free_async((CUdeviceptr)ptr, (CUstream)(uintptr_t)stream);
+    if (rc) return calls_failed(self, "mem_free_async", rc, 0, args, nargs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Calls_get_pool_calls(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(((CallsObject *)obj)->pool_alloc != NULL);
+}
+
 static PyObject *Calls_get_waits(PyObject *obj, void *Py_UNUSED(closure)) {
     return PyLong_FromLongLong(((CallsObject *)obj)->waits);
 }
@@ -3547,6 +3621,11 @@ static PyMethodDef Calls_methods[] = {
     {"copy_batch", (PyCFunction)(void (*)(void))Calls_copy_batch, METH_FASTCALL,
      "copy_batch(upload, dsts, srcs, sizes, stream, event): the copies in one cuMemcpyBatchAsync (or a loop), "
      "then cuEventRecord (unless event is None)"},
+    {"mem_pool_alloc", (PyCFunction)(void (*)(void))Calls_mem_pool_alloc, METH_FASTCALL,
+     "mem_pool_alloc(pool, nbytes, stream) -> int: cuMemAllocFromPoolAsync, then cuStreamSynchronize(stream) "
+     "(the allocation freed again if that fails)"},
+    {"mem_free_async", (PyCFunction)(void (*)(void))Calls_mem_free_async, METH_FASTCALL,
+     "mem_free_async(ptr, stream): cuMemFreeAsync"},
     {"counts", Calls_counts, METH_NOARGS, "counts() -> dict: waits, copies, batches, batched_copies"},
     {NULL, NULL, 0, NULL},
 };
@@ -3556,6 +3635,8 @@ static PyGetSetDef Calls_getset[] = {
     {"batch_refused", Calls_get_batch_refused, NULL,
      "the CUresult with which the driver refused a batch (batches are loops since); 0: none", NULL},
     {"waits", Calls_get_waits, NULL, "host waits so far (event_wait and event_synchronize calls)", NULL},
+    {"pool_calls", Calls_get_pool_calls, NULL,
+     "whether mem_pool_alloc and mem_free_async run (the driver has all three of their entry points)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
