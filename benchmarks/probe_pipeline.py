@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/probe_pipeline.py --mib 8 --work-ms 1 [--steps 60] [--rounds 5]
         [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off] [--lanes N] [--helpers N]
+        [--stamps [--json FILE]]
 
 The bench's ``pipeline`` group runs each contender's repeats back to back, so a drift of the machine
 (clocks, other tenants) lands on one contender. Here every round runs each contender once, in turn,
@@ -18,6 +19,8 @@ import argparse
 import contextlib
 import cProfile
 import importlib
+import itertools
+import json
 import pstats
 import statistics
 import time
@@ -44,6 +47,10 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=0, help="StagingConfig(lanes=...) (0: the default)")
     parser.add_argument("--helpers", type=int, default=-1,
                         help="StagingConfig(lane_helpers=...) (-1: the default, auto)")
+    parser.add_argument("--stamps", action="store_true",
+                        help="keep every timed run's result arrivals: the two-ended figure beside the slope, "
+                             "and the per-step intervals (p50, p90, max, stalls over 1.5x p50)")
+    parser.add_argument("--json", default="", metavar="FILE", help="with --stamps: write every stamp there")
     parser.add_argument("--phases", action="store_true",
                         help="also time the host's phases of the hand-written fresh pipeline")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -90,6 +97,8 @@ def main() -> None:
             events_order_after(self, job, stream)
 
     samples: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+    stamps: dict[str, list[list[float]]] = {label: [] for label, _, _ in variants}
+    runs = _keep_runs() if args.stamps else []
     notes: dict[str, str] = {}
     shifts = iter(range(1, 1 << 20))
     print(f"# {rt.info()['name']}: {args.mib} MiB, {args.work_ms:g} ms of {work.kind} work per step; "
@@ -99,10 +108,13 @@ def main() -> None:
             for label, route, patched in variants:
                 _native.NativeEngine.order_after = host_wait if patched else events_order_after  # type: ignore[method-assign]
                 result = Result("pipeline", impls.get(route, "ferry"), route, "both", args.mib * pl.MiB)
+                runs.clear()
                 pl._contend(result, p, work, batches, outs, pinned_outs, shifts, ctx, torch, ferry.prefetch)
                 if not result.valid:
                     notes[label] = result.note
                 samples[label].extend(result.samples)
+                if runs and result.samples:
+                    stamps[label].append(list(runs[-1].stamps[warmup - 1:]))
         if args.phases:
             phases(rt, work, batches, outs, total, warmup)
             phases(rt, work, batches, outs, total, warmup, keep=True)
@@ -128,6 +140,41 @@ def main() -> None:
                   f"{max(values) * 1e6:9.1f}us  {notes.get(label, '')}")
         else:
             print(f"{label:28} no sample  {notes.get(label, '')}")
+    if args.stamps:
+        print_stamps(stamps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "samples": samples, "stamps": stamps}, f)
+
+
+def _keep_runs() -> list[Any]:
+    """Make the group keep each run it makes (the last one is the timed run of a ``_contend``)."""
+    kept: list[Any] = []
+
+    class KeptRun(pl.Run):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            kept.append(self)
+
+    pl.Run = KeptRun  # type: ignore[misc]
+    return kept
+
+
+def print_stamps(stamps: dict[str, list[list[float]]]) -> None:
+    """Per contender: the slope (the bench's sample) and the two-ended figure it replaced, medians
+    over runs; the per-step intervals' p50, p90 and max, and how many exceed 1.5x the p50."""
+    print(f"{'contender':28} {'slope':>9} {'2-ended':>9} | per-step interval p50, p90, max; stalls > 1.5x p50")
+    for label, runs in stamps.items():
+        if not runs:
+            continue
+        slope = statistics.median(pl.steady_step(run) for run in runs) * 1e6
+        two_ended = statistics.median((run[-1] - run[0]) / (len(run) - 1) for run in runs) * 1e6
+        intervals = sorted((b - a) * 1e6 for run in runs for a, b in itertools.pairwise(run))
+        p50 = intervals[len(intervals) // 2]
+        p90 = intervals[int(len(intervals) * 0.9)]
+        stalls = sum(1 for x in intervals if x > 1.5 * p50)
+        print(f"{label:28} {slope:8.1f}us {two_ended:8.1f}us | {p50:.1f}, {p90:.1f}, {intervals[-1]:.1f} us; "
+              f"{stalls}/{len(intervals)}")
 
 
 def phases(rt: Any, work: Any, batches: Any, outs: list[Any], total: int, warmup: int, keep: bool = False) -> None:
