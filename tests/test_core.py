@@ -6,6 +6,7 @@ import gc
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,27 +181,39 @@ def test_a_handle_is_waited_at_most_once(rt: ferry.Runtime) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["upload", "download"])
-def test_64_mib_is_not_ready_right_after_submission_then_bytes_arrive(
-    rt: ferry.Runtime, direction: str
-) -> None:
+def test_64_mib_is_not_ready_before_its_bytes_arrive_then_they_arrive(rt: ferry.Runtime, direction: str) -> None:
+    """``is_ready()`` never says True before the destination holds the bytes. Held, a 64 MiB copy is
+    not ready (a bare copy is not ready right after submission only if it outlasts the gap between two
+    calls, which a stall closes). Released, ``is_ready()`` is polled, and the first time it says True the
+    copy must be complete: ``wait(timeout=0)`` returns at once and the destination holds the bytes, read
+    with nothing ordering the read after the copy but that answer: a download's pinned buffer in place,
+    an upload's device array by a reader on a stream of its own (emulated device; on CUDA a download)."""
     nbytes = 64 * MiB
     buf = rt.pinned(nbytes)
     data = fill(buf, 6)
     dev = rt.empty(nbytes, np.uint8)
-    if direction == "upload":
-        pending = rt.upload_pending(buf, dev)
-        ready = pending.is_ready()
-        buf, dev = pending.wait()
-        out = rt.to_host(dev)
-    else:
+    if direction == "download":
         buf, dev = rt.upload_pending(buf, dev).wait()
         poison(buf)
-        pending = rt.download_pending(dev, buf)
-        ready = pending.is_ready()
-        dev, buf = pending.wait()
+    with testing.hold(rt, direction):
+        pending = rt.upload_pending(buf, dev) if direction == "upload" else rt.download_pending(dev, buf)
+        assert pending.is_ready() is False
+    deadline = time.monotonic() + 60
+    while not pending.is_ready():
+        assert time.monotonic() < deadline, "the released copy did not complete within 60 s"
+        time.sleep(0.0005)
+    result: tuple[Any, Any] = pending.wait(timeout=0)
+    if direction == "upload":
+        buf, dev = result
+        if rt.backend == "emulated":
+            reader = testing.side_stream(rt)
+            out = testing.consume(rt, reader, dev.ptr, nbytes).result()
+            dev.record_stream(reader)
+        else:
+            out = rt.to_host(dev)
+    else:
+        dev, buf = result
         out = buf.as_array()
-    assert ready is False
-    assert pending.is_ready() is True
     assert np.array_equal(out, data)
 
 
