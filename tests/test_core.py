@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ferry
+from conftest import HeldAtMost
 from ferry import testing
 
 MiB = 1 << 20
@@ -389,12 +390,11 @@ def test_dropping_a_pending_handle_never_releases_its_objects_early(rt: ferry.Ru
     src = rt.to_device(data)
     buf = rt.pinned(MiB)
     buf_alive, src_alive = weakref.ref(buf), weakref.ref(src)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download") as held:
         pending = rt.download_pending(src, buf)
         del buf, src
-        start = time.perf_counter()
-        del pending  # must return at once although the copy cannot finish
-        assert time.perf_counter() - start < 0.5
+        del pending  # returns although the copy cannot finish: one that waited for it would never return
+        assert not held.expired, "dropping the handle waited for its held copy"
         gc.collect()
         rt.poll()
         assert rt.stats().retiring == 1
@@ -417,7 +417,7 @@ def test_dropping_a_handle_from_another_thread_never_blocks(rt: ferry.Runtime) -
         box["p"] = rt.upload_pending(rt.pinned(4096), rt.empty(4096, np.uint8))
         dropper = threading.Thread(target=box.clear)
         dropper.start()
-        dropper.join(timeout=5)
+        dropper.join(timeout=30)  # the copy is held: a drop that waited for it would never return
         assert not dropper.is_alive()
         assert rt.stats().retiring == 1
 
@@ -529,12 +529,10 @@ def test_pinned_blocks_are_reused_once_their_transfer_completed(rt: ferry.Runtim
     buf, _ = rt.upload_pending(buf, rt.empty(3 * MiB, np.uint8)).wait()
     buf.close()
     allocations = rt.stats().pinned_allocations
-    start = time.perf_counter()
     again = rt.pinned(3 * MiB - 100)  # same size class
-    elapsed = time.perf_counter() - start
+    # reused, not allocated again (what makes it fast: the benchmarks' pinned_alloc group times it)
     assert rt.stats().pinned_allocations == allocations
     assert again.nbytes == 3 * MiB - 100
-    assert elapsed < 0.05
 
 
 def test_a_buffer_in_flight_is_never_handed_out_again(rt: ferry.Runtime) -> None:
