@@ -18,6 +18,7 @@ Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -195,6 +196,48 @@ def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+class HeldAtMost:
+    """:func:`ferry.testing.hold` on ``rt``'s copy streams until :meth:`release` (or the ``with`` block's
+    end), or until ``seconds`` passed, whichever comes first: a safety net instead of a timer on the call
+    under test. While the gate is closed the held copies cannot complete, so a call that returned then did
+    not wait for them, however long the scheduler kept it; one that did wait for them would never return.
+    The net opens the gate after ``seconds`` so that such a call returns and the test fails instead of
+    hanging: :attr:`expired` is then True (it is set before the gate opens). Assert ``not held.expired``
+    right after the call under test."""
+
+    def __init__(self, rt: ferry.Runtime, direction: str = "both", seconds: float = 30.0) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._stack: contextlib.ExitStack | None = contextlib.ExitStack()
+        self._stack.enter_context(testing.hold(rt, direction))
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._stack is not None:
+                self.expired = True
+                self._open()
+
+    def _open(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def release(self) -> None:
+        """Open the gate now (from any thread); the held copies run."""
+        self._timer.cancel()
+        with self._lock:
+            self._open()
+
+    def __enter__(self) -> HeldAtMost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 # -- optional GPU libraries, for the GPU tests -----------------------------------------------------------

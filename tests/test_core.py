@@ -6,11 +6,13 @@ import gc
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ferry
+from conftest import HeldAtMost
 from ferry import testing
 
 MiB = 1 << 20
@@ -180,27 +182,39 @@ def test_a_handle_is_waited_at_most_once(rt: ferry.Runtime) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("direction", ["upload", "download"])
-def test_64_mib_is_not_ready_right_after_submission_then_bytes_arrive(
-    rt: ferry.Runtime, direction: str
-) -> None:
+def test_64_mib_is_not_ready_before_its_bytes_arrive_then_they_arrive(rt: ferry.Runtime, direction: str) -> None:
+    """``is_ready()`` never says True before the destination holds the bytes. Held, a 64 MiB copy is
+    not ready (a bare copy is not ready right after submission only if it outlasts the gap between two
+    calls, which a stall closes). Released, ``is_ready()`` is polled, and the first time it says True the
+    copy must be complete: ``wait(timeout=0)`` returns at once and the destination holds the bytes, read
+    with nothing ordering the read after the copy but that answer: a download's pinned buffer in place,
+    an upload's device array by a reader on a stream of its own (emulated device; on CUDA a download)."""
     nbytes = 64 * MiB
     buf = rt.pinned(nbytes)
     data = fill(buf, 6)
     dev = rt.empty(nbytes, np.uint8)
-    if direction == "upload":
-        pending = rt.upload_pending(buf, dev)
-        ready = pending.is_ready()
-        buf, dev = pending.wait()
-        out = rt.to_host(dev)
-    else:
+    if direction == "download":
         buf, dev = rt.upload_pending(buf, dev).wait()
         poison(buf)
-        pending = rt.download_pending(dev, buf)
-        ready = pending.is_ready()
-        dev, buf = pending.wait()
+    with testing.hold(rt, direction):
+        pending = rt.upload_pending(buf, dev) if direction == "upload" else rt.download_pending(dev, buf)
+        assert pending.is_ready() is False
+    deadline = time.monotonic() + 60
+    while not pending.is_ready():
+        assert time.monotonic() < deadline, "the released copy did not complete within 60 s"
+        time.sleep(0.0005)
+    result: tuple[Any, Any] = pending.wait(timeout=0)
+    if direction == "upload":
+        buf, dev = result
+        if rt.backend == "emulated":
+            reader = testing.side_stream(rt)
+            out = testing.consume(rt, reader, dev.ptr, nbytes).result()
+            dev.record_stream(reader)
+        else:
+            out = rt.to_host(dev)
+    else:
+        dev, buf = result
         out = buf.as_array()
-    assert ready is False
-    assert pending.is_ready() is True
     assert np.array_equal(out, data)
 
 
@@ -376,12 +390,11 @@ def test_dropping_a_pending_handle_never_releases_its_objects_early(rt: ferry.Ru
     src = rt.to_device(data)
     buf = rt.pinned(MiB)
     buf_alive, src_alive = weakref.ref(buf), weakref.ref(src)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download") as held:
         pending = rt.download_pending(src, buf)
         del buf, src
-        start = time.perf_counter()
-        del pending  # must return at once although the copy cannot finish
-        assert time.perf_counter() - start < 0.5
+        del pending  # returns although the copy cannot finish: one that waited for it would never return
+        assert not held.expired, "dropping the handle waited for its held copy"
         gc.collect()
         rt.poll()
         assert rt.stats().retiring == 1
@@ -404,7 +417,7 @@ def test_dropping_a_handle_from_another_thread_never_blocks(rt: ferry.Runtime) -
         box["p"] = rt.upload_pending(rt.pinned(4096), rt.empty(4096, np.uint8))
         dropper = threading.Thread(target=box.clear)
         dropper.start()
-        dropper.join(timeout=5)
+        dropper.join(timeout=30)  # the copy is held: a drop that waited for it would never return
         assert not dropper.is_alive()
         assert rt.stats().retiring == 1
 
@@ -516,12 +529,10 @@ def test_pinned_blocks_are_reused_once_their_transfer_completed(rt: ferry.Runtim
     buf, _ = rt.upload_pending(buf, rt.empty(3 * MiB, np.uint8)).wait()
     buf.close()
     allocations = rt.stats().pinned_allocations
-    start = time.perf_counter()
     again = rt.pinned(3 * MiB - 100)  # same size class
-    elapsed = time.perf_counter() - start
+    # reused, not allocated again (what makes it fast: the benchmarks' pinned_alloc group times it)
     assert rt.stats().pinned_allocations == allocations
     assert again.nbytes == 3 * MiB - 100
-    assert elapsed < 0.05
 
 
 def test_a_buffer_in_flight_is_never_handed_out_again(rt: ferry.Runtime) -> None:

@@ -7,6 +7,9 @@
 makes "not complete yet" deterministic; it is released from a timer thread
 where the main thread must be blocked meanwhile. Ctrl-C is sent once the main
 thread is seen asleep inside the wait, never on a timer that could fire first.
+No upper bound on a wall-clock time is tight: a call that must not wait for a held copy
+runs under :class:`conftest.HeldAtMost`, whose gate opens only after 30 s, so such a
+call that did wait returns only then, and the test fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ import numpy as np
 import pytest
 
 import ferry
+from conftest import HeldAtMost
 from ferry import testing
 from ferry._routes._native import NativeJob
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-INTERRUPT_BOUND = 1.0  # s: generous; the requirement is 100 ms and the measured latency is printed
+# s: the latency is printed (docs/waiting.md: milliseconds); the bound only tells an interrupted wait from one
+# that returned at its 30 s timeout or once its held copy was let go (HeldAtMost, after 30 s): a scheduler's
+# delay is never that long, where a bound under a second could flip on a loaded machine
+INTERRUPT_BOUND = 10.0
 
 
 def _held(rt: ferry.Runtime, direction: str = "both") -> Callable[[], None]:
@@ -146,14 +153,15 @@ def _retired(rt: ferry.Runtime) -> bool:
 def test_a_wait_times_out_then_waits_again(rt: ferry.Runtime) -> None:
     data = np.arange(1 << 16, dtype=np.int32)
     dropped_data = np.arange(100, dtype=np.uint8)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download") as held:
         pending = _download(rt, data)
         dropped = _download(rt, dropped_data)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="still pending"):
             pending.wait(timeout=0.1)
         elapsed = time.monotonic() - start
-        assert 0.1 <= elapsed < 1.0, f"timed out after {elapsed:.3f} s"
+        assert elapsed >= 0.1, f"timed out after {elapsed:.3f} s"  # the timeout's whole length, not less
+        assert not held.expired, "the wait ignored its timeout: it returned once the held copy was let go"
         assert not pending.is_ready()
         with pytest.raises(TimeoutError):
             pending.wait(timeout=0.05)  # and again
@@ -168,12 +176,11 @@ def test_a_wait_times_out_then_waits_again(rt: ferry.Runtime) -> None:
 
 def test_timeout_zero_is_a_poll(rt: ferry.Runtime) -> None:
     data = np.arange(4096, dtype=np.uint8)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download") as held:
         pending = _download(rt, data)
-        start = time.monotonic()
         with pytest.raises(TimeoutError):
             pending.wait(timeout=0)
-        assert time.monotonic() - start < 0.5
+        assert not held.expired, "wait(timeout=0) waited for the held copy"
     deadline = time.monotonic() + 20
     while not pending.is_ready() and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -212,7 +219,7 @@ def test_a_long_wait_sleeps(rt: ferry.Runtime) -> None:
 
 def test_ctrl_c_interrupts_wait_and_the_handle_can_be_waited_again(rt: ferry.Runtime) -> None:
     data = np.arange(1 << 16, dtype=np.float32)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download"):
         pending = _download(rt, data)
         interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
@@ -228,7 +235,7 @@ def test_ctrl_c_interrupts_wait_and_the_handle_can_be_waited_again(rt: ferry.Run
 
 def test_ctrl_c_interrupts_a_wait_with_a_timeout(rt: ferry.Runtime) -> None:
     data = np.arange(1 << 10, dtype=np.float32)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download"):
         pending = _download(rt, data)
         interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
@@ -242,7 +249,7 @@ def test_ctrl_c_interrupts_a_wait_with_a_timeout(rt: ferry.Runtime) -> None:
 def test_ctrl_c_interrupts_to_host_and_leaves_everything_valid(rt: ferry.Runtime) -> None:
     data = np.arange(1 << 16, dtype=np.int64)
     dev = rt.to_device(data)
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download"):
         interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
             rt.to_host(dev)
@@ -262,7 +269,7 @@ def test_ctrl_c_interrupts_the_wait_of_a_staged_upload() -> None:
     with ferry.Runtime("emulated", staging=config) as rt:
         data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: four chunks on two lanes
         dev = rt.empty(data.shape, data.dtype)
-        with testing.hold(rt, "upload"):
+        with HeldAtMost(rt, "upload"):
             pending = rt.upload(data, dev)
             interrupt = _Interrupt()
             with pytest.raises(KeyboardInterrupt):
@@ -277,7 +284,7 @@ def test_ctrl_c_interrupts_the_wait_of_a_staged_upload() -> None:
 
 def test_ctrl_c_interrupts_wait_all(rt: ferry.Runtime) -> None:
     arrays = [np.full(1000, i, np.int32) for i in range(3)]
-    with testing.hold(rt, "download"):
+    with HeldAtMost(rt, "download"):
         handles = [_download(rt, a) for a in arrays]
         interrupt = _Interrupt()
         with pytest.raises(KeyboardInterrupt):
@@ -294,7 +301,7 @@ def test_ctrl_c_interrupts_close_and_the_runtime_stays_open(backend_name: str) -
     rt = ferry.Runtime(backend_name)
     try:
         data = np.arange(1 << 12, dtype=np.uint16)
-        with testing.hold(rt, "download"):
+        with HeldAtMost(rt, "download"):
             pending = _download(rt, data)
             interrupt = _Interrupt()
             with pytest.raises(KeyboardInterrupt):
@@ -317,12 +324,13 @@ def test_close_with_a_timeout_leaves_the_runtime_open(backend_name: str) -> None
     rt = ferry.Runtime(backend_name)
     try:
         data = np.arange(1 << 12, dtype=np.int16)
-        with testing.hold(rt, "download"):
+        with HeldAtMost(rt, "download") as held:
             pending = _download(rt, data)
             start = time.monotonic()
             with pytest.raises(TimeoutError, match="still open"):
                 rt.close(timeout=0.1)
-            assert time.monotonic() - start < 1.0
+            assert time.monotonic() - start >= 0.1  # it waited its whole timeout for the held copy
+            assert not held.expired, "close() ignored its timeout: it returned once the held copy was let go"
             assert not rt.closed
             dev = rt.to_device(data)  # submissions are accepted (the upload stream is not held)
             later = rt.download_pending(dev, rt.pinned(data.nbytes))  # and waited for by the next close
@@ -438,7 +446,9 @@ def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None
     assert result.returncode == 0, result.stderr
     exiting = ended - float(result.stdout.strip())
     print(f"exit took {exiting:.2f} s with FERRY_EXIT_TIMEOUT=0.5")
-    assert 0.5 <= exiting < 5.0, f"exit took {exiting:.2f} s"
+    # at least the timeout (the producer never finishes); well below the default 30 s that an exit ignoring
+    # FERRY_EXIT_TIMEOUT would wait (a tighter bound timed the child's shutdown on a loaded machine)
+    assert 0.5 <= exiting < 20.0, f"exit took {exiting:.2f} s"
     assert "ferry: warning" in result.stderr and "FERRY_EXIT_TIMEOUT" in result.stderr
     assert f"{backend_name} device 0: 2 transfer(s), {(1 << 20) + 4096} bytes" in result.stderr
     assert "1 with a pending handle, 1 dropped" in result.stderr
@@ -449,7 +459,7 @@ def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None
 def test_exit_timeout_zero_gives_up_at_once(backend_name: str) -> None:
     result, ended = _run(_HELD_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0")
     assert result.returncode == 0, result.stderr
-    assert ended - float(result.stdout.strip()) < 4.0
+    assert ended - float(result.stdout.strip()) < 20.0  # not the default 30 s (the producer never finishes)
     assert "2 transfer(s)" in result.stderr
 
 
