@@ -244,6 +244,18 @@ def test_steady_step_is_the_slope_and_shrugs_off_a_late_end_stamp() -> None:
         _pipeline.steady_step([1.0])
 
 
+def test_a_runs_sample_leaves_out_the_ramp_up_and_the_drain() -> None:
+    warmup, steps = 3, 20
+    stamps = [1e-3 * k for k in range(warmup + steps)]
+    assert _pipeline.run_sample(stamps, warmup) == pytest.approx(1e-3, rel=1e-9)
+    slow = list(stamps)
+    slow[0] -= 5e-3  # a slow ramp-up
+    slow[-1] += 2e-3  # the drain: the last result noticed late
+    assert _pipeline.run_sample(slow, warmup) == pytest.approx(1e-3, rel=1e-9)
+    stalled = slow[:warmup + 5] + [t + 2e-3 for t in slow[warmup + 5:]]  # a stall inside the steady state counts
+    assert _pipeline.run_sample(stalled, warmup) > 1e-3 + 0.5 * 2e-3 / steps
+
+
 def _peer_rows(work: list[float], best: float, prefetch: float) -> list[Result]:
     c = "8 MiB, 8 ms"
     return [

@@ -30,8 +30,13 @@ Contenders (one ``Result`` each per configuration, ``impl``/``route``):
 
 Timing: a run is ``warmup + steps`` steps; the host stamps each result's
 arrival, and the run's sample is the time per step of its steady state
-(results ``warmup - 1`` to the last, ramp-up excluded): the least-squares
-slope of those stamps against the step number (:func:`steady_step`). The
+(:func:`run_sample`: results ``warmup - 1`` to the last but one; the ramp-up
+and the drain excluded): the least-squares slope of those stamps against the
+step number (:func:`steady_step`). The drain is the last result: it is waited
+for right after the one before it arrived, so it waits behind a whole step of
+device work with nothing queued after it, which no steady-state step does (a
+ferry wait that outlasts its spin sleeps, and wakes 130 - 600 us after the
+copy on the H200; PyTorch's ``event.synchronize()`` spins). The
 slope counts a stall inside the window as the wall clock does (on average
 over where it falls), but a stamp taken late at either end of the window
 (the host noticed the first or the last arrival late: a sleeping wait's
@@ -466,6 +471,12 @@ def steady_step(stamps: list[float]) -> float:
     return float(np.dot(k, t - t.mean()) / np.dot(k, k))
 
 
+def run_sample(stamps: list[float], warmup: int) -> float:
+    """A run's sample from its result arrivals: the slope of its steady state, ``stamps[warmup - 1]``
+    (the last ramp-up result) to ``stamps[-2]`` (the last but one: the drain is left out)."""
+    return steady_step(stamps[warmup - 1:-1])
+
+
 def _finish(downs: deque[tuple[Any, Any, Any]], run: Run) -> None:
     upload, download, _keep = downs.popleft()
     download.wait()
@@ -809,7 +820,7 @@ class Contender:
                 self.notes.append(f"run with shift {shift:g}: wrong results at steps {wrong[:8]}")
                 return
             if timed:
-                result.samples.append(steady_step(run.stamps[p.warmup - 1:]))
+                result.samples.append(run_sample(run.stamps, p.warmup))
             run.handles.clear()
         except Exception as exc:
             self.valid = False
