@@ -253,15 +253,19 @@ def floor_tie(a: Result, b: Result, work: Result | None) -> tuple[bool, float, f
 
     No pipeline runs faster than its device work alone (``work``): where both
     contenders sit on that floor, which one measures lower is noise. They tie
-    when both medians lie within the floor's resolution of the floor's median:
-    the floor's own relative spread over its runs in this run ((max - min) /
-    median), at least ``FLOOR_RESOLUTION`` (0.1%). The floor of transfers alone
-    is not one: a peer may move bytes faster than ferry does.
+    when both medians lie within the run's resolution of the floor's median.
+    The resolution is the largest of: ``FLOOR_RESOLUTION`` (0.1%); the floor's
+    own relative spread over its runs in this run ((max - min) / median); and
+    how far either contender measured *below* the floor (relative to it),
+    since that is an error of this run's measurement, not a speed. The floor
+    of transfers alone is not one: a peer may move bytes faster than ferry does.
     """
     if work is None or not work.samples or math.isnan(work.median):
         return False, math.nan, math.nan
     floor = work.median
-    resolution = max(FLOOR_RESOLUTION, (max(work.samples) - min(work.samples)) / floor)
+    spread = (max(work.samples) - min(work.samples)) / floor
+    below = max((floor - a.median) / floor, (floor - b.median) / floor)
+    resolution = max(FLOOR_RESOLUTION, spread, below)
     tie = a.median <= floor * (1 + resolution) and b.median >= floor * (1 - resolution)
     return tie, a.median / floor, resolution
 
