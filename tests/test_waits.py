@@ -187,6 +187,23 @@ def test_timeout_zero_is_a_poll(rt: ferry.Runtime) -> None:
     _check(pending.wait(timeout=0), data)
 
 
+def test_a_poll_does_not_wake_the_watcher(rt: ferry.Runtime) -> None:
+    from ferry._runtime import parts_of
+
+    with ferry.Runtime(rt.backend) as fresh:
+        completion = parts_of(fresh).completion
+        with HeldAtMost(fresh, "download") as held:  # nothing waited before: no watcher yet
+            pending = fresh.download_pending(fresh.empty(4096, np.uint8), fresh.pinned(4096))
+            assert completion.watcher is None
+            for _ in range(3):
+                with pytest.raises(TimeoutError):
+                    pending.wait(timeout=0)
+            assert completion.watcher is None  # no thread was started to sleep on what was only polled
+            assert not held.expired
+        dev, buf = pending.wait()
+        assert dev.nbytes == buf.nbytes == 4096
+
+
 def test_a_staged_transfer_times_out_then_waits_again(rt: ferry.Runtime) -> None:
     data = np.random.default_rng(3).integers(0, 255, 24 << 20, dtype=np.uint8)  # beyond direct_bytes: staged
     with testing.hold(rt, "upload"):
