@@ -804,13 +804,14 @@ class Completion:
     def _sleep(self, record: Record, deadline: float | None) -> bool:
         """Sleep on the record's signal (in slices) until it is set or ``deadline`` passed.
 
-        A deadline already passed (a poll, or a timeout spent spinning) returns False at once: the
-        watcher is not asked to sleep on a record no one waits for.
+        A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
+        record has one, else False: the watcher is not asked to sleep on a record no one waits for.
         """
         if _waiting.on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself
             return self._poll_until(record, deadline)
         if deadline is not None and time.monotonic() >= deadline:
-            return False
+            signal = record.signal
+            return signal is not None and signal.flag.is_set()
         flag = self.signal(record).flag
         while True:
             remaining = _remaining(deadline)
