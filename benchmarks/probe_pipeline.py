@@ -114,7 +114,7 @@ def main() -> None:
                     notes[label] = result.note
                 samples[label].extend(result.samples)
                 if runs and result.samples:
-                    stamps[label].append(list(runs[-1].stamps[warmup - 1:]))
+                    stamps[label].append(list(runs[-1].stamps[warmup - 1:]))  # the drain too
         if args.phases:
             phases(rt, work, batches, outs, total, warmup)
             phases(rt, work, batches, outs, total, warmup, keep=True)
@@ -161,20 +161,25 @@ def _keep_runs() -> list[Any]:
 
 
 def print_stamps(stamps: dict[str, list[list[float]]]) -> None:
-    """Per contender: the slope (the bench's sample) and the two-ended figure it replaced, medians
-    over runs; the per-step intervals' p50, p90 and max, and how many exceed 1.5x the p50."""
-    print(f"{'contender':28} {'slope':>9} {'2-ended':>9} | per-step interval p50, p90, max; stalls > 1.5x p50")
+    """Per contender, medians over runs: the slope of the steady state (the bench's sample: the
+    drain, the last result, left out), the two-ended figure over the same stamps, and the drain's
+    own interval; the steady state's per-step intervals (p50, p90, max) and how many exceed 1.5x
+    the p50."""
+    print(f"{'contender':28} {'slope':>9} {'2-ended':>9} {'drain':>9} | per-step interval p50, p90, max; "
+          "stalls > 1.5x p50")
     for label, runs in stamps.items():
         if not runs:
             continue
-        slope = statistics.median(pl.steady_step(run) for run in runs) * 1e6
-        two_ended = statistics.median((run[-1] - run[0]) / (len(run) - 1) for run in runs) * 1e6
-        intervals = sorted((b - a) * 1e6 for run in runs for a, b in itertools.pairwise(run))
+        steady = [run[:-1] for run in runs]  # the stamps from warmup - 1 on: as run_sample takes them
+        slope = statistics.median(pl.steady_step(run) for run in steady) * 1e6
+        two_ended = statistics.median((run[-1] - run[0]) / (len(run) - 1) for run in steady) * 1e6
+        drain = statistics.median(run[-1] - run[-2] for run in runs) * 1e6
+        intervals = sorted((b - a) * 1e6 for run in steady for a, b in itertools.pairwise(run))
         p50 = intervals[len(intervals) // 2]
         p90 = intervals[int(len(intervals) * 0.9)]
         stalls = sum(1 for x in intervals if x > 1.5 * p50)
-        print(f"{label:28} {slope:8.1f}us {two_ended:8.1f}us | {p50:.1f}, {p90:.1f}, {intervals[-1]:.1f} us; "
-              f"{stalls}/{len(intervals)}")
+        print(f"{label:28} {slope:8.1f}us {two_ended:8.1f}us {drain:8.1f}us | {p50:.1f}, {p90:.1f}, "
+              f"{intervals[-1]:.1f} us; {stalls}/{len(intervals)}")
 
 
 def phases(rt: Any, work: Any, batches: Any, outs: list[Any], total: int, warmup: int, keep: bool = False) -> None:

@@ -36,12 +36,10 @@ step number (:func:`steady_step`). The drain is the last result: it is waited
 for right after the one before it arrived, so it waits behind a whole step of
 device work with nothing queued after it, which no steady-state step does (a
 ferry wait that outlasts its spin sleeps, and wakes 130 - 600 us after the
-copy on the H200; PyTorch's ``event.synchronize()`` spins). The
-slope counts a stall inside the window as the wall clock does (on average
-over where it falls), but a stamp taken late at either end of the window
-(the host noticed the first or the last arrival late: a sleeping wait's
-wake-up, a pinning thread holding the host) moves it ~``steps / 6`` times
-less than the two-ended difference ``(last - first) / steps``. Each contender of
+copy on the H200; PyTorch's ``event.synchronize()`` spins). A stamp taken
+late at either end of the window moves the slope ~``steps / 6`` times less
+than the two-ended difference ``(last - first) / steps``; a stall inside it
+counts by where it falls (see :func:`steady_step`). Each contender of
 a configuration runs once untimed, then the timed runs go round by round,
 every contender once per round, so that a drift of the machine (clocks, other
 tenants) lands on all of them alike; the median is reported.
@@ -460,9 +458,10 @@ def steady_step(stamps: list[float]) -> float:
     """Seconds per step of a steady state: the least-squares slope of the arrival ``stamps``
     against the step number (``stamps[i]`` is step ``i``'s; at least two).
 
-    Its expectation equals ``(stamps[-1] - stamps[0]) / (len(stamps) - 1)``'s, stalls included,
-    but an error of ``d`` in an end stamp moves it by ``6 d / (n (n + 1))`` (n stamps), not
-    ``d / (n - 1)``.
+    An error of ``d`` in an end stamp moves it by ``6 d / (n (n + 1))`` (n stamps), where it moves
+    ``(stamps[-1] - stamps[0]) / (n - 1)`` by ``d / (n - 1)``. A stall inside the window moves both,
+    the slope by ~0.15x (next to an end) to 1.5x (in the middle) of the two-ended figure's amount:
+    the same only on average over where the stall falls.
     """
     if len(stamps) < 2:
         raise ValueError("a steady state needs at least two stamps")

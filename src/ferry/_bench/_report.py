@@ -248,25 +248,25 @@ FLOOR_RESOLUTION = 1e-3  # the least relative resolution granted to a tie on the
 
 
 def floor_tie(a: Result, b: Result, work: Result | None) -> tuple[bool, float, float]:
-    """Whether ``a`` and ``b`` tie on the device-work floor, its relative position there, and the
+    """Whether ``a`` and ``b`` tie on the device-work floor, ``a``'s relative position there, and the
     resolution used.
 
     No pipeline runs faster than its device work alone (``work``): where both
-    contenders sit on that floor, which one measures lower is noise. They tie
-    when both medians lie within the run's resolution of the floor's median.
-    The resolution is the largest of: ``FLOOR_RESOLUTION`` (0.1%); the floor's
-    own relative spread over its runs in this run ((max - min) / median); and
-    how far either contender measured *below* the floor (relative to it),
-    since that is an error of this run's measurement, not a speed. The floor
-    of transfers alone is not one: a peer may move bytes faster than ferry does.
+    contenders sit on that floor, which one measures lower is noise. The run's
+    resolution r is the floor's own relative spread over its runs in this run
+    ((max - min) / median), at least ``FLOOR_RESOLUTION`` (0.1%). They tie when
+    ``b`` lies at or above the floor less r, ``a`` at most r above the floor,
+    and ``a`` at most r above ``b``. A ``b`` further under the floor than r is
+    no tie: the floor did not hold in this run, and the strict ratio stands.
+    The floor of transfers alone is not one: a peer may move bytes faster
+    than ferry does.
     """
     if work is None or not work.samples or math.isnan(work.median):
         return False, math.nan, math.nan
     floor = work.median
-    spread = (max(work.samples) - min(work.samples)) / floor
-    below = max((floor - a.median) / floor, (floor - b.median) / floor)
-    resolution = max(FLOOR_RESOLUTION, spread, below)
-    tie = a.median <= floor * (1 + resolution) and b.median >= floor * (1 - resolution)
+    resolution = max(FLOOR_RESOLUTION, (max(work.samples) - min(work.samples)) / floor)
+    tie = (b.median >= floor * (1 - resolution) and a.median <= floor * (1 + resolution)
+           and a.median <= b.median * (1 + resolution))
     return tie, a.median / floor, resolution
 
 
