@@ -127,14 +127,11 @@ def cuda_entry_points(driver: Any, version: int = _ABI_VERSION) -> dict[str, int
         raise RuntimeError(f"the native engine is not available: {why}")
     names: tuple[str, ...] = module.entry_point_names()
     required = names[: len(names) - 2]  # the last two (error texts) are optional
-    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     found: dict[str, int] = {}
     for name in names:
-        result = driver.cuGetProcAddress(name.encode(), version, flags)
-        err, pfn = result[0], result[1]  # (err, pfn) or (err, pfn, symbolStatus), by bindings version
-        if int(err):
-            raise RuntimeError(f"cuGetProcAddress({name!r}, {version}) failed with CUresult {int(err)}")
-        address = int(pfn) if pfn is not None else 0
+        err, address = _proc_address(driver, name, version)
+        if err:
+            raise RuntimeError(f"cuGetProcAddress({name!r}, {version}) failed with CUresult {err}")
         if address:
             found[name] = address
         elif name in required:
@@ -148,13 +145,20 @@ POOL_ENTRY_POINTS = ("cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuStreamSynch
 def pool_entry_points(driver: Any, version: int = _ABI_VERSION) -> dict[str, int]:
     """The stream-ordered allocator's entry points for ``Calls.mem_pool_alloc``/``mem_free_async``:
     name -> address, those the driver has (``Calls`` takes them only if all three are there)."""
-    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     found: dict[str, int] = {}
     for name in POOL_ENTRY_POINTS:
-        result = driver.cuGetProcAddress(name.encode(), version, flags)
-        if not int(result[0]) and result[1] is not None and int(result[1]):
-            found[name] = int(result[1])
+        err, address = _proc_address(driver, name, version)
+        if not err and address:
+            found[name] = address
     return found
+
+
+def _proc_address(driver: Any, name: str, version: int) -> tuple[int, int]:
+    """``cuGetProcAddress(name, version)``: ``(CUresult, address)``, the address 0 where there is none."""
+    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    result = driver.cuGetProcAddress(name.encode(), version, flags)
+    err, pfn = result[0], result[1]  # (err, pfn) or (err, pfn, symbolStatus), by bindings version
+    return int(err), int(pfn) if pfn is not None else 0
 
 
 def batch_entry_point(driver: Any) -> tuple[int, int]:
@@ -170,11 +174,10 @@ def batch_entry_point(driver: Any) -> tuple[int, int]:
     if int(err) or version < 12080:
         return 0, 0
     abi = 13000 if version >= 13000 else 12080
-    flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-    result = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, flags)
-    if int(result[0]) or result[1] is None or not int(result[1]):
+    err, address = _proc_address(driver, "cuMemcpyBatchAsync", abi)
+    if err or not address:
         return 0, 0
-    return int(result[1]), abi
+    return address, abi
 
 
 def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]], Any]) -> Any:
