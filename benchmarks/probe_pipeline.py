@@ -1,8 +1,8 @@
 """One ``pipeline`` configuration, its contenders interleaved round by round, for A/B questions.
 
     PYTHONPATH=src python3 benchmarks/probe_pipeline.py --mib 8 --work-ms 1 [--steps 60] [--rounds 5]
-        [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off] [--lanes N] [--helpers N]
-        [--stamps [--json FILE]]
+        [--contenders prefetch,fresh,best,work_only] [--host-wait-hand-off] [--nap-off] [--no-mark]
+        [--lanes N] [--helpers N] [--stamps [--json FILE]]
 
 The bench's ``pipeline`` group runs each contender's repeats back to back, so a drift of the machine
 (clocks, other tenants) lands on one contender. Here every round runs each contender once, in turn,
@@ -10,7 +10,9 @@ on the same calibrated device work and the same batches; the report gives each c
 and min over rounds of the per-step wall time (steady state, as in the group), with every result
 verified. ``--host-wait-hand-off`` adds variants of the ferry contenders whose staged hand-off
 waits on the host for the whole upload (the native engine's behaviour before its hand-off by
-posted events), to compare the two on one machine. Needs a GPU and PyTorch (or CuPy).
+posted events), to compare the two on one machine; ``--nap-off`` adds variants whose waits sleep on the watcher at
+once past their spin (as before the nap), ``--no-mark`` one of ``ferry.prefetch`` without its
+per-step mark on the consumer's stream. Needs a GPU and PyTorch (or CuPy).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from typing import Any
 import numpy as np
 
 import ferry
+from ferry import _completion
 from ferry._bench import _pipeline as pl
 from ferry._bench._protocol import Result
+from ferry._prefetch import Prefetcher
 from ferry._routes import _native
 
 
@@ -43,6 +47,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--contenders", default="work_only,transfers_only,fresh,ring,prefetch,best")
     parser.add_argument("--host-wait-hand-off", action="store_true")
+    parser.add_argument("--nap-off", action="store_true",
+                        help="add variants of the ferry contenders whose waits do not nap past their spin "
+                             "(they sleep on the watcher's wake-up at once, as before the nap)")
+    parser.add_argument("--no-mark", action="store_true",
+                        help="add a variant of ferry.prefetch without its per-step mark on the consumer's stream")
     parser.add_argument("--backend", default="cuda", help="cuda, or emulated for a smoke test")
     parser.add_argument("--lanes", type=int, default=0, help="StagingConfig(lanes=...) (0: the default)")
     parser.add_argument("--helpers", type=int, default=-1,
@@ -83,12 +92,19 @@ def main() -> None:
                    if torch is not None else [])
     impls = {"work_only": "floor", "transfers_only": "floor", "best": "torch", "cuda": "torch"}
     names = [c for c in args.contenders.split(",") if c]
-    variants: list[tuple[str, str, bool]] = []
+    variants: list[tuple[str, str, str]] = []  # label, route, patch ("": none)
     for name in names:
-        variants.append((name, name, False))
-        if args.host_wait_hand_off and impls.get(name, "ferry") in ("ferry", "floor") and name != "work_only":
-            variants.append((f"{name}+host_wait", name, True))
+        variants.append((name, name, ""))
+        ours = impls.get(name, "ferry") in ("ferry", "floor") and name != "work_only"
+        if args.host_wait_hand_off and ours:
+            variants.append((f"{name}+host_wait", name, "host_wait"))
+        if args.nap_off and ours:
+            variants.append((f"{name}+nap_off", name, "nap_off"))
+        if args.no_mark and name == "prefetch":
+            variants.append((f"{name}+no_mark", name, "no_mark"))
     events_order_after = _native.NativeEngine.order_after
+    nap_window = _completion.NAP_WINDOW
+    mark = Prefetcher._mark
 
     def host_wait(self: Any, job: Any, stream: Any) -> None:
         if self.cuda:
@@ -98,6 +114,10 @@ def main() -> None:
 
     samples: dict[str, list[float]] = {label: [] for label, _, _ in variants}
     stamps: dict[str, list[list[float]]] = {label: [] for label, _, _ in variants}
+
+    def no_mark(self: Any, stream: Any) -> None:
+        return None
+
     runs = _keep_runs() if args.stamps else []
     notes: dict[str, str] = {}
     shifts = iter(range(1, 1 << 20))
@@ -105,8 +125,11 @@ def main() -> None:
           f"{args.steps} timed steps, {args.rounds} rounds; {work.detail}")
     try:
         for _ in range(args.rounds):
-            for label, route, patched in variants:
-                _native.NativeEngine.order_after = host_wait if patched else events_order_after  # type: ignore[method-assign]
+            for label, route, patch in variants:
+                _native.NativeEngine.order_after = (  # type: ignore[method-assign]
+                    host_wait if patch == "host_wait" else events_order_after)
+                _completion.NAP_WINDOW = 0.0 if patch == "nap_off" else nap_window
+                Prefetcher._mark = no_mark if patch == "no_mark" else mark  # type: ignore[method-assign]
                 result = Result("pipeline", impls.get(route, "ferry"), route, "both", args.mib * pl.MiB)
                 runs.clear()
                 pl._contend(result, p, work, batches, outs, pinned_outs, shifts, ctx, torch, ferry.prefetch)
@@ -131,6 +154,8 @@ def main() -> None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     finally:
         _native.NativeEngine.order_after = events_order_after  # type: ignore[method-assign]
+        _completion.NAP_WINDOW = nap_window
+        Prefetcher._mark = mark  # type: ignore[method-assign]
         work.close()
         rt.close()
     print(f"{'contender':28} {'median':>10} {'min':>10} {'max':>10}  (per step)")

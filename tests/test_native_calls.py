@@ -209,6 +209,11 @@ def test_a_pool_allocation_is_synchronized_once_and_a_free_is_one_call(driver: D
         calls.mem_pool_alloc(0x70, 16)
     with pytest.raises(TypeError):
         calls.mem_pool_alloc(object(), 16, 0x30)
+    for not_a_handle in ("112", 112.0, b"p"):  # int() takes the first two: a handle is no number's text
+        with pytest.raises(TypeError, match="handle"):
+            calls.mem_pool_alloc(not_a_handle, 16, 0x30)
+    assert calls.mem_pool_alloc(np.uint64(0x70), 16, 0x30) == second + (8 << 20)  # an index is an int
+    assert len(driver.log) == 7  # the refused calls reached no driver entry point
 
 
 def test_a_failed_pool_call_leaves_nothing_allocated_and_goes_to_on_error(driver: Driver) -> None:
@@ -227,6 +232,10 @@ def test_a_failed_pool_call_leaves_nothing_allocated_and_goes_to_on_error(driver
     driver.answers["free_async"] = [201]
     assert calls.mem_free_async(ptr, 0x31) == "answered"
     assert failures.calls[-1] == ("mem_free_async", 201, 0, (ptr, 0x31))
+    driver.answers["stream_sync"] = [700]  # the synchronization and the free again both fail
+    driver.answers["free_async"] = [700]
+    assert calls.mem_pool_alloc(0x70, 16, 0x31) == "answered"
+    assert failures.calls[-1] == ("mem_pool_alloc", 700, 2, (0x70, 16, 0x31))  # stage 2: no retry allocates again
 
 
 @pytest.mark.parametrize("missing", ["cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuStreamSynchronize"])

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import CodeType
+from types import CodeType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ import pytest
 
 import ferry
 from conftest import HeldAtMost
-from ferry import testing
+from ferry import _completion, testing
 from ferry._routes._native import NativeJob
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -202,6 +202,94 @@ def test_a_poll_does_not_wake_the_watcher(rt: ferry.Runtime) -> None:
             assert not held.expired
         dev, buf = pending.wait()
         assert dev.nbytes == buf.nbytes == 4096
+
+
+# -- past the spin: the nap, then the watcher ------------------------------------------------------------
+
+
+def _waiter(pending: ferry.PendingDownload) -> tuple[threading.Thread, list[Any]]:
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(pending.wait()), daemon=True)
+    thread.start()
+    return thread, results
+
+
+def test_a_wait_past_its_spin_notices_the_copy_itself(rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry._runtime import parts_of
+
+    monkeypatch.setattr(_completion, "NAP_WINDOW", 60.0)  # the whole test inside the nap
+    napping = threading.Event()
+    nap = _completion.Completion._nap
+
+    def seen(self: Any, record: Any, deadline: float | None) -> bool | None:
+        napping.set()
+        return nap(self, record, deadline)
+
+    monkeypatch.setattr(_completion.Completion, "_nap", seen)
+    data = np.arange(4096, dtype=np.uint8)
+    with ferry.Runtime(rt.backend) as fresh:
+        completion = parts_of(fresh).completion
+        with HeldAtMost(fresh, "download") as held:
+            pending = _download(fresh, data)
+            thread, results = _waiter(pending)
+            assert napping.wait(30)  # past its spin, asking the event between naps
+            assert not held.expired
+        thread.join(30)
+        assert not thread.is_alive()
+        _check(results[0], data)
+        assert completion.watcher is None  # the wait saw the copy complete: no thread was woken for it
+
+
+def test_a_wait_past_its_nap_sleeps_until_the_watcher_wakes_it(
+    rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry._runtime import parts_of
+
+    monkeypatch.setattr(_completion, "NAP_WINDOW", 2e-3)
+    data = np.arange(4096, dtype=np.uint8)
+    with ferry.Runtime(rt.backend) as fresh:
+        completion = parts_of(fresh).completion
+        with HeldAtMost(fresh, "download") as held:
+            pending = _download(fresh, data)
+            thread, results = _waiter(pending)
+            deadline = time.monotonic() + 30
+            while completion.watcher is None and time.monotonic() < deadline:  # the nap gave way to it
+                time.sleep(0.001)
+            assert completion.watcher is not None and thread.is_alive() and not results
+            assert not held.expired
+        thread.join(30)
+        assert not thread.is_alive()
+        _check(results[0], data)
+
+
+def test_a_nap_asks_ever_less_often(rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    pauses: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(_completion, "NAP_WINDOW", 60.0)
+    monkeypatch.setattr(_completion, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    data = np.arange(4096, dtype=np.uint8)
+    timeout = 0.06
+    with HeldAtMost(rt, "download") as held:
+        pending = _download(rt, data)
+        pauses.clear()  # the upload's wait in _download is not the one under test
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            pending.wait(timeout=timeout)
+        assert time.monotonic() - start >= timeout
+        assert not held.expired
+        timed = pauses[:]
+    _check(pending.wait(), data)
+    assert timed[0] == _completion.NAP_FIRST
+    assert all(p <= _completion.NAP_MAX for p in timed)
+    assert timed[:-1] == sorted(timed[:-1])  # the last one ends at the deadline
+    assert _completion.NAP_MAX in timed  # reached after 16 x NAP_MAX napped
+    # at most 16 pauses of NAP_FIRST, ~42 growing ones to NAP_MAX, then one per NAP_MAX: ~282 in 60 ms
+    # (fewer where a sleep overshoots); pauses that did not grow would be 3000
+    assert len(timed) <= 300, len(timed)
 
 
 def test_a_staged_transfer_times_out_then_waits_again(rt: ferry.Runtime) -> None:

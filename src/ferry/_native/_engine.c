@@ -1630,12 +1630,12 @@ static int wake_helpers(lane_t *L, int k) {
 /* Wake one more helper if the lead may: while lanes sleep, and fewer than `helpers` help or are on
  * their way (every lead counts the same ones: the engine never wakes more than `helpers` to help). */
 static void maybe_wake(lane_t *L, int *woken) {
-    if (*woken >= L->eng->helpers)
-        return;
+    engine_t *eng = L->eng;
+    if (*woken >= eng->helpers || atomic_load(&eng->idle_sleepers) <= 0 ||
+        atomic_load(&eng->helping) + atomic_load(&eng->waking) >= eng->helpers)
+        return; /* two loads per piece: a helper that drops out later frees room for the next piece */
     if (wake_helpers(L, 1))
         (*woken)++;
-    else
-        *woken = L->eng->helpers; /* none to wake now: stop looking until the lead's next chunk */
 }
 
 /* The lead's chunk copy, shared with the lanes that help (see above). */
@@ -3545,13 +3545,21 @@ static PyObject *Calls_get_batch_refused(PyObject *obj, void *Py_UNUSED(closure)
  * cuStreamSynchronize(stream): ferry's allocation stream holds only allocations and frees that wait
  * for nothing, so the synchronization returns at once, and from it on the memory is usable on every
  * stream. If the synchronization fails the allocation is freed again (cuMemFreeAsync) before the
- * failure goes to on_error: stage 0 either way, nothing is left allocated. mem_free_async(ptr, stream):
+ * failure goes to on_error with stage 0 (nothing is left allocated: a retry may allocate afresh); if
+ * that free fails too, with stage 2 (no retry: a second allocation would leak the first as well). mem_free_async(ptr, stream):
  * cuMemFreeAsync. `pool` is an int handle or an object int() takes (a cuda.bindings CUmemoryPool).
  * Both keep the GIL: the driver answers in about a microsecond.
  */
 static int handle_arg(PyObject *obj, unsigned long long *out) {
     if (PyLong_Check(obj)) return int_arg(obj, out, 0);
-    PyObject *as_int = PyNumber_Long(obj);
+    PyObject *as_int = NULL;
+    if (PyIndex_Check(obj)) {
+        as_int = PyNumber_Index(obj);
+    } else if (!PyFloat_Check(obj) && PyObject_HasAttrString(obj, "__int__")) {
+        as_int = PyNumber_Long(obj); /* a handle object (cuda.bindings' CUmemoryPool has __int__ only) */
+    } else {
+        PyErr_Format(PyExc_TypeError, "a handle must be an int or a handle object, not %R", obj);
+    }
     if (!as_int) return -1;
     int rc = int_arg(as_int, out, 0);
     Py_DECREF(as_int);
@@ -3575,9 +3583,9 @@ static PyObject *Calls_mem_pool_alloc(PyObject *obj, PyObject *const *args, Py_s
     CUresult rc = self->pool_alloc(&ptr, (size_t)nbytes, (CUmemoryPool)(uintptr_t)pool, s);
     if (rc) return calls_failed(self, "mem_pool_alloc", rc, 0, args, nargs);
     rc = self->stream_sync(s);
-    if (rc) {
-        self->free_async(ptr, s);
-        return calls_failed(self, "mem_pool_alloc", rc, 0, args, nargs);
+    if (rc) { /* freed again: stage 0; where the free fails too, stage 2, so that nothing retries it */
+        int kept = self->free_async(ptr, s) != 0;
+        return calls_failed(self, "mem_pool_alloc", rc, kept ? 2 : 0, args, nargs);
     }
     return PyLong_FromUnsignedLongLong(ptr);
 }
