@@ -115,7 +115,7 @@ def main() -> None:
             if not np.array_equal(out, y.cpu().numpy()):
                 raise SystemExit(f"{case}: ferry's download does not hold y")
             if registration is not None:
-                registration.close()
+                registration.release()
 
 
 if __name__ == "__main__":
