@@ -159,6 +159,78 @@ def test_dlpack_round_trip_and_release(rt: ferry.Runtime) -> None:
     assert alive() is None  # the deleter ran once the transfer was settled
 
 
+class _TorchLike:
+    """Stands in for a PyTorch tensor (an instance of the fake ``torch.Tensor``): DLPack over a ferry array."""
+
+    asked: list[object]
+
+    def __init__(self, owner: ferry.DeviceArray) -> None:
+        self.owner = owner
+
+    def __dlpack__(self, stream: object = None) -> object:
+        self.asked.append(stream)
+        return self.owner.__dlpack__(stream=stream)  # type: ignore[arg-type]
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.owner.__dlpack_device__()
+
+
+def _fake_torch(monkeypatch: pytest.MonkeyPatch, current: Any) -> list[object]:
+    """A ``torch`` module whose tensors are :class:`_TorchLike` and whose current raw stream is
+    ``current(index)``; the DLPack streams the tensors were asked for."""
+    import sys
+    import types
+
+    from ferry._interop import _foreign
+
+    asked: list[object] = []
+    module = types.ModuleType("torch")
+    module.Tensor = _TorchLike  # type: ignore[attr-defined]
+    module._C = types.SimpleNamespace(_cuda_getCurrentRawStream=current)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(_foreign, "_RAW_STREAM", [])
+    monkeypatch.setattr(_TorchLike, "asked", asked, raising=False)
+    return asked
+
+
+def test_a_pytorch_tensor_s_copy_is_ordered_after_pytorch_s_current_stream_by_ferry(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer = testing.side_stream(emu)
+    indexes: list[int] = []
+    asked = _fake_torch(monkeypatch, lambda index: indexes.append(index) or producer)
+    dev = emu.empty(1 << 16, np.uint8)
+    testing.produce(emu, producer, dev.ptr, dev.nbytes, 7, delay=0.05)  # PyTorch's queued kernel
+    _, out = emu.download(_TorchLike(dev)).wait()
+    assert (out == 7).all()  # the copy ran after the producer: ferry's event on PyTorch's stream
+    assert asked == [-1] and indexes == [emu.device]  # no synchronization asked of PyTorch: ferry's own
+    target = emu.empty(1 << 16, np.uint8)
+    testing.produce(emu, producer, target.ptr, target.nbytes, 3, delay=0.05)  # PyTorch's queued kernel
+    seen = testing.consume(emu, producer, target.ptr, target.nbytes)  # then its read of what it wrote
+    emu.upload(np.full(1 << 16, 9, np.uint8), _TorchLike(target)).wait()
+    assert (seen.result() == 3).all()  # the upload waited for PyTorch's queued work before writing
+    assert (emu.to_host(target) == 9).all()  # and was not overwritten by it
+    assert asked == [-1, -1]
+
+
+def test_pytorch_s_default_stream_is_the_legacy_stream_and_a_failing_getter_falls_back(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = _fake_torch(monkeypatch, lambda index: 0)
+    dev = emu.empty(4096, np.uint8)
+    testing.produce(emu, 1, dev.ptr, dev.nbytes, 5, delay=0.05)  # on the legacy default stream
+    _, out = emu.download(_TorchLike(dev)).wait()
+    assert (out == 5).all() and asked == [-1]
+
+    def broken(index: int) -> int:
+        raise RuntimeError("no CUDA here")
+
+    asked = _fake_torch(monkeypatch, broken)
+    _, out = emu.download(_TorchLike(dev)).wait()
+    assert (out == 5).all()
+    assert len(asked) == 1 and isinstance(asked[0], int) and asked[0] not in (-1, None)  # ferry's stream
+
+
 class Capsuled:
     """A DLPack producer handing out a prepared capsule (the tensor's dtype and layout are the test's)."""
 

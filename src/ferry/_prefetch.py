@@ -67,6 +67,7 @@ from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, PrefetchError, RuntimeClosedError, TransferFailedError
 from ._interop._cai import stream_handle_of
+from ._interop._foreign import torch_current_stream
 from ._runtime import Runtime, parts_of
 
 __all__ = ["prefetch", "Prefetcher"]
@@ -473,7 +474,7 @@ class Prefetcher:
         for i, device in enumerate(devices):
             if i in flight.waits and stream is not None:
                 device.record_stream(stream)  # the consumer's work on it precedes its free
-            leaves.append(self._convert(device))
+            leaves.append(self._convert(device, stream))
         self._yielded += 1
         handed = [h for i, h in enumerate(flight.handles) if i not in flight.waits]
         if handed:  # proven complete (or failed) at a later step
@@ -567,15 +568,19 @@ class Prefetcher:
         if self._stream is not None:
             return self._stream
         if self._to == "torch":
-            return self._library.cuda.current_stream(self._rt.device)
+            return torch_current_stream(self._library, self._rt.device)
         if self._to == "cupy":
             return self._library.cuda.get_current_stream()
         return None
 
-    def _convert(self, array: DeviceArray) -> Any:
+    def _convert(self, array: DeviceArray, stream: Any) -> Any:
         to = self._to
         if to is None:
             return array
+        if to == "torch" and stream is not None:
+            # the capsule made for the consumer's stream, as torch.from_dlpack(array) would make it for
+            # PyTorch's current one (the same stream unless stream= named another), without its lookup
+            return self._library.from_dlpack(array.__dlpack__(stream=stream_handle_of(stream)))
         if to in ("torch", "cupy"):
             return self._library.from_dlpack(array)
         if to == "jax":

@@ -125,11 +125,14 @@ def foreign_from(obj: Any, cai: dict[str, Any], *, write: bool) -> Foreign:
 
 
 def foreign_from_dlpack(
-    obj: Any, device_index: int, copy_stream: int, device: tuple[int, int] | None = None
+    obj: Any, device_index: int, copy_stream: int, device: tuple[int, int] | None = None,
+    *, producer: int | None = None,
 ) -> Foreign:
     """Consume ``obj.__dlpack__(stream=<ferry's copy stream>)``: the producer orders that
     stream after its pending work, so no event is needed here. ``device``: what
-    ``obj.__dlpack_device__()`` said, when the caller asked already."""
+    ``obj.__dlpack_device__()`` said, when the caller asked already. ``producer``: the
+    producer's stream, when ferry orders its copy after it itself (``copy_stream`` is then -1:
+    the capsule comes without a synchronization); it becomes the foreign array's ``stream``."""
     from ._dlpack import KDL_CUDA, Imported
 
     if device is None:
@@ -152,7 +155,7 @@ def foreign_from_dlpack(
     count = 1
     for s in imported.shape:
         count *= s
-    foreign = Foreign(obj, imported.ptr, count * itemsize, imported.shape, imported.dtype, None, False)
+    foreign = Foreign(obj, imported.ptr, count * itemsize, imported.shape, imported.dtype, producer, False)
     foreign.imported = imported
     return foreign
 

@@ -7,6 +7,7 @@ off), through a stream-side wait, never a host wait.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,6 +56,38 @@ def dlpack_device(obj: Any) -> tuple[int, int] | None:
 _NO_STREAM_CAI: set[type] = set()
 
 
+_RAW_STREAM: list[Any] = []  # PyTorch's current-stream getter, once found: (device index) -> raw handle
+
+
+def torch_stream(obj: Any, index: int) -> int | None:
+    """PyTorch's current stream on device ``index`` (a raw handle) when ``obj`` is a PyTorch tensor,
+    else None.
+
+    For a PyTorch tensor ferry asks ``__dlpack__(stream=-1)`` (no synchronization) and orders its copy
+    stream after this stream itself, with an event: the same order as ``__dlpack__(stream=<ferry's
+    stream>)`` gives (PyTorch records an event on its current stream and makes the consumer's stream
+    wait for it), at a few microseconds instead of PyTorch's ~50 us of Python for it. PyTorch's
+    default stream (handle 0) is the legacy default stream: ``1`` names it, as in DLPack.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, getattr(torch, "Tensor", ())):
+        return None
+    try:
+        return torch_current_stream(torch, index)
+    except Exception:  # PyTorch could not say: its own __dlpack__ orders the copy
+        return None
+
+
+def torch_current_stream(torch: Any, index: int) -> int:
+    """PyTorch's current stream on CUDA device ``index``, as a raw handle (1 for its default stream,
+    the legacy one). Through ``torch._C._cuda_getCurrentRawStream`` where PyTorch has it (well under a
+    microsecond), else ``torch.cuda.current_stream(index).cuda_stream`` (~10 us)."""
+    if not _RAW_STREAM:
+        raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(raw if callable(raw) else (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return int(_RAW_STREAM[0](index)) or 1
+
+
 def device_side(
     obj: Any, owner: object, backend: Backend, call: str, name: str, *, write: bool, stream: Any
 ) -> Any:
@@ -78,6 +111,9 @@ def device_side(
         # before version 3 names no stream, so it cannot)
         if cai is not None:
             _NO_STREAM_CAI.add(kind)
+        producer = torch_stream(obj, dl[1])
+        if producer is not None:  # ferry orders its copy after PyTorch's stream itself (see torch_stream)
+            return foreign_from_dlpack(obj, int(backend.device), -1, dl, producer=producer)
         return foreign_from_dlpack(obj, int(backend.device), backend.stream_handle(stream), dl)
     if cai is not None:
         return foreign_from(obj, cai, write=write)
