@@ -216,8 +216,12 @@ def test_a_pytorch_tensor_s_copy_is_ordered_after_pytorch_s_current_stream_by_fe
 def test_pytorch_s_default_stream_is_the_legacy_stream_and_a_failing_getter_falls_back(
     emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from ferry._interop import _foreign
+
     asked = _fake_torch(monkeypatch, lambda index: 0)
     dev = emu.empty(4096, np.uint8)
+    assert _foreign.torch_stream(_TorchLike(dev), emu.device) == 1  # handle 0 is the legacy default stream
+    assert _foreign.torch_stream(dev, emu.device) is None  # not a PyTorch tensor
     testing.produce(emu, 1, dev.ptr, dev.nbytes, 5, delay=0.05)  # on the legacy default stream
     _, out = emu.download(_TorchLike(dev)).wait()
     assert (out == 5).all() and asked == [-1]
@@ -229,6 +233,22 @@ def test_pytorch_s_default_stream_is_the_legacy_stream_and_a_failing_getter_fall
     _, out = emu.download(_TorchLike(dev)).wait()
     assert (out == 5).all()
     assert len(asked) == 1 and isinstance(asked[0], int) and asked[0] not in (-1, None)  # ferry's stream
+
+
+def test_a_pytorch_tensor_on_another_device_is_refused_before_anything_is_asked(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Elsewhere(_TorchLike):
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, self.owner.__dlpack_device__()[1] + 1)
+
+    asked = _fake_torch(monkeypatch, lambda index: 1)
+    dev = emu.empty(4096, np.uint8)
+    out = np.zeros(4096, np.uint8)
+    with pytest.raises(ferry.TransferSubmitError, match="DLPack device"):
+        emu.download(Elsewhere(dev), out)
+    assert asked == [] and dev.state == "owned" and out.flags.writeable  # nothing taken, nothing changed
+    assert emu.stats().in_flight == 0
 
 
 class Capsuled:

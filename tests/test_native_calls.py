@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -209,7 +210,7 @@ def test_a_pool_allocation_is_synchronized_once_and_a_free_is_one_call(driver: D
         calls.mem_pool_alloc(0x70, 16)
     with pytest.raises(TypeError):
         calls.mem_pool_alloc(object(), 16, 0x30)
-    for not_a_handle in ("112", 112.0, b"p"):  # int() takes the first two: a handle is no number's text
+    for not_a_handle in ("112", 112.0, b"p", np.float32(112.0), Fraction(112)):  # int() takes most: not a handle
         with pytest.raises(TypeError, match="handle"):
             calls.mem_pool_alloc(not_a_handle, 16, 0x30)
     assert calls.mem_pool_alloc(np.uint64(0x70), 16, 0x30) == second + (8 << 20)  # an index is an int

@@ -105,6 +105,46 @@ def test_to_converts_each_device_array(emu: ferry.Runtime) -> None:
     assert got == [[("on the device", 4096), ("on the device", 4096)]]
 
 
+def test_to_torch_makes_each_capsule_for_the_consumer_s_stream(
+    emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``to="torch"`` each array's capsule is made for the consumer's stream (PyTorch's current
+    one, through its raw getter, or ``stream=``) and handed to ``torch.from_dlpack``."""
+    import sys
+    import types
+
+    from ferry._interop import _foreign
+
+    current = [testing.side_stream(emu)]
+    named = testing.side_stream(emu)
+    module = types.ModuleType("torch")
+    module.Tensor = type("Tensor", (), {})  # type: ignore[attr-defined]
+    module._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: current[0])  # type: ignore[attr-defined]
+    module.from_dlpack = lambda capsule: ("a tensor of", capsule)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(_foreign, "_RAW_STREAM", [])
+    made: list[object] = []
+    export = ferry.DeviceArray.__dlpack__
+
+    def spy(self: ferry.DeviceArray, *, stream: Any = None, **kwargs: Any) -> Any:
+        made.append(stream)
+        return export(self, stream=stream, **kwargs)
+
+    monkeypatch.setattr(ferry.DeviceArray, "__dlpack__", spy)
+    batches = numbered(3)
+    got = list(ferry.prefetch(batches, runtime=emu, to="torch"))
+    assert [kind for kind, _ in got] == ["a tensor of"] * 3
+    assert all(type(capsule).__name__ == "PyCapsule" for _, capsule in got)
+    assert made == [current[0]] * 3
+    made.clear()
+    current[0] = 0  # PyTorch's default stream: the legacy one, handle 1
+    assert len(list(ferry.prefetch(batches, runtime=emu, to="torch"))) == 3
+    assert made == [1] * 3
+    made.clear()
+    assert len(list(ferry.prefetch(batches, runtime=emu, to="torch", stream=named))) == 3
+    assert made == [named] * 3
+
+
 # -- ordering on the device, never the host ------------------------------------------------------------------
 
 

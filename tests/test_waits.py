@@ -225,12 +225,12 @@ def test_a_wait_past_its_spin_notices_the_copy_itself(rt: ferry.Runtime, monkeyp
         napping.set()
         return nap(self, record, deadline)
 
-    monkeypatch.setattr(_completion.Completion, "_nap", seen)
     data = np.arange(4096, dtype=np.uint8)
     with ferry.Runtime(rt.backend) as fresh:
         completion = parts_of(fresh).completion
         with HeldAtMost(fresh, "download") as held:
             pending = _download(fresh, data)
+            monkeypatch.setattr(_completion.Completion, "_nap", seen)  # the wait under test's nap only
             thread, results = _waiter(pending)
             assert napping.wait(30)  # past its spin, asking the event between naps
             assert not held.expired
@@ -272,7 +272,7 @@ def test_a_nap_asks_ever_less_often(rt: ferry.Runtime, monkeypatch: pytest.Monke
     monkeypatch.setattr(_completion, "NAP_WINDOW", 60.0)
     monkeypatch.setattr(_completion, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
     data = np.arange(4096, dtype=np.uint8)
-    timeout = 0.06
+    timeout = 0.2
     with HeldAtMost(rt, "download") as held:
         pending = _download(rt, data)
         pauses.clear()  # the upload's wait in _download is not the one under test
@@ -287,9 +287,28 @@ def test_a_nap_asks_ever_less_often(rt: ferry.Runtime, monkeypatch: pytest.Monke
     assert all(p <= _completion.NAP_MAX for p in timed)
     assert timed[:-1] == sorted(timed[:-1])  # the last one ends at the deadline
     assert _completion.NAP_MAX in timed  # reached after 16 x NAP_MAX napped
-    # at most 16 pauses of NAP_FIRST, ~42 growing ones to NAP_MAX, then one per NAP_MAX: ~282 in 60 ms
-    # (fewer where a sleep overshoots); pauses that did not grow would be 3000
-    assert len(timed) <= 300, len(timed)
+    # at most 16 pauses of NAP_FIRST, ~42 growing ones to NAP_MAX, then one per NAP_MAX: ~842 in 0.2 s
+    # (fewer where a sleep overshoots); pauses that did not grow would be 10,000 (2,800 with 50 us of slack)
+    assert len(timed) <= 900, len(timed)
+
+
+def test_short_waits_in_a_loop_nap_once_over_all_of_them(rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry._runtime import parts_of
+
+    window = 0.02
+    monkeypatch.setattr(_completion, "NAP_WINDOW", window)
+    data = np.arange(4096, dtype=np.uint8)
+    with ferry.Runtime(rt.backend) as fresh:
+        completion = parts_of(fresh).completion
+        with HeldAtMost(fresh, "download") as held:
+            pending = _download(fresh, data)
+            for _ in range(12):  # 60 ms of 5 ms waits: the first four spend the record's nap
+                with pytest.raises(TimeoutError):
+                    pending.wait(timeout=0.005)
+            assert pending._record.napped >= window
+            assert completion.watcher is not None  # the later waits slept on the record's signal
+            assert not held.expired
+        _check(pending.wait(), data)
 
 
 def test_a_staged_transfer_times_out_then_waits_again(rt: ferry.Runtime) -> None:

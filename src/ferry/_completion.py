@@ -75,11 +75,12 @@ SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait sto
 SPIN_PER_BYTE = 1e-10  # s/byte (10 GB/s): a fifth of PCIe Gen5, so a copy that runs on time ends in the spin
 SPIN_CAP = 10e-3  # s: the most one record is ever spun on; past it a wait sleeps
 SLICE = 0.05  # s: sleeping waits wake this often (a signal delivered to another thread is seen)
-# Past its spin a wait naps: it asks the record's event again after a pause that grows with the time
-# it has napped (NAP_SHARE of it, NAP_FIRST to NAP_MAX), for NAP_WINDOW; then it sleeps on the
-# record's signal, which the watcher sets (a blocking-sync wake-up and a thread hop: 0.1 - 0.6 ms
-# after the copy on the H200 VM). So a copy queued behind device work is noticed within ~1/16 of
-# the time waited for it (at least the OS's timer slack, ~50 us), for ~60 asks of ~3 us each.
+# Past its spin a wait naps: it asks whether the record is resolved again after a pause that grows
+# with the time napped on the record (NAP_SHARE of it, NAP_FIRST to NAP_MAX), for NAP_WINDOW over
+# all the waits on the record; then it sleeps on the record's signal, which the watcher sets (a
+# blocking-sync wake-up and a thread hop: 0.1 - 0.6 ms after the copy on the H200 VM). So a copy
+# queued behind device work is noticed within ~1/16 of the time waited for it (at least the OS's
+# timer slack, ~50 us), for 60 - 80 asks of a few microseconds each.
 NAP_FIRST = 20e-6  # s
 NAP_SHARE = 1 / 16
 NAP_MAX = 250e-6  # s
@@ -108,8 +109,8 @@ class Record:
     """
 
     __slots__ = (
-        "batch", "claimed", "done", "error", "event", "extra", "leased", "moved", "nbytes", "result", "seq",
-        "settled", "shared", "signal", "spun", "stream", "waiters",
+        "batch", "claimed", "done", "error", "event", "extra", "leased", "moved", "napped", "nbytes", "result",
+        "seq", "settled", "shared", "signal", "spun", "stream", "waiters",
     )
 
     def __init__(
@@ -136,6 +137,7 @@ class Record:
         self.claimed = False  # a wait() returned the result: at most once
         self.waiters = 0  # wait() calls and unresolved futures attending the record
         self.spun = False  # a wait spun its full budget on it: later waits sleep at once
+        self.napped: float = 0  # s: how long waits napped on it (at most NAP_WINDOW over all of them)
         self.signal: Signal | None = None  # created by the first wait that sleeps, or a future
         self.batch: Segment | None = None  # the open batch segment it waits in (no copy enqueued yet)
         self.shared: SharedEvent | None = None  # its flushed segment's event
@@ -783,7 +785,8 @@ class Completion:
         Settles nothing: it proves the outcome (``done``, or the failure
         recorded). With ``spin``, a record not spun on before is first spun on
         for its :func:`spin_budget` (never longer than ``timeout``); then the
-        wait sleeps on the record's signal. ``timeout=0`` is a poll.
+        wait naps and sleeps on the record's signal (:meth:`_sleep`).
+        ``timeout=0`` is a poll.
         """
         if record.done or record.error is not None:
             return True
@@ -811,7 +814,8 @@ class Completion:
         return self._sleep(record, deadline)
 
     def _sleep(self, record: Record, deadline: float | None) -> bool:
-        """Sleep on the record's signal (in slices) until it is set or ``deadline`` passed.
+        """Nap on the record while it has nap time left (``NAP_WINDOW``), then sleep on its signal (in
+        slices), until it is resolved or ``deadline`` passed.
 
         A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
         record has one, else False: the watcher is not asked to sleep on a record no one waits for.
@@ -836,26 +840,30 @@ class Completion:
                 return flag.is_set()
 
     def _nap(self, record: Record, deadline: float | None) -> bool | None:
-        """Ask the record's event between naps (see ``NAP_SHARE``) for up to ``NAP_WINDOW``: whether
-        it is resolved (False: ``deadline`` passed first), or ``None`` when the window ended first."""
+        """Ask whether the record is resolved (:meth:`prove`, under the lock) between pauses growing
+        with its time napped (see ``NAP_SHARE``), until its ``NAP_WINDOW`` is spent: whether it is
+        resolved (False: ``deadline`` passed first), or ``None`` when its window is spent."""
         clock = time.monotonic
         start = clock()
-        pause = NAP_FIRST
-        while True:
-            if self._spin(record, 0.0):
-                return True
-            if record.event is None:  # nothing to ask (a job's record): its signal says
-                return None
-            now = clock()
-            napped = now - start
-            if napped >= NAP_WINDOW:
-                return None
-            if deadline is not None:
-                if now >= deadline:
-                    return False
-                pause = min(pause, deadline - now)
-            time.sleep(pause)
-            pause = min(NAP_MAX, max(NAP_FIRST, (napped + pause) * NAP_SHARE))
+        before = record.napped  # earlier waits' naps on it count: a loop of short waits naps once
+        try:
+            while True:
+                if self.prove(record):
+                    return True
+                if record.event is None:  # nothing to ask (a job's record): its signal says
+                    return None
+                now = clock()
+                napped = before + now - start
+                if napped >= NAP_WINDOW:
+                    return None
+                pause = min(NAP_MAX, max(NAP_FIRST, napped * NAP_SHARE))
+                if deadline is not None:
+                    if now >= deadline:
+                        return False
+                    pause = min(pause, deadline - now)
+                time.sleep(pause)
+        finally:
+            record.napped = before + clock() - start
 
     def _poll_until(self, record: Record, deadline: float | None) -> bool:
         """Ask without blocking, backing off up to 1 ms between asks, until resolved or ``deadline``."""

@@ -3555,7 +3555,7 @@ static int handle_arg(PyObject *obj, unsigned long long *out) {
     PyObject *as_int = NULL;
     if (PyIndex_Check(obj)) {
         as_int = PyNumber_Index(obj);
-    } else if (!PyFloat_Check(obj) && PyObject_HasAttrString(obj, "__int__")) {
+    } else if (PyObject_HasAttrString(obj, "__int__") && !PyObject_HasAttrString(obj, "__float__")) {
         as_int = PyNumber_Long(obj); /* a handle object (cuda.bindings' CUmemoryPool has __int__ only) */
     } else {
         PyErr_Format(PyExc_TypeError, "a handle must be an int or a handle object, not %R", obj);
@@ -3583,7 +3583,8 @@ static PyObject *Calls_mem_pool_alloc(PyObject *obj, PyObject *const *args, Py_s
     CUresult rc = self->pool_alloc(&ptr, (size_t)nbytes, (CUmemoryPool)(uintptr_t)pool, s);
     if (rc) return calls_failed(self, "mem_pool_alloc", rc, 0, args, nargs);
     rc = self->stream_sync(s);
-    if (rc) { /* freed again: stage 0; where the free fails too, stage 2, so that nothing retries it */
+    if (rc) { /* freed again: stage 0; where the free fails too, stage 2, so that nothing retries it (the
+               * DeviceError's `enqueued` then says True, which no allocation path reads) */
         int kept = self->free_async(ptr, s) != 0;
         return calls_failed(self, "mem_pool_alloc", rc, kept ? 2 : 0, args, nargs);
     }
@@ -3679,10 +3680,10 @@ static PyType_Spec Calls_spec = {
 typedef struct {
     PyObject_HEAD
     PyObject *seq, *event, *stream, *moved, *leased, *result, *nbytes;
-    PyObject *done, *error, *extra, *settled, *claimed, *waiters, *spun, *signal, *batch, *shared;
+    PyObject *done, *error, *extra, *settled, *claimed, *waiters, *spun, *signal, *batch, *shared, *napped;
 } RecordObject;
 
-#define RECORD_FIELDS 17
+#define RECORD_FIELDS 18
 
 static PyTypeObject *RecordType;
 
@@ -3709,6 +3710,8 @@ static PyObject *record_make(PyObject *const *args) {
     self->settled = Py_False;
     self->claimed = Py_False;
     self->waiters = zero; /* the reference from PyLong_FromLong */
+    self->napped = zero;  /* 0 s napped: the same small int, one more reference */
+    Py_INCREF(zero);
     self->spun = Py_False;
     self->signal = Py_None;
     self->batch = Py_None;
@@ -3780,7 +3783,7 @@ static PyMemberDef Record_members[] = {
     RECORD_MEMBER(leased),  RECORD_MEMBER(result), RECORD_MEMBER(nbytes),  RECORD_MEMBER(done),
     RECORD_MEMBER(error),   RECORD_MEMBER(extra),  RECORD_MEMBER(settled), RECORD_MEMBER(claimed),
     RECORD_MEMBER(waiters), RECORD_MEMBER(spun),   RECORD_MEMBER(signal),  RECORD_MEMBER(batch),
-    RECORD_MEMBER(shared),  {NULL, 0, 0, 0, NULL},
+    RECORD_MEMBER(shared),  RECORD_MEMBER(napped), {NULL, 0, 0, 0, NULL},
 };
 
 static PyType_Slot Record_slots[] = {
