@@ -326,6 +326,31 @@ def test_ptr_is_an_export_with_no_known_stream_until_record_stream_names_it(emu:
     assert backend.device_syncs == syncs
 
 
+def test_an_event_recorded_again_stands_for_its_newest_record(emu: ferry.Runtime) -> None:
+    """CUDA's rule, kept by the emulated device: an event's older record that completes after a newer
+    one changes nothing. (It made the event pending again, so a stream that waited for the newer
+    record waited forever: runtimes whose pooled events were re-recorded on another stream hung in
+    close(), as two ferry.prefetch runs on two consumer streams did.)"""
+    backend = testing.backend_of(emu)
+    slow, fast, waiter = backend.stream_create(), backend.stream_create(), backend.stream_create()
+    scratch = emu.empty(4096, np.uint8)
+    event = backend.event_create()
+    try:
+        testing.produce(emu, backend.stream_handle(slow), scratch.ptr, 4096, 1, delay=0.1)  # slow is busy
+        backend.event_record(event, slow)  # the older record: completes after the fill
+        backend.event_record(event, fast)  # the newer one: at once
+        backend.event_synchronize(event)
+        backend.stream_synchronize(slow)  # the older record completes now, late
+        assert backend.event_query(event)  # still the newer record's state
+        backend.stream_wait_event(waiter, event)
+        backend.stream_synchronize(waiter)  # nothing waits for the older record
+    finally:
+        backend.stream_synchronize(slow)
+        for stream in (slow, fast, waiter):
+            backend.stream_destroy(stream)
+        backend.event_destroy(event)
+
+
 def test_the_sanitizer_flags_a_free_not_ordered_after_a_queued_use(emu: ferry.Runtime) -> None:
     """The check the tests above rely on: a free racing a read on another stream is reported,
     even when the read has already run."""

@@ -628,8 +628,12 @@ class EmulatedBackend:
         def complete() -> None:
             error, stream.pending_error = stream.pending_error, None
             with event.cond:
-                event.done = generation
-                event.error = error
+                # an event re-recorded elsewhere stands for its newest record (CUDA's rule): an older
+                # record that completes later changes nothing (it would undo the newer one's completion,
+                # and a stream waiting for that one would wait forever)
+                if generation > event.done:
+                    event.done = generation
+                    event.error = error
                 event.cond.notify_all()
 
         stream.submit(complete)
