@@ -327,8 +327,9 @@ def test_ptr_is_an_export_with_no_known_stream_until_record_stream_names_it(emu:
 
 
 def test_an_event_recorded_again_stands_for_its_newest_record(emu: ferry.Runtime) -> None:
-    """CUDA's rule, kept by the emulated device: an event's older record that completes after a newer
-    one changes nothing. (It made the event pending again, so a stream that waited for the newer
+    """CUDA's rule, kept by the emulated device: a stream's wait is for the record that was newest
+    when it was made, and an event's older record that completes after a newer one changes nothing
+    for the event. (The latter made the event pending again, so a stream that waited for the newer
     record waited forever: runtimes whose pooled events were re-recorded on another stream hung in
     close(), as two ferry.prefetch runs on two consumer streams did.)"""
     backend = testing.backend_of(emu)
@@ -338,9 +339,12 @@ def test_an_event_recorded_again_stands_for_its_newest_record(emu: ferry.Runtime
     try:
         testing.produce(emu, backend.stream_handle(slow), scratch.ptr, 4096, 1, delay=0.1)  # slow is busy
         backend.event_record(event, slow)  # the older record: completes after the fill
+        backend.stream_wait_event(waiter, event)  # a wait made for the older record
         backend.event_record(event, fast)  # the newer one: at once
+        seen = testing.consume(emu, backend.stream_handle(waiter), scratch.ptr, 4096)
         backend.event_synchronize(event)
-        backend.stream_synchronize(slow)  # the older record completes now, late
+        assert (seen.result() == 1).all()  # the wait held for its own record, not the newer one
+        backend.stream_synchronize(slow)  # the older record has completed, after the newer one
         assert backend.event_query(event)  # still the newer record's state
         backend.stream_wait_event(waiter, event)
         backend.stream_synchronize(waiter)  # nothing waits for the older record

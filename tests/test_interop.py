@@ -242,12 +242,14 @@ def test_a_pytorch_tensor_on_another_device_is_refused_before_anything_is_asked(
         def __dlpack_device__(self) -> tuple[int, int]:
             return (2, self.owner.__dlpack_device__()[1] + 1)
 
-    asked = _fake_torch(monkeypatch, lambda index: 1)
+    indexes: list[int] = []
+    asked = _fake_torch(monkeypatch, lambda index: indexes.append(index) or 1)
     dev = emu.empty(4096, np.uint8)
     out = np.zeros(4096, np.uint8)
     with pytest.raises(ferry.TransferSubmitError, match="DLPack device"):
         emu.download(Elsewhere(dev), out)
-    assert asked == [] and dev.state == "owned" and out.flags.writeable  # nothing taken, nothing changed
+    assert asked == [] and indexes == []  # neither the capsule nor PyTorch's stream of that device was asked
+    assert dev.state == "owned" and out.flags.writeable  # nothing taken, nothing changed
     assert emu.stats().in_flight == 0
 
 

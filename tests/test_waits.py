@@ -311,6 +311,34 @@ def test_short_waits_in_a_loop_nap_once_over_all_of_them(rt: ferry.Runtime, monk
         _check(pending.wait(), data)
 
 
+def test_a_nap_keeps_its_timeout_while_another_thread_holds_the_runtime_lock(rt: ferry.Runtime) -> None:
+    from ferry._runtime import parts_of
+
+    lock = parts_of(rt).completion.lock
+    data = np.arange(4096, dtype=np.uint8)
+    holding, done = threading.Event(), threading.Event()
+    released = []
+
+    def hold_the_lock() -> None:  # as a submission held back until the oldest copy completes does
+        with lock:
+            holding.set()
+            done.wait(30)
+            released.append(time.monotonic())
+
+    with HeldAtMost(rt, "download") as held:
+        pending = _download(rt, data)
+        holder = threading.Thread(target=hold_the_lock, daemon=True)
+        holder.start()
+        assert holding.wait(30)
+        with pytest.raises(TimeoutError):
+            pending.wait(timeout=0.05)
+        assert not released  # the wait timed out while the lock was still held: its asks did not wait for it
+        done.set()
+        holder.join(30)
+        assert not held.expired
+    _check(pending.wait(), data)
+
+
 def test_a_staged_transfer_times_out_then_waits_again(rt: ferry.Runtime) -> None:
     data = np.random.default_rng(3).integers(0, 255, 24 << 20, dtype=np.uint8)  # beyond direct_bytes: staged
     with testing.hold(rt, "upload"):

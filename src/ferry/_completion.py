@@ -678,7 +678,7 @@ class Completion:
         """Block until the copy completed, settle the record, return its result (once).
 
         ``TimeoutError`` after ``timeout`` seconds, and any exception a signal
-        handler raises meanwhile, leave the record exactly as it was.
+        handler raises meanwhile, leave the record as it was (but for its time napped).
         """
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
@@ -826,9 +826,22 @@ class Completion:
             signal = record.signal
             return signal is not None and signal.flag.is_set()
         napped = self._nap(record, deadline)
-        if napped is not None:
-            return napped
-        flag = self.signal(record).flag
+        return napped if napped is not None else self._sleep_on_signal(record, deadline)
+
+    def _sleep_on_signal(self, record: Record, deadline: float | None) -> bool:
+        """Sleep on the record's signal (in slices) until it is set or ``deadline`` passed. Making the
+        signal takes the lock, which another thread may hold long (a submission held back until the
+        oldest copy completes): with a deadline, not past it."""
+        if deadline is None or record.signal is not None:
+            flag = self.signal(record).flag
+        else:
+            lock = self.lock
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                flag = self.signal(record).flag
+            finally:
+                lock.release()
         while True:
             remaining = _remaining(deadline)
             if remaining is None:
@@ -840,17 +853,28 @@ class Completion:
                 return flag.is_set()
 
     def _nap(self, record: Record, deadline: float | None) -> bool | None:
-        """Ask whether the record is resolved (:meth:`prove`, under the lock) between pauses growing
-        with its time napped (see ``NAP_SHARE``), until its ``NAP_WINDOW`` is spent: whether it is
-        resolved (False: ``deadline`` passed first), or ``None`` when its window is spent."""
+        """Ask whether the record is resolved (as :meth:`prove`, under the lock) between pauses
+        growing with its time napped (see ``NAP_SHARE``), until its ``NAP_WINDOW`` is spent: whether
+        it is resolved (False: ``deadline`` passed first), or ``None`` when its window is spent.
+
+        An ask waits for the lock at most ``NAP_MAX`` (and never past ``deadline``): a thread that
+        holds it longer (a submission held back until the oldest copy completes) skips the ask, so
+        a wait's timeout holds."""
         clock = time.monotonic
         start = clock()
         before = record.napped  # earlier waits' naps on it count: a loop of short waits naps once
+        lock = self.lock
         try:
             while True:
-                if self.prove(record):
-                    return True
-                if record.event is None:  # nothing to ask (a job's record): its signal says
+                now = clock()
+                bound = NAP_MAX if deadline is None else max(0.0, min(NAP_MAX, deadline - now))
+                if lock.acquire(timeout=bound):
+                    try:
+                        if self._prove_locked(record):
+                            return True
+                    finally:
+                        lock.release()
+                if record.event is None and not record.done:  # nothing to ask (a job's record): its signal
                     return None
                 now = clock()
                 napped = before + now - start
@@ -863,7 +887,7 @@ class Completion:
                     pause = min(pause, deadline - now)
                 time.sleep(pause)
         finally:
-            record.napped = before + clock() - start
+            record.napped += clock() - start  # (another wait on it may have added its own meanwhile)
 
     def _poll_until(self, record: Record, deadline: float | None) -> bool:
         """Ask without blocking, backing off up to 1 ms between asks, until resolved or ``deadline``."""

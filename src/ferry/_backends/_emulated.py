@@ -267,14 +267,32 @@ class _Stream:
 
 
 class _Event:
-    __slots__ = ("clock", "cond", "done", "error", "recorded")
+    """An event's records, each with its own outcome (CUDA's rule): a query or a synchronization is
+    about the newest record; a stream's wait is about the record that was newest when it was made,
+    whatever records come after it; records on different streams complete in any order."""
+
+    __slots__ = ("clock", "cond", "finished", "low", "recorded")
 
     def __init__(self) -> None:
         self.clock: dict[int, int] = {}  # the clock of the latest record's position
         self.cond = threading.Condition()
         self.recorded = 0  # generation of the latest record
-        self.done = 0  # latest generation that completed
-        self.error: DeviceError | None = None  # failure of generation ``done``
+        self.low = 0  # every generation up to this one completed
+        self.finished: dict[int, DeviceError | None] = {}  # later generations that completed; and failures
+
+    def complete(self, generation: int, error: DeviceError | None) -> None:
+        """Record ``generation``'s outcome (caller holds ``cond``)."""
+        self.finished[generation] = error
+        while self.low + 1 in self.finished:
+            self.low += 1
+            if self.finished[self.low] is None:
+                del self.finished[self.low]  # a failure is kept: a wait made for it reports it
+
+    def is_done(self, generation: int) -> bool:
+        return generation <= self.low or generation in self.finished
+
+    def error_of(self, generation: int) -> DeviceError | None:
+        return self.finished.get(generation)
 
 
 class _Gate:
@@ -628,22 +646,18 @@ class EmulatedBackend:
         def complete() -> None:
             error, stream.pending_error = stream.pending_error, None
             with event.cond:
-                # an event re-recorded elsewhere stands for its newest record (CUDA's rule): an older
-                # record that completes later changes nothing (it would undo the newer one's completion,
-                # and a stream waiting for that one would wait forever)
-                if generation > event.done:
-                    event.done = generation
-                    event.error = error
+                event.complete(generation, error)  # this record's outcome: not a later or an earlier one's
                 event.cond.notify_all()
 
         stream.submit(complete)
 
     def _event_state(self, event: _Event) -> bool:
         # caller holds event.cond
-        if event.done < event.recorded:
+        if not event.is_done(event.recorded):
             return False
-        if event.error is not None:
-            raise _fresh(event.error)
+        error = event.error_of(event.recorded)
+        if error is not None:
+            raise _fresh(error)
         return True
 
     def event_query(self, event: _Event) -> bool:
@@ -704,9 +718,9 @@ class EmulatedBackend:
 
         def wait() -> None:
             with event.cond:
-                while event.done < generation:
+                while not event.is_done(generation):
                     event.cond.wait()
-                error = event.error if event.done == generation else None
+                error = event.error_of(generation)
             if error is not None and stream.pending_error is None:
                 stream.pending_error = error
 

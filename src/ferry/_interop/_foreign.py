@@ -111,7 +111,7 @@ def device_side(
         # before version 3 names no stream, so it cannot)
         if cai is not None:
             _NO_STREAM_CAI.add(kind)
-        producer = torch_stream(obj, dl[1])
+        producer = torch_stream(obj, dl[1]) if dl[1] == int(backend.device) else None  # (else refused below)
         if producer is not None:  # ferry orders its copy after PyTorch's stream itself (see torch_stream)
             return foreign_from_dlpack(obj, int(backend.device), -1, dl, producer=producer)
         return foreign_from_dlpack(obj, int(backend.device), backend.stream_handle(stream), dl)
