@@ -820,8 +820,8 @@ class Completion:
         A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
         record has one, else False: the watcher is not asked to sleep on a record no one waits for.
         """
-        if _waiting.on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself
-            return self._poll_until(record, deadline)
+        if _waiting.on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself, so it naps on
+            return self._nap(record, deadline, math.inf) is True
         if deadline is not None and time.monotonic() >= deadline:
             signal = record.signal
             return signal is not None and signal.flag.is_set()
@@ -852,14 +852,17 @@ class Completion:
             elif remaining <= SLICE:
                 return flag.is_set()
 
-    def _nap(self, record: Record, deadline: float | None) -> bool | None:
+    def _nap(self, record: Record, deadline: float | None, window: float | None = None) -> bool | None:
         """Ask whether the record is resolved (as :meth:`prove`, under the lock) between pauses
-        growing with its time napped (see ``NAP_SHARE``), until its ``NAP_WINDOW`` is spent: whether
-        it is resolved (False: ``deadline`` passed first), or ``None`` when its window is spent.
+        growing with its time napped (see ``NAP_SHARE``), until ``window`` (``NAP_WINDOW``, read at
+        the call) is spent over all the waits on it: whether it is resolved (False: ``deadline``
+        passed first), or ``None`` when its window is spent.
 
         An ask waits for the lock at most ``NAP_MAX`` (and never past ``deadline``): a thread that
         holds it longer (a submission held back until the oldest copy completes) skips the ask, so
         a wait's timeout holds."""
+        if window is None:
+            window = NAP_WINDOW
         clock = time.monotonic
         start = clock()
         before = record.napped  # earlier waits' naps on it count: a loop of short waits naps once
@@ -874,11 +877,9 @@ class Completion:
                             return True
                     finally:
                         lock.release()
-                if record.event is None and not record.done:  # nothing to ask (a job's record): its signal
-                    return None
                 now = clock()
                 napped = before + now - start
-                if napped >= NAP_WINDOW:
+                if napped >= window:
                     return None
                 pause = min(NAP_MAX, max(NAP_FIRST, napped * NAP_SHARE))
                 if deadline is not None:
@@ -888,17 +889,6 @@ class Completion:
                 time.sleep(pause)
         finally:
             record.napped += clock() - start  # (another wait on it may have added its own meanwhile)
-
-    def _poll_until(self, record: Record, deadline: float | None) -> bool:
-        """Ask without blocking, backing off up to 1 ms between asks, until resolved or ``deadline``."""
-        pause = 50e-6
-        while not self.prove(record):
-            remaining = _remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                return False
-            time.sleep(pause if remaining is None else min(pause, remaining))
-            pause = min(2 * pause, 1e-3)
-        return True
 
     def _spin(self, record: Record, seconds: float) -> bool:
         """Wait up to ``seconds`` on the record's event (backend ``event_wait``); whether it is resolved."""

@@ -35,8 +35,8 @@ and the drain excluded): the least-squares slope of those stamps against the
 step number (:func:`steady_step`). The drain is the last result: it is waited
 for right after the one before it arrived, so it waits behind a whole step of
 device work with nothing queued after it, which no steady-state step does (a
-ferry wait that outlasts its spin sleeps, and wakes 130 - 600 us after the
-copy on the H200; PyTorch's ``event.synchronize()`` spins). A stamp taken
+ferry wait that outlasted its spin slept, and woke 130 - 600 us after the copy
+on the H200, until waits napped; PyTorch's ``event.synchronize()`` spins). A stamp taken
 late at either end of the window moves the slope ~``steps / 6`` times less
 than the two-ended difference ``(last - first) / steps``; a stall inside it
 counts by where it falls (see :func:`steady_step`). Each contender of
