@@ -58,7 +58,7 @@ import contextlib
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -69,77 +69,12 @@ from ._errors import FerryError, PrefetchError, RuntimeClosedError, TransferFail
 from ._interop._cai import stream_handle_of
 from ._interop._foreign import torch_current_stream
 from ._runtime import Runtime, parts_of
+from ._structure import Builder, take_apart
 
 __all__ = ["prefetch", "Prefetcher"]
 
 _TOKEN = object()
-_PASS = (str, bytes, int, float, complex, bool, np.generic, type(None))  # leaves that stay on the host
-_KDL_CPU, _KDL_CUDA_HOST = 1, 3
 _LIBRARIES = ("torch", "cupy", "jax")
-
-
-def _host_array(leaf: Any) -> np.ndarray[Any, Any]:
-    """The NumPy array of a host leaf (no copy); TypeError for anything else."""
-    if isinstance(leaf, np.ndarray):
-        return leaf
-    device = getattr(leaf, "__dlpack_device__", None)
-    if device is not None:
-        where = tuple(device())
-        if where[0] not in (_KDL_CPU, _KDL_CUDA_HOST):
-            raise TypeError(f"a {type(leaf).__name__} on DLPack device {where} is not in host memory")
-        try:
-            return np.from_dlpack(leaf)
-        except (BufferError, RuntimeError, TypeError) as exc:
-            detach = getattr(leaf, "detach", None)  # a torch tensor that requires grad
-            if detach is None:
-                raise TypeError(f"NumPy cannot take the {type(leaf).__name__} through DLPack: {exc}") from exc
-            return np.from_dlpack(detach())
-    if hasattr(leaf, "__array__"):
-        return np.asarray(leaf)
-    raise TypeError(
-        f"a batch leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
-        "and tuples, lists and dicts of them are uploaded; str, numbers and None pass through)"
-    )
-
-
-Builder = Callable[[list[Any]], Any]
-
-
-def _take_apart(batch: Any, arrays: list[np.ndarray[Any, Any]]) -> Builder:
-    """Append the batch's host arrays to ``arrays``; return what builds the batch again from
-    their device counterparts (same structure, same container types)."""
-    if isinstance(batch, _PASS):
-        return lambda leaves: batch
-    if isinstance(batch, (tuple, list)):
-        parts = [_take_apart(item, arrays) for item in batch]
-        sequence: type = type(batch)
-        return lambda leaves: _sequence(sequence, [part(leaves) for part in parts])
-    if isinstance(batch, Mapping):
-        entries = [(key, _take_apart(value, arrays)) for key, value in batch.items()]
-        mapping: type = type(batch)
-        return lambda leaves: _mapping(mapping, {key: part(leaves) for key, part in entries})
-    arrays.append(_host_array(batch))
-    position = len(arrays) - 1
-    return lambda leaves: leaves[position]
-
-
-def _sequence(kind: type, values: list[Any]) -> Any:
-    if kind is list:
-        return values
-    if kind is tuple:
-        return tuple(values)
-    if hasattr(kind, "_fields"):  # a named tuple
-        return kind(*values)
-    return kind(values)
-
-
-def _mapping(kind: type, built: dict[Any, Any]) -> Any:
-    if kind is dict:
-        return built
-    try:
-        return kind(built)
-    except TypeError:  # a mapping type that is not built from a dict (defaultdict, ...)
-        return built
 
 
 class _Flight:
@@ -427,7 +362,7 @@ class Prefetcher:
         """Upload every array of one batch (a failure is kept for the consumer, at its index)."""
         arrays: list[np.ndarray[Any, Any]] = []
         try:
-            build = _take_apart(batch, arrays)
+            build = take_apart(batch, arrays)
         except (TypeError, ValueError, BufferError) as exc:
             return self._failed(index, exc, wrap=True)
         self._next_index = index + 1

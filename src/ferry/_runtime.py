@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _lifecycle, _native
+from . import _lifecycle, _native, _trees
 from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg
 from ._backends._base import Backend, DeviceError
 from ._buffer import BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
@@ -417,6 +417,32 @@ class Runtime:
         """
         record = self._small.download(self, source, out)  # None: not a small array
         return PendingDownload(self._completion, record or self._parts.host.download(self, source, out))
+
+    def upload_tree(self, tree: Any, destination: Any = None, *, to: str | None = None) -> PendingUpload[Any, Any]:
+        """Upload every array of a structure (a state dict, a batch) in one submission; see docs/trees.md.
+
+        ``tree`` is nested dicts, lists and tuples (named tuples too) of NumPy
+        arrays or DLPack CPU tensors; str, numbers and None pass through.
+        ``destination`` (same structure, device arrays of each leaf's shape and
+        dtype) is filled, else fresh device arrays are made. ``wait()`` returns
+        ``(tree, device_tree)``, each leaf as :meth:`upload` would hand it back
+        (``to="torch" | "cupy" | "jax"``: that library's arrays). Every check
+        runs before anything moves; one failed leaf fails the tree (nothing
+        published). Raises :class:`~ferry.TransferSubmitError` with every leaf
+        unchanged.
+        """
+        return _trees.upload_tree(self, tree, destination, to)
+
+    def download_tree(self, tree: Any, out: Any = None, *, pinned: bool = False) -> PendingDownload[Any, Any]:
+        """Download every device array of a structure in one submission; see docs/trees.md.
+
+        ``out`` (same structure, writable NumPy arrays) is filled, else fresh
+        host arrays are made; ``pinned=True`` makes them on pooled pinned
+        blocks (back to the pool once collected; uploading them again is one
+        DMA each). ``wait()`` returns ``(tree, host_tree)``. Refusals and
+        failures as for :meth:`upload_tree`.
+        """
+        return _trees.download_tree(self, tree, out, pinned)
 
     def register(self, array: np.ndarray[Any, Any]) -> Registration:
         """Pin a C-contiguous NumPy array in place for repeated transfers.

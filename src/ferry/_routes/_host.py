@@ -3,7 +3,8 @@
 The choice, in order: a small C-contiguous array of the device array's shape
 and dtype (up to 64 KiB) takes the small route (``_small.py``), tried by the
 facade before anything here, with its own one-expression test; a registered
-array (pinned in place) takes the registered route, one DMA and no host copy;
+array (pinned in place), or a pooled pinned leaf (``download_tree(pinned=True)``),
+takes the registered route, one DMA and no host copy;
 a payload up to ``StagingConfig.direct_bytes`` (``direct_download_bytes`` for a
 download; or with elements larger than
 a slot) takes the direct route, one pooled pinned block on the calling
@@ -22,6 +23,7 @@ from .._backends._base import DeviceError
 from .._completion import Extras
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import device_side, give_back, order_before, release_import
+from .._memory._leaves import PinnedLeaves
 from .._state import IN_FLIGHT, OWNED
 from ._base import HostCopy, HostLeases, array_ptr
 from ._direct import DirectRoute
@@ -71,6 +73,7 @@ class HostRoutes:
         self.registered = RegisteredRoute(completion, leases)
         self.staged = StagedRoute(completion, pool, config, leases)
         self.small = SmallRoute(completion, pool, leases, registrations, streams, config.direct_bytes)
+        self.pinned_leaves = PinnedLeaves(pool)  # pooled pinned arrays (download_tree(pinned=True)): one DMA
 
     def upload(
         self, owner: object, source: Any, destination: Any, empty: Callable[[tuple[int, ...], Any], Any]
@@ -148,9 +151,13 @@ class HostRoutes:
             result=(host, original) if upload else (original, host), extra=Extras(),
         )
         nbytes, config = host.nbytes, self.config
-        registration = None
-        if nbytes and host.flags.c_contiguous and self.registrations.active:
-            registration = self.registrations.covering(array_ptr(host), nbytes)
+        registration: Any = None  # a Registration, or a pinned leaf's block: the registered route's one DMA
+        if nbytes and host.flags.c_contiguous and (self.registrations.active or self.pinned_leaves.active):
+            ptr = array_ptr(host)
+            if self.registrations.active:
+                registration = self.registrations.covering(ptr, nbytes)
+            if registration is None and self.pinned_leaves.active:
+                registration = self.pinned_leaves.covering(ptr, nbytes)
         route: Any
         if registration is not None:
             route = self.registered

@@ -1,0 +1,118 @@
+"""Pinned leaves: NumPy arrays backed by pooled pinned blocks, for offloaded structures.
+
+``Runtime.download_tree(tree, pinned=True)`` lands every leaf in a block of
+the runtime's pinned pool and hands it out as an ordinary ``numpy.ndarray``.
+The host routes know these arrays: an upload from one, or a download into
+one, is a single DMA with no staging copy (:meth:`PinnedLeaves.covering`
+finds the block holding an address range, as for registered memory).
+
+Lifetime
+--------
+Each leaf derives from one private base array built over its block through a
+ctypes object (as a pinned buffer's views do), so every slice, reshape and
+``view()`` of the leaf keeps that base alive. The block goes back to the pool
+when the base dies, that is, when the leaf and every view of it were
+collected; never while a view lives, and never while a transfer uses it (the
+transfer's record holds the array until its copy is proven complete; a failed
+transfer keeps it forever, so a block the device may still touch is never
+reused). Returned blocks are reused by the next leaves of their size class,
+so repeated offload and reload rounds stop growing the pool once its free
+blocks cover one round.
+
+The memory is the runtime's: keep the runtime open while the leaves are used
+(copy a leaf, ``numpy.array(leaf)``, to keep its bytes beyond ``close()``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ._pinned import PinnedPool
+
+__all__: list[str] = []
+
+
+class Leaf:
+    """One pinned leaf's block, as the host routes see it (the registered route counts ``_uses``)."""
+
+    __slots__ = ("_uses", "alive", "nbytes", "ptr")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.alive = True  # False once the base died: the block is back in the pool
+        self._uses = 0
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside this live leaf's block."""
+        return self.alive and self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
+
+
+class PinnedLeaves:
+    """A runtime's pinned leaves: make one, find the one covering an address range."""
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._leaves: list[Leaf] = []  # sorted by address (blocks never overlap)
+        self._starts: list[int] = []
+        self.live_bytes = 0  # bytes of the blocks held by leaves alive now
+        self.made = 0  # leaves made so far
+
+    @property
+    def active(self) -> bool:
+        """Whether any leaf may be alive (a cheap test before :meth:`covering`)."""
+        return bool(self._leaves)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+        """A new uninitialized C-contiguous array of ``shape`` and ``dtype`` on a pooled pinned block.
+
+        Raises MemoryError, ValueError or the pool's DeviceError when no block can be had.
+        """
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        block = self.pool.acquire(max(nbytes, 1))
+        raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
+        base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
+        leaf = Leaf(block.ptr, block.capacity)
+        weakref.finalize(base, self._died, leaf, block)
+        with self._lock:
+            self._purge()
+            at = bisect.bisect_left(self._starts, leaf.ptr)
+            self._leaves.insert(at, leaf)
+            self._starts.insert(at, leaf.ptr)
+            self.live_bytes += block.capacity
+            self.made += 1
+        array: np.ndarray[Any, Any] = base[:nbytes].view(dtype).reshape(shape)
+        return array
+
+    def _died(self, leaf: Leaf, block: Any) -> None:
+        # a finalizer (any thread, maybe inside another call of this object): flag, then give back
+        leaf.alive = False
+        self.live_bytes -= leaf.nbytes
+        self.pool.release(block)
+
+    def _purge(self) -> None:
+        """Drop the entries of dead leaves. Lock held."""
+        if all(leaf.alive for leaf in self._leaves):
+            return
+        kept = [leaf for leaf in self._leaves if leaf.alive]
+        self._leaves = kept
+        self._starts = [leaf.ptr for leaf in kept]
+
+    def covering(self, ptr: int, nbytes: int) -> Leaf | None:
+        """The live leaf whose block holds ``[ptr, ptr + nbytes)``, if any."""
+        with self._lock:
+            starts = self._starts
+            at = bisect.bisect_right(starts, ptr) - 1
+            if at >= 0:
+                leaf = self._leaves[at]
+                if leaf.covers(ptr, nbytes):
+                    return leaf
+        return None

@@ -1,0 +1,132 @@
+"""Structures of arrays: take a nested batch or state dict apart into its leaves, build it again.
+
+A *structure* is nested tuples, lists and mappings (named tuples and dict
+subclasses included) whose leaves are arrays, as a PyTorch ``DataLoader``
+yields batches and ``model.state_dict()`` returns tensors. :func:`take_apart`
+walks it once, appends the leaves it keeps to a list and returns a *builder*:
+a function that makes the same structure again (same container types, same
+keys, same order) from a list of replacement leaves. Leaves it does not keep
+(strings, numbers, ``None``, or whatever the leaf function declines) come
+back unchanged, as the very objects that were there.
+
+Both :func:`ferry.prefetch` and the whole-structure transfers
+(:meth:`ferry.Runtime.upload_tree`, :meth:`ferry.Runtime.download_tree`) use
+this one walk; each passes its own leaf function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__: list[str] = []
+
+PASS = (str, bytes, int, float, complex, bool, np.generic, type(None))
+"""Leaves that stay where they are (never arrays to move)."""
+
+KEEP = object()
+"""What a leaf function returns for a leaf that passes through unchanged."""
+
+_KDL_CPU, _KDL_CUDA_HOST = 1, 3
+_KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13
+
+Builder = Callable[[list[Any]], Any]
+Path = tuple[Any, ...]
+
+
+def host_array(leaf: Any) -> np.ndarray[Any, Any]:
+    """The NumPy array of a host leaf (no copy); TypeError for anything else."""
+    if isinstance(leaf, np.ndarray):
+        return leaf
+    device = getattr(leaf, "__dlpack_device__", None)
+    if device is not None:
+        where = tuple(device())
+        if where[0] not in (_KDL_CPU, _KDL_CUDA_HOST):
+            raise TypeError(f"a {type(leaf).__name__} on DLPack device {where} is not in host memory")
+        try:
+            return np.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError) as exc:
+            detach = getattr(leaf, "detach", None)  # a torch tensor that requires grad
+            if detach is None:
+                raise TypeError(f"NumPy cannot take the {type(leaf).__name__} through DLPack: {exc}") from exc
+            return np.from_dlpack(detach())
+    if hasattr(leaf, "__array__"):
+        return np.asarray(leaf)
+    raise TypeError(
+        f"a leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
+        "and tuples, lists and dicts of them are moved; str, numbers and None pass through)"
+    )
+
+
+def is_device_array(leaf: Any) -> bool:
+    """Whether ``leaf`` lives in device memory: a ferry ``DeviceArray``, an object with the CUDA Array
+    Interface, or a DLPack tensor on a CUDA device. Never raises."""
+    if hasattr(leaf, "__cuda_array_interface__"):
+        return True
+    device = getattr(leaf, "__dlpack_device__", None)
+    if device is None:
+        return False
+    try:
+        where = tuple(device())
+    except Exception:  # a foreign object's protocol method: anything may come out
+        return False
+    return bool(where) and where[0] in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+
+
+def take_apart(
+    tree: Any,
+    leaves: list[Any],
+    leaf: Callable[[Any], Any] = host_array,
+    paths: list[Path] | None = None,
+    _path: Path = (),
+) -> Builder:
+    """Append the structure's kept leaves (``leaf(x)`` for each leaf ``x``; :data:`KEEP` passes
+    ``x`` through) to ``leaves`` and, with ``paths``, each one's path of keys and indices; return
+    what builds the structure again from replacement leaves (same structure, same container types).
+
+    Raises whatever ``leaf`` raises (TypeError, ValueError, BufferError for host leaves).
+    """
+    if isinstance(tree, PASS):
+        return lambda new: tree
+    if isinstance(tree, (tuple, list)):
+        parts = [take_apart(item, leaves, leaf, paths, (*_path, i)) for i, item in enumerate(tree)]
+        sequence: type = type(tree)
+        return lambda new: _sequence(sequence, [part(new) for part in parts])
+    if isinstance(tree, Mapping):
+        entries = [(key, take_apart(value, leaves, leaf, paths, (*_path, key))) for key, value in tree.items()]
+        mapping: type = type(tree)
+        return lambda new: _mapping(mapping, {key: part(new) for key, part in entries})
+    value = leaf(tree)
+    if value is KEEP:
+        return lambda new: tree
+    leaves.append(value)
+    if paths is not None:
+        paths.append(_path)
+    position = len(leaves) - 1
+    return lambda new: new[position]
+
+
+def describe(path: Path) -> str:
+    """A leaf's path as a user reads it: ``['layers'][0]['weight']`` (``<root>`` for the structure itself)."""
+    return "".join(f"[{key!r}]" for key in path) or "<root>"
+
+
+def _sequence(kind: type, values: list[Any]) -> Any:
+    if kind is list:
+        return values
+    if kind is tuple:
+        return tuple(values)
+    if hasattr(kind, "_fields"):  # a named tuple
+        return kind(*values)
+    return kind(values)
+
+
+def _mapping(kind: type, built: dict[Any, Any]) -> Any:
+    if kind is dict:
+        return built
+    try:
+        return kind(built)
+    except TypeError:  # a mapping type that is not built from a dict (defaultdict, ...)
+        return built

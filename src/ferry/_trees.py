@@ -1,0 +1,505 @@
+"""Whole structures in one submission: ``Runtime.upload_tree`` and ``Runtime.download_tree``.
+
+A model's state dict, an optimizer's state, a set of cache blocks: hundreds
+to thousands of arrays moved together, and often moved back later. One call
+takes the whole structure (nested dicts, lists and tuples, named tuples
+included, as :mod:`ferry._structure` walks them), checks all of it, submits
+one transfer per leaf and returns one handle.
+
+How a tree is a handle
+----------------------
+Each leaf is an ordinary transfer (its route picked as for
+:meth:`Runtime.upload` / :meth:`Runtime.download`), submitted inside one
+``rt.batch()`` so that many small leaves go to the device as batched copies.
+The returned :class:`~ferry.PendingUpload` / :class:`~ferry.PendingDownload`
+holds a :class:`TreeRecord` (the leaves' handles and how to build the result)
+and talks to :class:`TreePort`, which answers the handle protocol for the
+whole tree: it is ready once every leaf is, ``wait()`` waits for every leaf,
+a future or ``await`` resolves once every leaf resolved, and a dropped handle
+drops every leaf's handle (each retires on its own, never blocking).
+
+Outcomes
+--------
+Every check (structure, shapes, dtypes, states, duplicates) runs before the
+first leaf is submitted, so a refused tree changes nothing. Should a leaf's
+submission still be refused (the device refused an allocation), the leaves
+already submitted are waited for, so that every leaf is owned again, and the
+refusal is raised. When a leaf fails on the device the tree fails: ``wait()``
+raises :class:`~ferry.TransferFailedError` naming that leaf and publishes
+nothing; the failed leaf's objects are abandoned as for any failed transfer,
+and every other leaf is released as a dropped handle's would be (what it
+would have returned is freed once its copy is proven complete; the caller's
+own arrays are writable again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._backends._base import DeviceError
+from ._device_array import DeviceArray
+from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
+from ._pending import PendingDownload, PendingUpload
+from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart
+
+if TYPE_CHECKING:
+    from ._pending import _Pending
+    from ._waiting import TransferFuture
+
+__all__: list[str] = []
+
+LIBRARIES = ("torch", "cupy", "jax")
+
+
+class TreeRecord:
+    """A submitted tree: its leaves' handles, and what builds the result once they are all done."""
+
+    __slots__ = (
+        "children", "claimed", "error", "finish", "listeners", "lock", "nbytes", "paths", "result", "settled",
+        "upload", "waiters",
+    )
+
+    def __init__(self, upload: bool, children: list[Any], paths: list[Path], nbytes: int,
+                 finish: Callable[[list[Any]], tuple[Any, Any]]) -> None:
+        self.upload = upload
+        self.children = children  # the leaves' handles, in leaf order (emptied once settled or failed)
+        self.paths = paths
+        self.nbytes = nbytes
+        self.finish = finish  # the leaves' results -> (tree, other tree)
+        self.result: tuple[Any, ...] = ()
+        self.settled = False
+        self.claimed = False
+        self.error: TransferFailedError | None = None
+        self.waiters = 0
+        self.listeners: dict[int, tuple[Callable[[], object], list[Any]]] = {}
+        self.lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        status = "failed" if self.error else "done" if self.settled else "pending"
+        return f"<tree record of {len(self.paths)} leaves, {self.nbytes} bytes {status}>"
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class TreePort:
+    """The handle protocol (``CompletionPort``) for a whole tree, answered from its leaves' handles."""
+
+    def _fail(self, record: TreeRecord, index: int, exc: BaseException) -> TransferFailedError:
+        """Leaf ``index`` failed: the tree fails, every other leaf's handle is dropped (it retires)."""
+        error = TransferFailedError(
+            f"leaf {describe(record.paths[index])} of the tree ({len(record.paths)} leaves, {record.nbytes} "
+            f"bytes) failed on the device ({exc}); nothing was published: that leaf's objects are abandoned, "
+            "the other leaves are released"
+        )
+        record.error = error
+        record.children = []
+        return error
+
+    def _raise_failed(self, record: TreeRecord) -> None:
+        error = record.error
+        assert error is not None
+        raise TransferFailedError(str(error)) from error.__cause__
+
+    def _settle(self, record: TreeRecord) -> None:
+        """Every leaf is resolved: claim each leaf's result and build the tree's, or fail. Lock held."""
+        if record.settled:
+            return
+        if record.error is not None:
+            self._raise_failed(record)
+        results = []
+        for i, child in enumerate(record.children):
+            try:
+                results.append(child.wait())
+            except TransferFailedError as exc:
+                error = self._fail(record, i, exc)
+                raise error from exc
+        record.result = record.finish(results)
+        record.children = []
+        record.settled = True
+
+    def poll(self, record: TreeRecord) -> bool:
+        """Whether every leaf completed; raises ``TransferFailedError`` for a failed leaf. Never blocks."""
+        with record.lock:
+            if record.error is not None:
+                self._raise_failed(record)
+            if record.settled:
+                return True
+            for i, child in enumerate(record.children):
+                try:
+                    if not child.is_ready():
+                        return False
+                except TransferFailedError as exc:
+                    error = self._fail(record, i, exc)
+                    raise error from exc
+            return True
+
+    def ready(self, record: TreeRecord, timeout: float | None = None, spin: bool = True) -> bool:
+        """Block until every leaf completed or one failed, or ``timeout`` passed; settle nothing."""
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        for child in list(record.children):
+            if record.error is not None or record.settled:
+                return True
+            if child._waited:
+                continue
+            port = child._port
+            if not port.ready(child._record, _left(deadline), spin=spin):
+                return False
+            if child._record.error is not None:
+                return True  # the tree failed: resolved
+            spin = False
+        return True
+
+    def wait(self, record: TreeRecord, timeout: float | None = None) -> tuple[Any, ...]:
+        """Block until every leaf completed, build the trees, return them (once)."""
+        with record.lock:
+            record.waiters += 1
+        try:
+            if not self.ready(record, timeout):
+                raise TimeoutError(
+                    f"the tree of {len(record.paths)} leaves ({record.nbytes} bytes) did not complete within "
+                    f"{timeout} s; it is still pending: wait() again, poll is_ready(), or drop the handle"
+                )
+            with record.lock:
+                if record.claimed:
+                    raise FerryError("this transfer was already waited; a handle is waited at most once")
+                self._settle(record)
+                record.claimed = True
+                return record.result
+        finally:
+            with record.lock:
+                record.waiters -= 1
+
+    def attend(self, record: TreeRecord, delta: int) -> None:
+        """A waiter starts or stops attending the tree: so it does each leaf."""
+        with record.lock:
+            record.waiters += delta
+            children = list(record.children)
+        for child in children:
+            child._port.attend(child._record, delta)
+
+    def listen(self, record: TreeRecord, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once every leaf resolved (or one failed)."""
+        with record.lock:
+            children = [c for c in record.children if not c._waited]
+            if record.settled or record.error is not None or not children:
+                pending = False
+            else:
+                pending = True
+                left = [len(children)]
+                fired = [False]
+
+                def one() -> None:
+                    with record.lock:
+                        left[0] -= 1
+                        if fired[0] or left[0] > 0:
+                            return
+                        fired[0] = True
+                        record.listeners.pop(id(fn), None)
+                    fn()
+
+                record.listeners[id(fn)] = (one, children)
+        if not pending:
+            fn()
+            return
+        for child in children:
+            child._port.listen(child._record, one)
+
+    def unlisten(self, record: TreeRecord, fn: Callable[[], object]) -> None:
+        """Forget a listener not called yet."""
+        with record.lock:
+            entry = record.listeners.pop(id(fn), None)
+        if entry is not None:
+            one, children = entry
+            for child in children:
+                child._port.unlisten(child._record, one)
+
+    def settled_result(self, record: TreeRecord) -> tuple[Any, ...]:
+        """Settle a resolved tree (if no one did) and return its result without claiming it."""
+        with record.lock:
+            self._settle(record)
+            return record.result
+
+    def detach(self, record: TreeRecord) -> None:
+        """The tree's handle was dropped unwaited: each leaf's handle is dropped too (each retires)."""
+        record.children = []
+
+    def watch(self, handle: _Pending[Any]) -> TransferFuture:
+        """A future resolved once every leaf resolved, with what ``wait()`` returns."""
+        from ._waiting import TransferFuture
+
+        record: TreeRecord = handle._record  # type: ignore[assignment]
+        with record.lock:
+            if record.claimed:
+                raise FerryError("this transfer was already waited; there is nothing left to wait for")
+        future = TransferFuture(handle)
+        self.attend(record, 1)
+        self.listen(record, future._resolve)
+        return future
+
+    def hand_off(self, handle: _Pending[Any], stream: Any) -> Any:
+        """Hand every leaf's destination to GPU work; the device tree, as ``wait()`` will return it."""
+        record: TreeRecord = handle._record  # type: ignore[assignment]
+        with record.lock:
+            if not record.upload:
+                raise FerryError("only an upload's destinations can be handed off")
+            if handle._claimed or handle._waited or record.settled:
+                raise FerryError("this upload was already waited: its destinations are yours")
+            if record.error is not None:
+                self._raise_failed(record)
+            devices = []
+            for i, child in enumerate(record.children):
+                try:
+                    devices.append(child.hand_off(stream))
+                except TransferFailedError as exc:
+                    error = self._fail(record, i, exc)
+                    raise error from exc
+            return record.finish([(None, d) for d in devices])[1]
+
+    def owns(self, record: TreeRecord) -> bool:
+        """Whether any leaf of the tree is still pending."""
+        return any(child._port.owns(child._record) for child in record.children)
+
+
+PORT = TreePort()
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _dtype_of(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any] | None]:
+    """A device leaf's shape and dtype (dtype None where only DLPack describes it)."""
+    if isinstance(leaf, DeviceArray):
+        return leaf.shape, leaf.dtype
+    cai = getattr(leaf, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        try:
+            return tuple(int(n) for n in cai["shape"]), np.dtype(cai["typestr"])
+        except (KeyError, TypeError, ValueError):
+            pass
+    return tuple(int(n) for n in getattr(leaf, "shape", ())), None
+
+
+def _refuse(call: str, path: Path, problem: str) -> TransferSubmitError:
+    return TransferSubmitError(f"{call}: leaf {describe(path)}: {problem}; nothing was submitted")
+
+
+def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: bool) -> None:
+    if isinstance(leaf, DeviceArray):
+        problem = leaf._submission_problem(owner, write=write)
+        if problem:
+            raise _refuse(call, path, problem)
+
+
+def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
+    leaves: list[np.ndarray[Any, Any]] = []
+    paths: list[Path] = []
+    try:
+        build = take_apart(tree, leaves, host_array, paths)
+    except (TypeError, ValueError, BufferError) as exc:
+        raise TransferSubmitError(f"{call}: {exc}; nothing was submitted") from exc
+    for path, array in zip(paths, leaves, strict=True):
+        if array.dtype.hasobject or array.dtype.itemsize == 0:
+            raise _refuse(call, path, f"dtype {array.dtype} is not a fixed-size byte layout ferry copies")
+    return build, leaves, paths
+
+
+def _device_leaf(leaf: Any) -> Any:
+    return leaf if isinstance(leaf, DeviceArray) or is_device_array(leaf) else KEEP
+
+
+def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], list[Path]]:
+    leaves: list[Any] = []
+    paths: list[Path] = []
+
+    def leaf(x: Any) -> Any:
+        found = _device_leaf(x)
+        if found is KEEP and require:
+            raise TypeError(f"a leaf of type {type(x).__name__} is not a device array")
+        return found
+
+    try:
+        build = take_apart(tree, leaves, leaf, paths)
+    except (TypeError, ValueError) as exc:
+        raise TransferSubmitError(f"{call}: {exc}; nothing was submitted") from exc
+    return build, leaves, paths
+
+
+def _same_paths(call: str, mine: list[Path], theirs: list[Path], name: str) -> None:
+    if mine == theirs:
+        return
+    missing = [p for p in mine if p not in set(theirs)]
+    extra = [p for p in theirs if p not in set(mine)]
+    detail = (
+        f"{len(mine)} array leaves against {len(theirs)}"
+        + (f"; missing in {name}: {', '.join(describe(p) for p in missing[:3])}" if missing else "")
+        + (f"; only in {name}: {', '.join(describe(p) for p in extra[:3])}" if extra else "")
+    )
+    raise TransferSubmitError(f"{call}: {name} does not have the tree's structure ({detail}); nothing was submitted")
+
+
+def _check_match(call: str, path: Path, host: np.ndarray[Any, Any], device: Any, name: str) -> None:
+    shape, dtype = _dtype_of(device)
+    if shape != host.shape or (dtype is not None and dtype != host.dtype):
+        raise _refuse(call, path, f"shape/dtype mismatch: the host array is {host.shape} {host.dtype}, "
+                                  f"the {name} is {shape} {dtype if dtype is not None else ''}".rstrip())
+
+
+def _unique(call: str, paths: list[Path], objects: list[Any], what: str) -> None:
+    seen: dict[int, Path] = {}
+    for path, obj in zip(paths, objects, strict=True):
+        first = seen.setdefault(id(obj), path)
+        if first is not path:
+            raise _refuse(call, path, f"the same {what} as leaf {describe(first)}")
+
+
+def library(to: str | None) -> Any:
+    """The module named by ``to`` (imported now), or None; ValueError for anything else."""
+    if to is None:
+        return None
+    if to not in LIBRARIES:
+        raise ValueError(f"to must be None or one of {LIBRARIES}, got {to!r}")
+    if to == "jax":
+        import jax.dlpack
+
+        return jax
+    return __import__(to)
+
+
+def _converter(to: str | None) -> Callable[[Any], Any] | None:
+    module = library(to)
+    if module is None:
+        return None
+    if to == "jax":
+        return module.dlpack.from_dlpack  # type: ignore[no-any-return]
+    return module.from_dlpack  # type: ignore[no-any-return]
+
+
+# -- submission ------------------------------------------------------------------------------------
+def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]], call: str,
+                paths: list[Path]) -> list[Any]:
+    """Submit every leaf (inside one batch); a refusal waits for those already submitted, then raises."""
+    handles: list[Any] = []
+    try:
+        if len(pairs) > 1:
+            with rt.batch():
+                for a, b in pairs:
+                    handles.append(submit(a, b))
+        else:
+            for a, b in pairs:
+                handles.append(submit(a, b))
+    except BaseException as exc:
+        # every leaf owned again before the refusal is raised (the copies already queued complete)
+        for handle in handles:
+            with contextlib.suppress(FerryError):
+                handle.wait()
+        at = len(handles)
+        handles.clear()
+        if isinstance(exc, TransferSubmitError) and not isinstance(exc, RuntimeClosedError) and at < len(paths):
+            raise TransferSubmitError(
+                f"{call}: leaf {describe(paths[at])} was refused ({exc}); the leaves before it were waited for: "
+                "every leaf is owned again"
+            ) from exc
+        raise
+    return handles
+
+
+def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
+    """See :meth:`ferry.Runtime.upload_tree`."""
+    call = "upload_tree"
+    convert = _converter(to)
+    rt._health.check_open()
+    build, sources, paths = _flatten_host(call, tree)
+    targets: list[Any] = [None] * len(sources)
+    if destination is not None:
+        _, targets, theirs = _flatten_device(call, destination, require=False)
+        _same_paths(call, paths, theirs, "destination")
+        for path, host, device in zip(paths, sources, targets, strict=True):
+            _check_device(rt, call, path, device, write=True)
+            _check_match(call, path, host, device, "destination")
+        _unique(call, paths, targets, "destination")
+    nbytes = sum(int(a.nbytes) for a in sources)
+    keep_destination = destination is not None and convert is None
+
+    def finish(results: list[Any]) -> tuple[Any, Any]:
+        devices = [r[1] for r in results]
+        if keep_destination:
+            return tree, destination
+        if convert is not None:
+            devices = [convert(d) for d in devices]
+        return tree, build(devices)
+
+    handles = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths)
+    record = TreeRecord(True, handles, paths, nbytes, finish)
+    return PendingUpload(PORT, record)  # type: ignore[arg-type]
+
+
+def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> PendingDownload[Any, Any]:
+    """See :meth:`ferry.Runtime.download_tree`."""
+    call = "download_tree"
+    if not isinstance(pinned, bool):
+        raise TypeError(f"pinned must be a bool, got {type(pinned).__name__}")
+    if pinned and out is not None:
+        raise TransferSubmitError(f"{call}: pinned=True makes fresh host leaves; it cannot fill out= (pass one)")
+    rt._health.check_open()
+    build, sources, paths = _flatten_device(call, tree, require=False)
+    for path, device in zip(paths, sources, strict=True):
+        _check_device(rt, call, path, device, write=False)
+    outs: list[Any] = [None] * len(sources)
+    if out is not None:
+        _, outs, theirs = _flatten_host(call, out)
+        _same_paths(call, paths, theirs, "out")
+        for path, host, device in zip(paths, outs, sources, strict=True):
+            _check_match(call, path, host, device, "source")
+            if not host.flags.writeable:
+                raise _refuse(call, path, "out is read-only (or the output of another pending download)")
+        _unique(call, paths, outs, "out array")
+    elif pinned:
+        outs = _pinned_outputs(rt, call, paths, sources)
+    nbytes = sum(int(np.prod(_dtype_of(d)[0], dtype=np.int64)) * (_dtype_of(d)[1] or np.dtype(np.uint8)).itemsize
+                 for d in sources)
+    torch = sys.modules.get("torch")
+    kinds = [torch is not None and isinstance(d, torch.Tensor) for d in sources]
+    keep_out = out is not None
+
+    def finish(results: list[Any]) -> tuple[Any, Any]:
+        if keep_out:
+            return tree, out
+        hosts = [r[1] for r in results]
+        if torch is not None:
+            hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
+        return tree, build(hosts)
+
+    handles = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths)
+    record = TreeRecord(False, handles, paths, nbytes, finish)
+    return PendingDownload(PORT, record)  # type: ignore[arg-type]
+
+
+def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
+    """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
+    leaves = rt._parts.host.pinned_leaves
+    with rt._lock:
+        rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
+    outs: list[Any] = []
+    for path, device in zip(paths, sources, strict=True):
+        shape, dtype = _dtype_of(device)
+        if dtype is None:  # DLPack alone: the route will say what it is; a plain NumPy output then
+            outs.append(None)
+            continue
+        try:
+            outs.append(leaves.array(shape, dtype))
+        except (MemoryError, ValueError) as exc:
+            outs.clear()
+            raise _refuse(call, path, f"no pinned memory for {shape} {dtype}: {exc}") from exc
+        except DeviceError as exc:
+            outs.clear()
+            rt._health.note(exc)
+            raise _refuse(call, path, f"the device refused pinned memory: {exc}") from exc
+    return outs
+
