@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime import parts_of
+from . import _trees
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -167,6 +168,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
     checks += _ceiling_checks(results)
     checks += _pipeline_checks(results)
     checks += _gil_checks(results)
+    checks += _trees.checks(results)
     return checks
 
 
@@ -443,7 +445,7 @@ def _gil_table(results: list[Result]) -> list[str]:
     return lines
 
 
-SPECIAL_TABLES = {"pipeline": _pipeline_table, "gil": _gil_table}
+SPECIAL_TABLES = {"pipeline": _pipeline_table, "gil": _gil_table, "trees": _trees.table}
 
 
 def verdict(check: Check, backend: str) -> str:
