@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 LIBRARIES = ("torch", "cupy", "jax")
+BATCH_BYTES = 256 << 10
+"""Leaves smaller than this go to the device as batched copies (``rt.batch()``); larger ones back to back."""
 
 
 class TreeRecord:
@@ -286,6 +288,14 @@ def _dtype_of(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any] | None]:
     return tuple(int(n) for n in getattr(leaf, "shape", ())), None
 
 
+def _nbytes_of(leaf: Any) -> int:
+    """A device leaf's size in bytes (0 where only DLPack describes it)."""
+    if isinstance(leaf, DeviceArray):
+        return int(leaf.nbytes)
+    shape, dtype = _dtype_of(leaf)
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if dtype is not None else 0
+
+
 def _refuse(call: str, path: Path, problem: str) -> TransferSubmitError:
     return TransferSubmitError(f"{call}: leaf {describe(path)}: {problem}; nothing was submitted")
 
@@ -383,28 +393,34 @@ def _converter(to: str | None) -> Callable[[Any], Any] | None:
 
 # -- submission ------------------------------------------------------------------------------------
 def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]], call: str,
-                paths: list[Path]) -> list[Any]:
-    """Submit every leaf (inside one batch); a refusal waits for those already submitted, then raises."""
-    handles: list[Any] = []
+                paths: list[Path], sizes: list[int]) -> list[Any]:
+    """Submit every leaf: the large ones first (back to back, so the staging lanes share them), then the
+    small ones inside one batch (batched copies). A refusal waits for those already submitted, then raises."""
+    handles: list[Any] = [None] * len(pairs)
+    small = [i for i, n in enumerate(sizes) if n < BATCH_BYTES]
+    large = [i for i, n in enumerate(sizes) if n >= BATCH_BYTES]
+    at = -1
     try:
-        if len(pairs) > 1:
+        for at in large:
+            handles[at] = submit(*pairs[at])
+        if len(small) > 1:
             with rt.batch():
-                for a, b in pairs:
-                    handles.append(submit(a, b))
+                for at in small:
+                    handles[at] = submit(*pairs[at])
         else:
-            for a, b in pairs:
-                handles.append(submit(a, b))
+            for at in small:
+                handles[at] = submit(*pairs[at])
     except BaseException as exc:
         # every leaf owned again before the refusal is raised (the copies already queued complete)
         for handle in handles:
-            with contextlib.suppress(FerryError):
-                handle.wait()
-        at = len(handles)
+            if handle is not None:
+                with contextlib.suppress(FerryError):
+                    handle.wait()
         handles.clear()
-        if isinstance(exc, TransferSubmitError) and not isinstance(exc, RuntimeClosedError) and at < len(paths):
+        if isinstance(exc, TransferSubmitError) and not isinstance(exc, RuntimeClosedError) and at >= 0:
             raise TransferSubmitError(
-                f"{call}: leaf {describe(paths[at])} was refused ({exc}); the leaves before it were waited for: "
-                "every leaf is owned again"
+                f"{call}: leaf {describe(paths[at])} was refused ({exc}); the leaves submitted before it were "
+                "waited for: every leaf is owned again"
             ) from exc
         raise
     return handles
@@ -435,7 +451,8 @@ def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = No
             devices = [convert(d) for d in devices]
         return tree, build(devices)
 
-    handles = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths)
+    sizes = [int(a.nbytes) for a in sources]
+    handles = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths, sizes)
     record = TreeRecord(True, handles, paths, nbytes, finish)
     return PendingUpload(PORT, record)  # type: ignore[arg-type]
 
@@ -462,8 +479,8 @@ def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> 
         _unique(call, paths, outs, "out array")
     elif pinned:
         outs = _pinned_outputs(rt, call, paths, sources)
-    nbytes = sum(int(np.prod(_dtype_of(d)[0], dtype=np.int64)) * (_dtype_of(d)[1] or np.dtype(np.uint8)).itemsize
-                 for d in sources)
+    sizes = [_nbytes_of(d) for d in sources]
+    nbytes = sum(sizes)
     torch = sys.modules.get("torch")
     kinds = [torch is not None and isinstance(d, torch.Tensor) for d in sources]
     keep_out = out is not None
@@ -476,7 +493,7 @@ def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> 
             hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
         return tree, build(hosts)
 
-    handles = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths)
+    handles = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths, sizes)
     record = TreeRecord(False, handles, paths, nbytes, finish)
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 

@@ -21,6 +21,22 @@ records the transfer's event; every DMA is on one stream, so that event
 proves them all. A failure after a segment was queued is reported as
 queued (the block may still be read: it is abandoned). Inside
 ``rt.batch()`` the copy runs first and the batch enqueues one DMA, as before.
+
+Bursts
+------
+One transfer copied on the calling thread is as fast as any up to a few MiB,
+but a burst of them (a state dict's thousand 1 MiB tensors submitted back to
+back) would run at that one thread's speed while the staging lanes sleep. So
+a transfer of at least :data:`BURST_MIN_BYTES` submitted while an earlier one
+of its direction is still in flight on this route or was handed over (not
+yet waited, or dropped and not yet retired) goes to the compiled staging
+engine instead: one job, queued in microseconds, whose chunks the lanes copy
+and enqueue while the caller submits the next one (the engine rotates the
+lane each job starts on, so back-to-back jobs spread over every lane). Its
+record is a staged one (proven by the job, handed off as a staged upload);
+ordering, events and ownership are those of every transfer. Inside
+``rt.batch()``, with the pure-Python engine, or with elements larger than a
+slot, the route stays direct.
 """
 
 from __future__ import annotations
@@ -52,6 +68,9 @@ SEGMENTS = 4
 DOWNLOAD_SEGMENT_BYTES = 2 << 20
 """The smallest segment of a segmented direct download (below two of them one DMA, then the copy out)."""
 
+BURST_MIN_BYTES = 256 << 10
+"""The smallest transfer a burst hands to the staging engine (below it the caller's copy costs microseconds)."""
+
 _Copy = Callable[[int, int, int, Any, Any], None]
 
 _SLICE = 0.05  # s: a waiter copying out a segmented download asks for Ctrl-C this often
@@ -79,6 +98,11 @@ class DirectRoute:
         module = _native.load() if config.engine != "python" else None
         # the shared host copy; its helper threads start at its first shared copy
         self.copier: Any = module.Copier(config.helper_count()) if module is not None else None
+        self.slot_bytes = config.slot_bytes
+        self.staged: Any = None  # the staged route (set by the host routes): where bursts go
+        self.busy = [0, 0]  # transfers of each direction (download, upload) in flight from this route
+        self.bursts = 0  # transfers handed to the staging engine as part of a burst
+        self._choice: tuple[int, bool] = (0, False)  # (id(request), to the engine), from streams() to submit()
 
     def close(self) -> None:
         """Join the copy helpers (a later copy runs on the calling thread alone)."""
@@ -107,8 +131,38 @@ class DirectRoute:
         return segmented
 
     def streams(self, request: HostCopy) -> list[Any]:
-        """The direction's copy stream."""
+        """The direction's copy stream, or the staging engine's streams for a transfer of a burst."""
+        engine = self._burst(request)
+        self._choice = (id(request), engine)
+        if engine:
+            streams: list[Any] = self.staged.streams(request)
+            return streams
         return [request.stream]
+
+    def _burst(self, request: HostCopy) -> bool:
+        """Whether this transfer joins a burst: the staging engine takes it (see the module docstring)."""
+        staged = self.staged
+        if (
+            staged is None or self.copier is None or not self.busy[request.upload]
+            or request.nbytes < BURST_MIN_BYTES or request.host.itemsize > self.slot_bytes
+            or self.completion.batches.get(threading.get_ident()) is not None
+        ):
+            return False
+        from ._staged import StagingEngine
+
+        return not isinstance(staged.engine(request.upload), StagingEngine)  # the compiled lanes only
+
+    def _track(self, request: HostCopy) -> None:
+        """Count the transfer as in flight from this route until its record leaves flight."""
+        busy, direction = self.busy, int(request.upload)
+        with self._lock:
+            busy[direction] += 1
+
+        def cleanup(failed: bool) -> None:
+            with self._lock:
+                busy[direction] -= 1
+
+        request.extra.cleanups.append(cleanup)
 
     def _count(self, held: int, copied: int = 0) -> None:
         with self._lock:
@@ -116,7 +170,18 @@ class DirectRoute:
             self.host_copied += copied
 
     def submit(self, request: HostCopy) -> Record:
-        """Copy through one pool block. Lock held."""
+        """Copy through one pool block, or hand a transfer of a burst to the staging engine. Lock held."""
+        choice, self._choice = self._choice, (0, False)
+        engine = choice[1] if choice[0] == id(request) else self._burst(request)
+        if engine:
+            record: Record = self.staged.submit(request)
+            self.bursts += 1
+        else:
+            record = self._submit_direct(request)
+        self._track(request)
+        return record
+
+    def _submit_direct(self, request: HostCopy) -> Record:
         completion, pool = self.completion, self.pool
         host, device = request.host, request.device
         nbytes = request.nbytes

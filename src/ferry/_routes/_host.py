@@ -72,6 +72,7 @@ class HostRoutes:
         self.direct = DirectRoute(completion, pool, leases, config)
         self.registered = RegisteredRoute(completion, leases)
         self.staged = StagedRoute(completion, pool, config, leases)
+        self.direct.staged = self.staged  # a burst of direct transfers goes to the staging lanes
         self.small = SmallRoute(completion, pool, leases, registrations, streams, config.direct_bytes)
         self.pinned_leaves = PinnedLeaves(pool)  # pooled pinned arrays (download_tree(pinned=True)): one DMA
 
