@@ -115,3 +115,32 @@ def test_a_tree_of_large_leaves_shares_the_lanes(emu: ferry.Runtime) -> None:
     assert bursts(emu) >= 9
     _, back = emu.download_tree(dev).wait()
     assert all(np.array_equal(back[k], v) for k, v in tree.items())
+
+
+def test_a_fresh_small_upload_allocates_in_its_own_submission(emu: ferry.Runtime) -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    small = parts_of(emu).host.small
+    before = testing.fast_path_counts(emu)["small_uploads"]
+    src, dev = emu.upload(a).wait()
+    assert src is a and dev.shape == (2, 3) and dev.dtype == np.float32
+    assert np.array_equal(emu.to_host(dev), a)
+    assert testing.fast_path_counts(emu)["small_uploads"] == before + 1  # the small route carried it
+    slots = (small.up.count, len(small.up.free))
+    memory = parts_of(emu).memory
+
+    def refuse(nbytes: int) -> int:
+        raise MemoryError("no device memory for the test")
+
+    real = memory.alloc
+    memory.alloc = refuse  # type: ignore[method-assign]
+    try:
+        with pytest.raises(MemoryError):
+            emu.upload(a)
+    finally:
+        memory.alloc = real  # type: ignore[method-assign]
+    assert (small.up.count, len(small.up.free)) == slots  # the slot went back
+    assert a.flags.writeable
+    assert np.array_equal(emu.to_host(emu.upload(a).wait()[1]), a)
+    emu.close()
+    with pytest.raises(ferry.RuntimeClosedError):
+        emu.upload(a)

@@ -31,7 +31,9 @@ no batch is open, the array is a ``numpy.ndarray`` of the device array's
 shape and dtype, C-contiguous (writable for a download), at most one slot
 (and ``StagingConfig.direct_bytes``), the device array is this runtime's,
 owned and not handed off, no registration is active, and a slot is free or
-the ring may grow. A missing destination is allocated first, a missing output
+the ring may grow. A missing destination is allocated once all of that is
+known, in the same lock acquisition as the copy (the array's own shape and
+dtype need none of ``Runtime.empty``'s argument checks), a missing output
 made with ``numpy.empty``. Everything else (foreign arrays, strided arrays,
 batches, registered memory, larger payloads) takes the full path.
 """
@@ -46,7 +48,7 @@ import numpy as np
 
 from .._backends._base import DeviceError
 from .._completion import Extras
-from .._device_array import DeviceArray
+from .._device_array import DeviceArray, new_device_array
 from .._errors import TransferSubmitError
 from .._native import host_copies
 from .._state import IN_FLIGHT, OWNED
@@ -183,8 +185,9 @@ class SmallRoute:
     def upload(self, owner: Any, source: Any, destination: Any) -> Record | None:
         """Submit ``source`` -> ``destination`` on this route, or ``None`` (nothing done): take the full path.
 
-        ``destination=None`` allocates one with ``owner.empty`` (closed again
-        if the route is not taken after all). Raises
+        ``destination=None`` allocates one from the device pool, under the
+        same lock acquisition as the copy (closed again if the route is not
+        taken after all). Raises
         :class:`~ferry.TransferSubmitError` (nothing enqueued, nothing
         changed) when the device refuses the copy.
         """
@@ -208,51 +211,79 @@ class SmallRoute:
                 and (source.dtype is destination._dtype or source.dtype == destination._dtype)
             ):
                 return None
-            ring = self.up
-            slot = ring.take()
+            slot = self.up.take()
             if slot is None:
                 return None
-            nbytes = self.copy_in(slot.ptr, slot.capacity, source, destination._nbytes)  # same shape and dtype
-            if nbytes < 0:  # not C-contiguous, or larger than a slot
-                ring.free.append(slot)
-                return None
-            try:  # the pinned path's own enqueue (it runs the maintenance a submission owes first)
-                record = completion.submit(
-                    self.h2d, self.htod, destination._ptr, slot.ptr, nbytes, (destination,), (), (source, destination)
-                )
-            except BaseException as exc:
-                ring.lost(slot, exc)
-                raise
-            record.extra = slot
-            slot.record = record
-            slot.nbytes = nbytes
-            slot.cleanups = slot.own
-            slot.host = source
-            self.leases.take(source)
-            destination._state = IN_FLIGHT
-            ring.transfers += 1
-            ring.host_copied += nbytes
-            return record
+            return self._enqueue_up(source, destination, slot)
         finally:
             lock.release()
 
+    def _enqueue_up(self, source: Any, destination: DeviceArray, slot: Slot) -> Record | None:
+        """The checked upload through ``slot``: host copy, enqueue, states (``None``: the slot is back,
+        nothing changed). Lock held."""
+        ring = self.up
+        nbytes = self.copy_in(slot.ptr, slot.capacity, source, destination._nbytes)  # same shape and dtype
+        if nbytes < 0:  # not C-contiguous, or larger than a slot
+            ring.free.append(slot)
+            return None
+        try:  # the pinned path's own enqueue (it runs the maintenance a submission owes first)
+            record = self.completion.submit(
+                self.h2d, self.htod, destination._ptr, slot.ptr, nbytes, (destination,), (), (source, destination)
+            )
+        except BaseException as exc:
+            ring.lost(slot, exc)
+            raise
+        record.extra = slot
+        slot.record = record
+        slot.nbytes = nbytes
+        slot.cleanups = slot.own
+        slot.host = source
+        self.leases.take(source)
+        destination._state = IN_FLIGHT
+        ring.transfers += 1
+        ring.host_copied += nbytes
+        return record
+
     def _upload_new(self, owner: Any, source: Any) -> Record | None:
-        """An upload into a new device array: allocated once the array looks small enough."""
+        """An upload into a new device array, allocated here once the array qualifies: one lock, no
+        argument checks a NumPy array's own shape and dtype already passed (``Runtime.empty``'s)."""
         dtype = getattr(source, "dtype", None)
         if not (
             type(source) is np.ndarray and dtype is not None and not dtype.hasobject and dtype.itemsize
             and source.nbytes <= self.up.limit and source.flags.c_contiguous
         ):
             return None
-        created = owner.empty(source.shape, dtype)
+        completion = self.completion
+        if completion.batches or self.registrations.active:
+            return None  # the full path takes it (and allocates the destination itself)
+        lock = self.lock
+        lock.acquire()
         try:
-            record = self.upload(owner, source, created)
-        except BaseException:
-            created.close()
-            raise
-        if record is None:
-            created.close()
-        return record
+            if completion.health.refusal is not None:
+                return None  # the full path raises the refusal
+            slot = self.up.take()
+            if slot is None:
+                return None
+            memory = completion.memory
+            nbytes = int(source.nbytes)
+            try:
+                if completion.maintenance_due():
+                    completion.maintain()
+                ptr = memory.alloc(nbytes)  # MemoryError, or FerryError, as Runtime.empty raises them
+            except BaseException:
+                self.up.free.append(slot)
+                raise
+            created = new_device_array(owner, memory, ptr, source.shape, dtype, nbytes)
+            try:
+                record = self._enqueue_up(source, created, slot)
+            except BaseException:
+                created.close()
+                raise
+            if record is None:
+                created.close()
+            return record
+        finally:
+            lock.release()
 
     def download(self, owner: Any, source: Any, out: Any) -> Record | None:
         """Submit ``source`` -> ``out`` on this route, or ``None`` (nothing done): take the full path.
