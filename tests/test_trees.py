@@ -204,10 +204,10 @@ def test_a_failed_upload_tree_releases_the_other_leaves(emu: ferry.Runtime) -> N
     start = testing.live_objects(emu)
     testing.fail_next_copy(emu, after=2)
     pending = emu.upload_tree(tree)
-    with pytest.raises(ferry.TransferFailedError):
+    with pytest.raises(ferry.TransferFailedError) as caught:
         pending.wait()
-    del pending
-    emu.poll()
+    emu.poll()  # the handle and the error it raised are still alive: the other leaves retire all the same
+    assert caught.value is not None and pending is not None
     assert all(a.flags.writeable for a in leaves(tree))
     now = testing.live_objects(emu)
     assert now["handles"] == start["handles"]
@@ -356,3 +356,20 @@ def test_torch_cuda_state_dict_down_and_up(backend_name: str) -> None:
         _, again = rt.upload_tree(host, to="torch").wait()
         for key, tensor in state.items():
             assert torch.equal(again[key], tensor)
+
+
+def test_a_failed_leaf_keeps_the_other_leaves_from_publishing_into_out() -> None:
+    # one DMA per leaf, copied out at settle (the direct route): a tree that fails copies none of them out
+    with ferry.Runtime("emulated", staging=ferry.StagingConfig(engine="python")) as rt:
+        tree = {f"leaf{i}": np.full(MiB, i + 1, np.uint8) for i in range(3)}
+        _, device = rt.upload_tree(tree).wait()
+        out = {k: np.zeros(MiB, np.uint8) for k in tree}
+        testing.fail_next_copy(rt, after=2)  # the third leaf's copy fails
+        pending = rt.download_tree(device, out)
+        with pytest.raises(ferry.TransferFailedError, match="leaf2"):
+            pending.wait()
+        assert not out["leaf0"].any() and not out["leaf1"].any()  # nothing was published
+        rt.poll()  # the released leaves retire once their copies are proven complete
+        assert all(a.flags.writeable for a in out.values())
+        assert device["leaf0"].state == "owned"  # its lease ended: the leaf is usable again
+        assert np.array_equal(rt.to_host(device["leaf0"]), tree["leaf0"])

@@ -96,20 +96,21 @@ class TreePort:
     """The handle protocol (``CompletionPort``) for a whole tree, answered from its leaves' handles."""
 
     def _fail(self, record: TreeRecord, index: int, exc: BaseException) -> TransferFailedError:
-        """Leaf ``index`` failed: the tree fails, every other leaf's handle is dropped (it retires)."""
+        """Leaf ``index`` failed: the tree fails, every other leaf's handle is dropped (it retires); the
+        error to raise."""
         error = TransferFailedError(
             f"leaf {describe(record.paths[index])} of the tree ({len(record.paths)} leaves, {record.nbytes} "
             f"bytes) failed on the device ({exc}); nothing was published: that leaf's objects are abandoned, "
             "the other leaves are released"
         )
-        record.error = error
-        record.children = []
-        return error
+        record.error = error  # kept unraised: a traceback's frames would keep the leaves' handles alive
+        record.children.clear()  # in place: every frame that holds the list lets go of the handles too
+        return TransferFailedError(str(error))
 
     def _raise_failed(self, record: TreeRecord) -> None:
         error = record.error
         assert error is not None
-        raise TransferFailedError(str(error)) from error.__cause__
+        raise TransferFailedError(str(error))
 
     def _settle(self, record: TreeRecord) -> None:
         """Every leaf is resolved: claim each leaf's result and build the tree's, or fail. Lock held."""
@@ -117,11 +118,19 @@ class TreePort:
             return
         if record.error is not None:
             self._raise_failed(record)
+        children = record.children
+        for i, child in enumerate(children):  # every leaf's outcome first: a failure publishes no leaf
+            try:
+                child.is_ready()
+            except TransferFailedError as exc:
+                error = self._fail(record, i, exc)
+                raise error from exc
         results = []
-        for i, child in enumerate(record.children):
+        for i, child in enumerate(children):
             try:
                 results.append(child.wait())
             except TransferFailedError as exc:
+                results.clear()
                 error = self._fail(record, i, exc)
                 raise error from exc
         record.result = record.finish(results)
