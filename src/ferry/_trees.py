@@ -124,7 +124,8 @@ class TreePort:
                 child.is_ready()
             except TransferFailedError as exc:
                 error = self._fail(record, i, exc)
-                raise error from exc
+                del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
+                raise error from exc.with_traceback(None)
         results = []
         for i, child in enumerate(children):
             try:
@@ -132,7 +133,8 @@ class TreePort:
             except TransferFailedError as exc:
                 results.clear()
                 error = self._fail(record, i, exc)
-                raise error from exc
+                del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
+                raise error from exc.with_traceback(None)
         record.result = record.finish(results)
         record.children = []
         record.settled = True
@@ -150,7 +152,8 @@ class TreePort:
                         return False
                 except TransferFailedError as exc:
                     error = self._fail(record, i, exc)
-                    raise error from exc
+                    del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
+                    raise error from exc.with_traceback(None)
             return True
 
     def ready(self, record: TreeRecord, timeout: float | None = None, spin: bool = True) -> bool:
@@ -272,7 +275,8 @@ class TreePort:
                     devices.append(child.hand_off(stream))
                 except TransferFailedError as exc:
                     error = self._fail(record, i, exc)
-                    raise error from exc
+                    del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
+                    raise error from exc.with_traceback(None)
             return record.finish([(None, d) for d in devices])[1]
 
     def owns(self, record: TreeRecord) -> bool:
