@@ -373,3 +373,39 @@ def test_a_failed_leaf_keeps_the_other_leaves_from_publishing_into_out() -> None
         assert all(a.flags.writeable for a in out.values())
         assert device["leaf0"].state == "owned"  # its lease ended: the leaf is usable again
         assert np.array_equal(rt.to_host(device["leaf0"]), tree["leaf0"])
+
+
+def test_foreign_device_leaves_download_and_fill(emu: ferry.Runtime) -> None:
+    data = {"a": np.arange(1000, dtype=np.float32), "b": [np.full((8, 8), 7, np.int16)]}
+    _, backing = emu.upload_tree(data).wait()
+    stream = testing.side_stream(emu)
+    foreign = {"a": testing.ForeignArray(backing["a"], stream=stream),
+               "b": [testing.ForeignArray(backing["b"][0], stream=stream)]}
+    source, host = emu.download_tree(foreign).wait()
+    assert source is foreign
+    assert np.array_equal(host["a"], data["a"]) and np.array_equal(host["b"][0], data["b"][0])
+    _, pinned = emu.download_tree(foreign, pinned=True).wait()
+    assert np.array_equal(pinned["b"][0], data["b"][0])
+    fresh = {"a": np.ones(1000, np.float32), "b": [np.zeros((8, 8), np.int16)]}
+    _, filled = emu.upload_tree(fresh, foreign).wait()  # a foreign destination structure is filled in place
+    assert filled is foreign
+    assert np.array_equal(emu.to_host(backing["a"]), fresh["a"])
+    wrong = {"a": testing.ForeignArray(backing["a"], stream=stream),
+             "b": [testing.ForeignArray(backing["a"], stream=stream)]}
+    with pytest.raises(ferry.TransferSubmitError, match=r"\['b'\]\[0\]"):
+        emu.upload_tree(fresh, wrong)  # shape/dtype read from the interface, before anything moves
+
+
+def test_a_device_leaf_whose_interface_raises_is_still_a_device_leaf() -> None:
+    from ferry._structure import is_device_array
+
+    class Odd:  # PyTorch's bfloat16 tensors raise TypeError from the CUDA Array Interface
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise TypeError("dtype not supported")
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    assert is_device_array(Odd())
+    assert not is_device_array(np.ones(3)) and not is_device_array("x")

@@ -63,8 +63,11 @@ def host_array(leaf: Any) -> np.ndarray[Any, Any]:
 def is_device_array(leaf: Any) -> bool:
     """Whether ``leaf`` lives in device memory: a ferry ``DeviceArray``, an object with the CUDA Array
     Interface, or a DLPack tensor on a CUDA device. Never raises."""
-    if hasattr(leaf, "__cuda_array_interface__"):
-        return True
+    try:  # a property that may raise more than AttributeError (PyTorch's, for a dtype it cannot describe)
+        if hasattr(leaf, "__cuda_array_interface__"):
+            return True
+    except Exception:  # the interface exists; DLPack may still describe the array
+        pass
     device = getattr(leaf, "__dlpack_device__", None)
     if device is None:
         return False

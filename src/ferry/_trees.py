@@ -292,7 +292,10 @@ def _dtype_of(leaf: Any) -> tuple[tuple[int, ...], np.dtype[Any] | None]:
     """A device leaf's shape and dtype (dtype None where only DLPack describes it)."""
     if isinstance(leaf, DeviceArray):
         return leaf.shape, leaf.dtype
-    cai = getattr(leaf, "__cuda_array_interface__", None)
+    try:  # PyTorch raises TypeError for a dtype the interface cannot describe (bfloat16)
+        cai = getattr(leaf, "__cuda_array_interface__", None)
+    except Exception:
+        cai = None
     if isinstance(cai, dict):
         try:
             return tuple(int(n) for n in cai["shape"]), np.dtype(cai["typestr"])
