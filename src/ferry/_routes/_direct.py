@@ -103,6 +103,7 @@ class DirectRoute:
         self.busy = [0, 0]  # transfers of each direction (download, upload) in flight from this route
         self.bursts = 0  # transfers handed to the staging engine as part of a burst
         self._choice: tuple[int, bool] = (0, False)  # (id(request), to the engine), from streams() to submit()
+        self._native: dict[bool, bool] = {}  # per direction: whether its staging engine is the compiled one
 
     def close(self) -> None:
         """Join the copy helpers (a later copy runs on the calling thread alone)."""
@@ -148,9 +149,12 @@ class DirectRoute:
             or self.completion.batches.get(threading.get_ident()) is not None
         ):
             return False
-        from ._staged import StagingEngine
+        native = self._native.get(request.upload)
+        if native is None:  # the compiled lanes only (asked once per direction: it creates the engine)
+            from ._staged import StagingEngine
 
-        return not isinstance(staged.engine(request.upload), StagingEngine)  # the compiled lanes only
+            native = self._native[request.upload] = not isinstance(staged.engine(request.upload), StagingEngine)
+        return native
 
     def _track(self, request: HostCopy) -> None:
         """Count the transfer as in flight from this route until its record leaves flight."""
