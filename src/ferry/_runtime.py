@@ -419,28 +419,21 @@ class Runtime:
         return PendingDownload(self._completion, record or self._parts.host.download(self, source, out))
 
     def upload_tree(self, tree: Any, destination: Any = None, *, to: str | None = None) -> PendingUpload[Any, Any]:
-        """Upload every array of a structure (a state dict, a batch) in one submission; see docs/trees.md.
+        """Upload every array of a structure (nested dicts, lists, tuples) in one submission.
 
-        ``tree`` is nested dicts, lists and tuples (named tuples too) of NumPy
-        arrays or DLPack CPU tensors; str, numbers and None pass through.
-        ``destination`` (same structure, device arrays of each leaf's shape and
-        dtype) is filled, else fresh device arrays are made. ``wait()`` returns
-        ``(tree, device_tree)``, each leaf as :meth:`upload` would hand it back
-        (``to="torch" | "cupy" | "jax"``: that library's arrays). Every check
-        runs before anything moves; one failed leaf fails the tree (nothing
-        published). Raises :class:`~ferry.TransferSubmitError` with every leaf
-        unchanged.
+        ``wait()`` returns ``(tree, device_tree)``; ``destination`` (same structure) is filled, else
+        fresh arrays are made (``to="torch" | "cupy" | "jax"``: that library's). Everything is checked
+        before anything moves: :class:`~ferry.TransferSubmitError` leaves every leaf as it was; one
+        failed leaf fails the tree (``wait()`` raises, nothing is published). See docs/trees.md.
         """
         return _trees.upload_tree(self, tree, destination, to)
 
     def download_tree(self, tree: Any, out: Any = None, *, pinned: bool = False) -> PendingDownload[Any, Any]:
-        """Download every device array of a structure in one submission; see docs/trees.md.
+        """Download every device array of a structure in one submission; ``wait()`` returns ``(tree, host_tree)``.
 
-        ``out`` (same structure, writable NumPy arrays) is filled, else fresh
-        host arrays are made; ``pinned=True`` makes them on pooled pinned
-        blocks (back to the pool once collected; uploading them again is one
-        DMA each). ``wait()`` returns ``(tree, host_tree)``. Refusals and
-        failures as for :meth:`upload_tree`.
+        ``out`` (same structure) is filled, else fresh arrays are made: with ``pinned=True`` on pooled
+        pinned blocks (back to the pool once collected; uploading them is one DMA each). Refusals and
+        failures as for :meth:`upload_tree`. See docs/trees.md.
         """
         return _trees.download_tree(self, tree, out, pinned)
 
