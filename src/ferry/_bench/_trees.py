@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import importlib
+import mmap
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -151,14 +152,14 @@ def ferry_down(rt: Any, tree: Tree, dev: Any, route: str) -> Case:
         pinned = route == "pinned"
 
         def op() -> None:
-            box["host"] = None  # the previous round's leaves go back first (the pool reuses them)
             box["host"] = rt.download_tree(dev, pinned=pinned).wait()[1]
 
         def check() -> bool:
             op()
             return same(box["host"], tree)
 
-    return Case("ferry", route, "d2h", _nbytes(tree), op, check, close=box.clear)
+    # the previous round's leaves are dropped untimed, before each round (pinned ones go back to the pool)
+    return Case("ferry", route, "d2h", _nbytes(tree), op, check, setup=_release(box), close=box.clear)
 
 
 # -- the peers' cases ------------------------------------------------------------------------------------
@@ -171,16 +172,13 @@ def torch_cases(torch: Any, tree: Tree) -> list[Case]:
     box: dict[str, Any] = {}
 
     def up() -> None:
-        box["d"] = None
         box["d"] = {k: t.cuda() for k, t in cpu.items()}
 
     def up_pinned() -> None:
-        box["d"] = None
         box["d"] = {k: t.cuda(non_blocking=True) for k, t in pinned.items()}
         torch.cuda.synchronize()
 
     def down() -> None:
-        box["h"] = None
         box["h"] = {k: t.cpu() for k, t in dev.items()}
 
     def check(op: Callable[[], None], key: str) -> Callable[[], bool]:
@@ -193,10 +191,12 @@ def torch_cases(torch: Any, tree: Tree) -> list[Case]:
     def close() -> None:
         box.clear()
 
+    release = _release(box)
     return [
-        Case("torch", "pageable .cuda()", "h2d", n, up, check(up, "d"), close=close),
-        Case("torch", "pinned .cuda(non_blocking)", "h2d", n, up_pinned, check(up_pinned, "d"), close=close),
-        Case("torch", ".cpu()", "d2h", n, down, check(down, "h"), close=close),
+        Case("torch", "pageable .cuda()", "h2d", n, up, check(up, "d"), setup=release, close=close),
+        Case("torch", "pinned .cuda(non_blocking)", "h2d", n, up_pinned, check(up_pinned, "d"), setup=release,
+             close=close),
+        Case("torch", ".cpu()", "d2h", n, down, check(down, "h"), setup=release, close=close),
     ]
 
 
@@ -209,17 +209,14 @@ def tensordict_cases(module: Any, torch: Any, tree: Tree) -> list[Case]:
     box: dict[str, Any] = {}
 
     def plain() -> None:
-        box["d"] = None
         box["d"] = td.to("cuda")
         torch.cuda.synchronize()
 
     def pin16() -> None:
-        box["d"] = None
         box["d"] = td.to("cuda", non_blocking_pin=True, num_threads=FILL_THREADS)
         torch.cuda.synchronize()
 
     def down() -> None:
-        box["h"] = None
         box["h"] = on_device.to("cpu")
         torch.cuda.synchronize()
 
@@ -230,10 +227,12 @@ def tensordict_cases(module: Any, torch: Any, tree: Tree) -> list[Case]:
 
         return checked
 
+    release = _release(box)
     return [
-        Case("tensordict", 'to("cuda")', "h2d", n, plain, check(plain, "d"), close=box.clear),
-        Case("tensordict", f"pin, {FILL_THREADS} threads", "h2d", n, pin16, check(pin16, "d"), close=box.clear),
-        Case("tensordict", 'to("cpu")', "d2h", n, down, check(down, "h"), close=box.clear),
+        Case("tensordict", 'to("cuda")', "h2d", n, plain, check(plain, "d"), setup=release, close=box.clear),
+        Case("tensordict", f"pin, {FILL_THREADS} threads", "h2d", n, pin16, check(pin16, "d"), setup=release,
+             close=box.clear),
+        Case("tensordict", 'to("cpu")', "d2h", n, down, check(down, "h"), setup=release, close=box.clear),
     ]
 
 
@@ -307,8 +306,9 @@ def raw_cases(raw: Any, tree: Tree) -> list[Case]:
 
 
 def fill_ceiling(tree: Tree, threads: int = FILL_THREADS) -> Case:
-    """The machine's ceiling for fresh pageable leaves: ``threads`` threads each make (``numpy.empty``)
-    and fill its share of the leaves from resident memory, first-touch page faults included."""
+    """The machine's ceiling for fresh pageable leaves: ``threads`` threads each map fresh anonymous
+    memory for its share of the leaves (one mapping each) and fill it from resident memory,
+    first-touch page faults included (the previous round's mappings are dropped untimed)."""
     sizes = [(k, int(v.nbytes)) for k, v in tree.items()]
     sources = {k: v.reshape(-1).view(np.uint8) for k, v in tree.items()}
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ferry-bench-fill")
@@ -316,15 +316,20 @@ def fill_ceiling(tree: Tree, threads: int = FILL_THREADS) -> Case:
     box: dict[str, Any] = {}
 
     def fill(share: list[tuple[str, int]]) -> dict[str, np.ndarray[Any, Any]]:
-        made = {}
+        made: dict[str, np.ndarray[Any, Any]] = {}
+        total = sum(n for _, n in share)
+        if not total:
+            return made
+        region: np.ndarray[Any, Any] = np.frombuffer(mmap.mmap(-1, total), np.uint8)  # fresh pages, one mapping
+        at = 0
         for key, n in share:
-            out = np.empty(n, np.uint8)
+            out = region[at:at + n]
             np.copyto(out, sources[key])
             made[key] = out
+            at += n
         return made
 
     def op() -> None:
-        box["h"] = None
         made: dict[str, Any] = {}
         for part in pool.map(fill, shares):
             made.update(part)
@@ -339,7 +344,17 @@ def fill_ceiling(tree: Tree, threads: int = FILL_THREADS) -> Case:
         pool.shutdown()
 
     return Case("memcpy_mt", f"fresh first-touch + fill, {threads} threads", "d2h", _nbytes(tree), op, check,
-                close=close)
+                setup=_release(box), close=close)
+
+
+def _release(box: dict[str, Any]) -> Callable[[], None]:
+    """What drops the previous round's outputs (untimed, before each round)."""
+    def release() -> None:
+        box.pop("h", None)
+        box.pop("d", None)
+        box.pop("host", None)
+
+    return release
 
 
 # -- the group -------------------------------------------------------------------------------------------
@@ -354,16 +369,19 @@ def _run(ctx: Context, shape: str, case: Case) -> Result:
     return result
 
 
-def _tensordict() -> Any:
+def _tensordict() -> tuple[Any, str]:
+    """TensorDict, or None and why not."""
     try:
-        return importlib.import_module("tensordict")
-    except ImportError:
-        return None
+        return importlib.import_module("tensordict"), ""
+    except ImportError as exc:
+        return None, f"not installed ({exc.name or exc})"
+    except Exception as exc:  # installed but unusable here (a version mismatch with PyTorch, ...)
+        return None, f"unusable: {exc!r}"
 
 
 def shape_case_count(ctx: Context) -> int:
     has = {name: int(name in ctx.peers) for name in ("raw", "torch")}
-    td = int(has["torch"] and _tensordict() is not None)
+    td = int(has["torch"] and _tensordict()[0] is not None)
     return 5 + 1 + 3 * has["raw"] + 3 * has["torch"] + 3 * td
 
 
@@ -371,14 +389,17 @@ def case_count(ctx: Context) -> int:
     """The progress bar's total for this group."""
     # 256 MiB both ways, the fresh 16 B upload (ferry, and torch), the 2048-leaf submit, the pool rounds
     extras = 2 + 1 + int("torch" in ctx.peers) + 1 + 1
-    return len(shapes(ctx.rt.backend == "emulated", ctx.quick)) * shape_case_count(ctx) + extras
+    skipped = int("torch" in ctx.peers and _tensordict()[0] is None)  # a row that says why TensorDict is not run
+    return skipped + len(shapes(ctx.rt.backend == "emulated", ctx.quick)) * shape_case_count(ctx) + extras
 
 
 def group_trees(ctx: Context) -> None:
     rt = ctx.rt
     emulated = rt.backend == "emulated"
     torch = ctx.peers["torch"].torch if "torch" in ctx.peers else None
-    td = _tensordict() if torch is not None else None
+    td, why = _tensordict() if torch is not None else (None, "")
+    if torch is not None and td is None:
+        ctx.record(Result("trees", "tensordict", "skipped", "-", 0, note=why, config="peers"))
     for i, (shape, spec) in enumerate(shapes(emulated, ctx.quick)):
         tree = make_tree(spec, 100 + i)
         dev = rt.upload_tree(tree).wait()[1]
