@@ -110,7 +110,9 @@ def _bytes(x: Any) -> np.ndarray[Any, Any]:
 
 def same(got: dict[str, Any], want: Tree) -> bool:
     """Every leaf of ``got`` (NumPy or torch) holds ``want``'s bytes."""
-    return list(got) == list(want) and all(np.array_equal(_bytes(got[k]), _bytes(v)) for k, v in want.items())
+    if len(got) != len(want):
+        return False
+    return all(k in got and np.array_equal(_bytes(got[k]), _bytes(v)) for k, v in want.items())
 
 
 def _nbytes(tree: Tree) -> int:
