@@ -35,12 +35,11 @@ from ._backends._base import Backend, DeviceError
 from ._buffer import BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
 from ._device_array import DeviceArray, new_device_array
 from ._errors import TransferSubmitError
-from ._interop._foreign import DEVICE, expect
 from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
 from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
-from ._routes._peer import copy_between
+from ._routes._peer import check_copy, copy_between
 from ._routes._pinned import submit_pinned
 from ._routes._staged import StagingConfig, engine_status, engine_threads_status
 from ._state import OWNED
@@ -466,19 +465,10 @@ class Runtime:
         TransferSubmitError
             Nothing was enqueued; both arrays are unchanged.
         """
-        expect(source, DeviceArray, "copy_pending", "source", DEVICE)
-        expect(destination, DeviceArray, "copy_pending", "destination", DEVICE)
-        if destination._runtime is not self:
-            raise TransferSubmitError(
-                "copy_pending is submitted to the destination's runtime: call it on that runtime"
-            )
-        other = source._runtime
+        other = check_copy(self, source, destination)
         if not isinstance(other, Runtime):
             raise TransferSubmitError("the source does not belong to a ferry runtime")
-        if other.backend != self.backend:
-            raise TransferSubmitError(f"cannot copy from a {other.backend} device to a {self.backend} device")
-        record = copy_between(self, self._parts, other, other._parts, source, destination)
-        return PendingCopy(self._completion, record)
+        return PendingCopy(self._completion, copy_between(self, self._parts, other, other._parts, source, destination))
 
     # -- stats and lifetime ---------------------------------------------------------------------------
     def poll(self) -> None:
