@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .._backends._base import DeviceError
+from ._native import NativeEngine, engine_threads
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -189,8 +190,6 @@ class StagingConfig:
         """The idle lanes that help a cooperative job's lead copy (``lane_helpers``, ``-1`` resolved)."""
         if self.lane_helpers >= 0:
             return self.lane_helpers
-        from ._native import engine_threads
-
         roomy, _ = engine_threads(self.lanes)
         return min(self.lanes - 1, DEFAULT_LANE_HELPERS) if roomy else 0
 
@@ -557,8 +556,6 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
     )
     if status != "native":
         return f"{config.lanes} Python lanes per direction; {direct}, copied by the calling thread"
-    from ._native import engine_threads
-
     driver_thread, wait_spin_us = engine_threads(config.lanes)  # what an engine made now would run
     detail = "one driver thread makes their enqueues" if driver_thread else "each calls the driver"
     waits = (
@@ -608,8 +605,6 @@ class StagedRoute:
             backend = self.completion.backend
             module = native_module(self.config)
             if module is not None:
-                from ._native import NativeEngine
-
                 engine = NativeEngine(module, backend, self.config, direction)
             else:
                 engine = StagingEngine(backend, self.pool, self.config, direction)
