@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .._backends._base import Backend, DeviceError
 from .._completion import Extras
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from .._memory._pinned import PinnedPool
 
 __all__ = ["Route", "routes"]
+
+_R = TypeVar("_R")  # the facade's type (the runtime, which sits above)
 
 
 @dataclass(frozen=True)
@@ -304,14 +306,17 @@ class Party(Protocol):
         ...
 
 
-def check_copy(owner: object, source: Any, destination: Any) -> object:
-    """The source's runtime, once ``destination <- source`` is a copy that ``owner`` takes (see
-    ``copy_pending``); raises ``TransferSubmitError`` otherwise."""
+def check_copy(owner: object, source: Any, destination: Any, facade: type[_R]) -> _R:
+    """The source's runtime (a ``facade``), once ``destination <- source`` is a copy that ``owner`` takes
+    (see ``copy_pending``); raises ``TransferSubmitError`` otherwise."""
     expect(source, DeviceArray, "copy_pending", "source", DEVICE)
     expect(destination, DeviceArray, "copy_pending", "destination", DEVICE)
     if destination._runtime is not owner:
         raise TransferSubmitError("copy_pending is submitted to the destination's runtime: call it on that runtime")
-    return source._runtime
+    other = source._runtime
+    if not isinstance(other, facade):
+        raise TransferSubmitError("the source does not belong to a ferry runtime")
+    return other
 
 
 def copy_between(

@@ -205,6 +205,13 @@ class StagingConfig:
         return self.slot_bytes * self.slots_per_lane * self.lanes
 
 
+def default_staging() -> StagingConfig:
+    """A runtime's config when none is given: the defaults, with no more lanes than this machine's CPUs
+    (at least 2)."""
+    lanes = max(2, min(StagingConfig.lanes, (os.cpu_count() or 2)))
+    return StagingConfig(lanes=lanes)
+
+
 # -- chunk plans ------------------------------------------------------------------------------------
 
 
