@@ -130,6 +130,12 @@ def test_the_import_graph_sees_every_kind_of_import() -> None:
     assert not any(peer in graph["ferry._prefetch"] for peer in ("torch", "cupy", "jax"))  # not ferry's
 
 
+def test_the_circle_finder_finds_circles() -> None:
+    graph: dict[str, dict[str, int]] = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"d": 1}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b": 1}, "b": {}}) == []
+
+
 def test_the_module_graph_has_no_circle() -> None:
     graph = _import_graph()
     circles = _circles(graph)
