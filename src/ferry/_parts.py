@@ -68,12 +68,15 @@ class Parts:
         self.side_streams: list[Any] = []  # made by ferry.testing.side_stream
         self.side = Side(backend, self.d2h, self.lock, self.completion)
 
-    def bind_compiled_entries(self, runtime: Any, facade: Any) -> None:
-        """Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
-        and ``download_pending`` become ``runtime``'s compiled entries: the same checks and submission
-        in one C call, which hands whatever is not the common case to ``facade``'s methods (a subclass
-        that overrides either keeps both as Python methods). Where NumPy's shape fields are verified
-        too, ``upload`` does the same for the small pageable route's common case."""
+    def compiled_entries(self, runtime: Any, facade: Any) -> dict[str, Any]:
+        """The methods of ``runtime`` (a ``facade``) to replace by compiled entries, by name.
+
+        Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
+        and ``download_pending`` become compiled entries: the same checks and submission in one C
+        call, which hands whatever is not the common case to ``facade``'s methods (a subclass that
+        overrides either keeps both as Python methods). Where NumPy's shape fields are verified too,
+        ``upload`` does the same for the small pageable route's common case. Elsewhere: none.
+        """
         fast = self.completion.fast
         cls = type(runtime)
         if (
@@ -83,7 +86,7 @@ class Parts:
             or cls.download_pending is not facade.download_pending
             or not _native.slot_layout()
         ):
-            return
+            return {}
         fast.bind_entries(facade.upload_pending, facade.download_pending, PendingUpload, PendingDownload,
                           self.h2d, self.d2h, self.backend)
         small = cls.upload is facade.upload and _native.array_shape_layout()  # the small pageable upload too
@@ -92,10 +95,10 @@ class Parts:
         # bound to the runtime as a method is (kept alone, they keep it alive: a cycle through its
         # __dict__, so a dropped runtime is closed by the cyclic garbage collector)
         up, down, upload = fast.entries(runtime)
-        runtime.upload_pending = up
-        runtime.download_pending = down
+        entries = {"upload_pending": up, "download_pending": down}
         if upload is not None:
-            runtime.upload = upload
+            entries["upload"] = upload
+        return entries
 
     # -- what the facade's calls do beyond a check (see Runtime for each contract) ------------------
     def info(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ The pinned fast path stays inline here: :meth:`Runtime.upload_pending` and
 and enqueue at once; everything else goes to its route's module. Where the
 extension runs, a runtime replaces both, and :meth:`Runtime.upload`, by
 compiled entries that do the same common case in one C call and call these
-methods for everything else (``Parts.bind_compiled_entries``).
+methods for everything else (``Parts.compiled_entries``).
 
 Every refusal happens before anything is enqueued and raises
 :class:`~ferry.TransferSubmitError` with every argument left as it was.
@@ -124,7 +124,8 @@ class Runtime:
         self._h2d = parts.h2d
         self._d2h = parts.d2h
         self._small = parts.host.small  # small NumPy arrays: tried first by upload() and download()
-        parts.bind_compiled_entries(self, Runtime)
+        for name, entry in parts.compiled_entries(self, Runtime).items():
+            setattr(self, name, entry)  # the common cases in one C call each, where the extension runs
         _lifecycle.register(parts)
         finalizer = weakref.finalize(self, _lifecycle.collected_unclosed, parts, repr(self))
         finalizer.atexit = False  # at exit the lifecycle closes every open runtime, quietly
