@@ -142,13 +142,14 @@ class FilePlan:
     step: int  # the largest chunk: what one slot must hold
 
 
-def plan_pieces(pieces: Sequence[Piece], slot_bytes: int = SLOT_BYTES, *, aligned: bool = True) -> FilePlan:
+def plan_pieces(pieces: Sequence[Piece], slot_bytes: int | None = None, *, aligned: bool = True) -> FilePlan:
     """Cut ``pieces`` (any order, non-overlapping in the file) into chunks of at most one slot.
 
     Runs of pieces closer than :data:`RUN_GAP` are read in one pass; chunks start at
     :data:`ALIGN`-aligned offsets when ``aligned`` (reads), so ``O_DIRECT`` can serve them.
-    Writes (``aligned=False``) cover exactly the pieces' bytes.
+    Writes (``aligned=False``) cover exactly the pieces' bytes. ``slot_bytes``: :data:`SLOT_BYTES`.
     """
+    slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
     step = max(ALIGN, (slot_bytes - ALIGN) // ALIGN * ALIGN)  # room for aligning the slot's address
     live = sorted((p for p in pieces if p.nbytes > 0), key=lambda p: p.offset)
     chunks: list[Chunk] = []
