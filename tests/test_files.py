@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ def test_many_chunks_and_readers_cover_the_file_once(
     starts = sorted(reads)
     covered = sum(n for _, n in starts)
     assert covered == data.size  # every byte read once
-    assert all(a + n == b for (a, n), (b, _) in zip(starts, starts[1:]))
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
 
 
 def test_plan_coalesces_neighbours_and_aligns_chunks() -> None:
@@ -177,7 +178,7 @@ def test_a_file_truncated_during_the_transfer_fails_it_naming_file_and_offset(
     monkeypatch.setattr(_file, "SLOT_BYTES", 256 << 10)
     dest = emu.empty(data.size, np.uint8)
     handle = emu.upload_file(path, dest)
-    with pytest.raises(ferry.TransferFailedError, match=rf"data\.bin.* at byte \d+.*ended"):
+    with pytest.raises(ferry.TransferFailedError, match=r"data\.bin.* at byte \d+.*ended"):
         handle.wait()
     assert dest.state == "abandoned"
     stats = emu.stats()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from . import _buffer, _device_array, _errors, _pending, _prefetch, _runtime, _stats, _waiting
 from ._buffer import *  # noqa: F403
+from ._device_array import *  # noqa: F403
+from ._errors import *  # noqa: F403
 from ._files import _common as _files_common
 from ._files import _npy, _safetensors
 from ._files._common import *  # noqa: F403
 from ._files._npy import *  # noqa: F403
 from ._files._safetensors import *  # noqa: F403
-from ._device_array import *  # noqa: F403
-from ._errors import *  # noqa: F403
 from ._memory import _register
 from ._memory._register import *  # noqa: F403
 from ._pending import *  # noqa: F403

@@ -237,7 +237,7 @@ def import_library(to: str) -> Any:
     if to == "jax":
         import jax
         import jax.dlpack
-        import jax.numpy  # noqa: F401
+        import jax.numpy
 
         return jax
     return __import__(to)

@@ -89,7 +89,8 @@ def numpy_dtype(kind: Kind, what: str) -> np.dtype[Any]:
     module = ml_dtypes_module()
     if module is None:
         raise ImportError(f"{what} has dtype {kind.name}, which NumPy lacks; {EXTRA_HINT}")
-    return np.dtype(getattr(module, str(kind.ml_dtypes)))
+    found: np.dtype[Any] = np.dtype(getattr(module, str(kind.ml_dtypes)))
+    return found
 
 
 def kind_of_dtype(dtype: Any) -> Kind:
@@ -105,7 +106,8 @@ def kind_of_dtype(dtype: Any) -> Kind:
     module = ml_dtypes_module()
     if module is not None:
         for kind in _KINDS:
-            if kind.ml_dtypes is not None and hasattr(module, kind.ml_dtypes) and np.dtype(getattr(module, kind.ml_dtypes)) == dt:
+            attr = kind.ml_dtypes
+            if attr is not None and hasattr(module, attr) and np.dtype(getattr(module, attr)) == dt:
                 return kind
     raise TypeError(f"dtype {dt} has no safetensors equivalent")
 

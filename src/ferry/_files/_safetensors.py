@@ -15,6 +15,7 @@ tensors are then read in one pass (see ``_common``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,8 +24,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._common import (
-    CheckpointError, Entry, Progress, check_library_kinds, convert, device_source, load_entries, runtime_arg,
-    to_arg, write_pieces,
+    CheckpointError,
+    Entry,
+    Progress,
+    check_library_kinds,
+    convert,
+    device_source,
+    load_entries,
+    runtime_arg,
+    to_arg,
+    write_pieces,
 )
 from ._dtypes import KINDS, numpy_dtype, packed_shape
 
@@ -103,7 +112,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
             )
         spans.append((offsets[0], offsets[1], key))
     spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
         if begin < end:
             raise CheckpointError(f"{name!r} has a malformed header: tensors {a!r} and {b!r} overlap")
     return header, start, size

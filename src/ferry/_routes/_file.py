@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 from .._backends._base import DeviceError
 from .._errors import TransferSubmitError
 from .._interop._foreign import expect, order_before
+from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class OpenFile:
                 mode = os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
             except (OSError, ValueError) as exc:
                 raise TransferSubmitError(f"the file {self.name!r} is not open: {exc}") from exc
-            if write and mode == os.O_RDONLY or not write and mode == os.O_WRONLY:
+            if (write and mode == os.O_RDONLY) or (not write and mode == os.O_WRONLY):
                 need = "writing" if write else "reading"
                 raise TransferSubmitError(f"the file {self.name!r} is not open for {need}")
             flush = getattr(file, "flush", None)
@@ -435,7 +436,7 @@ class FileJob:
         try:
             for _ in range(count if plan.chunks else 0):
                 self._streams.append(backend.stream_create())
-                slots = []
+                slots: list[_Slot] = []
                 self._slots.append(slots)
                 for _ in range(SLOTS_PER_READER if upload else 1):
                     event = backend.event_create(blocking=True)
@@ -672,19 +673,19 @@ def submit_file(
         raise
 
 
-def upload_file(owner: object, parts: Parts, file: Any, destination: DeviceArray, offset: Any, direct: Any) -> Any:
+def upload_file(
+    owner: object, parts: Parts, file: Any, destination: DeviceArray, offset: Any, direct: Any
+) -> PendingUpload[Any, DeviceArray]:
     """See :meth:`ferry.Runtime.upload_file`; returns the handle."""
-    from .._pending import PendingUpload
-
     record = submit_file(owner, parts, file, destination, upload=True, offset=offset, direct=direct,
                          result=lambda f, a: (f, a))
     return PendingUpload(parts.completion, record)
 
 
-def download_file(owner: object, parts: Parts, source: DeviceArray, file: Any, offset: Any, direct: Any) -> Any:
+def download_file(
+    owner: object, parts: Parts, source: DeviceArray, file: Any, offset: Any, direct: Any
+) -> PendingDownload[DeviceArray, Any]:
     """See :meth:`ferry.Runtime.download_file`; returns the handle."""
-    from .._pending import PendingDownload
-
     record = submit_file(owner, parts, file, source, upload=False, offset=offset, direct=direct,
                          result=lambda f, a: (a, f))
     return PendingDownload(parts.completion, record)
