@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +84,8 @@ def test_many_chunks_and_readers_cover_the_file_once(
 
     def counting(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
         reads.append((chunk.start, chunk.need))
-        threads.add(__import__("threading").current_thread().name)
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)  # a slow disk: the other readers claim chunks meanwhile
         real(opened, direct, chunk, ptr)
 
     monkeypatch.setattr(_file, "fill_slot", counting)
