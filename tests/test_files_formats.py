@@ -398,3 +398,53 @@ def test_cupy_arrays_and_a_refused_bf16(cupy: Any, tmp_path: Path) -> None:
             ferry.load_safetensors(path, runtime=rt, to="cupy")
         assert rt.stats().device_bytes == before
         del loaded
+
+
+def test_the_load_command_reports_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ferry.__main__ import main
+
+    path = tmp_path / "cli.safetensors"
+    _by_hand(path, {"a": np.ones((64, 64), np.float32), "b": np.arange(10, dtype=np.int64)})
+    assert main(["--backend", "emulated", "load", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "loaded 2 tensor(s)" in out and "GB/s" in out
+    np.save(tmp_path / "x.npy", np.ones(7))
+    assert main(["--backend", "emulated", "load", str(tmp_path / "x.npy")]) == 0
+    assert "loaded 1 tensor(s)" in capsys.readouterr().out
+    path.write_bytes(b"\x00" * 4)
+    assert main(["--backend", "emulated", "load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cli.safetensors" in err and "Traceback" not in err
+
+
+def test_an_interrupted_load_propagates_and_frees_everything(emu: ferry.Runtime, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "i.safetensors"
+    _by_hand(path, {f"w{i}": np.full(300_000, i, np.float32) for i in range(4)})
+    monkeypatch.setattr(_file, "SLOT_BYTES", 256 << 10)
+    real = _file.fill_slot
+
+    def slow(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
+        __import__("time").sleep(0.03)
+        real(opened, direct, chunk, ptr)
+
+    monkeypatch.setattr(_file, "fill_slot", slow)
+    warm = emu.to_device(np.zeros(3, np.float32))
+    before = emu.stats()
+
+    def interrupt(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ferry.load_safetensors(path, runtime=emu, progress=interrupt)
+    after = emu.stats()
+    assert after.device_bytes == before.device_bytes and after.abandoned == 0
+    assert after.pinned_free_bytes == after.pinned_pool_bytes - after.staging_pinned_bytes
+    del warm
+
+
+def test_a_fifo_is_refused_without_blocking(emu: ferry.Runtime, tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ferry.TransferSubmitError, match="not a regular file"):
+        emu.upload_file(fifo, emu.empty(4, np.uint8))

@@ -164,7 +164,10 @@ def load_entries(
 
 
 def _finish(parts: Any, job: FileJob, arrays: dict[str, DeviceArray], name: str, progress: Progress) -> None:
-    """Wait for a load's job; hand the arrays back owned, or raise with them freed (or abandoned)."""
+    """Wait for a load's job; hand the arrays back owned, or raise with them freed (or abandoned).
+
+    An exception while waiting (Ctrl-C, or one raised by ``progress``) cancels the job, waits for its
+    readers and propagates once the arrays are settled."""
     try:
         _wait(job, job.plan.nbytes, progress)
     finally:
@@ -176,11 +179,11 @@ def _finish(parts: Any, job: FileJob, arrays: dict[str, DeviceArray], name: str,
                     parts.completion.abandon(array)
                 elif array._state is IN_FLIGHT:
                     array._state = OWNED
-        if job.error is not None:
             if device_failed:
-                parts.health.note(job.error)
+                parts.health.note(job.error)  # type: ignore[arg-type]
                 arrays.clear()  # abandoned: never freed
-            raise CheckpointError(f"loading {name!r} failed: {job.error}")
+    if job.error is not None:
+        raise CheckpointError(f"loading {name!r} failed: {job.error}")
 
 
 def _free(arrays: dict[str, DeviceArray]) -> None:

@@ -206,6 +206,7 @@ class OpenFile:
         self.direct_fd = -1
         if isinstance(file, (str, bytes, os.PathLike)):
             flags = (os.O_RDWR | (os.O_CREAT if create else 0)) if write else os.O_RDONLY
+            flags |= getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open (it is refused below)
             try:
                 self.fd = os.open(file, flags | getattr(os, "O_CLOEXEC", 0), 0o666)
             except OSError as exc:
@@ -306,8 +307,10 @@ def resident_fraction(fd: int, lo: int, hi: int) -> float | None:
         vec = (ctypes.c_ubyte * pages)()
         if libc.mincore(addr, length, vec) != 0:
             return None
-        resident = sum(memoryview(vec).cast("B")[::max(1, pages // 4096)]) / len(range(0, pages, max(1, pages // 4096)))
-        return float(resident) if resident <= 1 else 1.0
+        import numpy as np
+
+        sample = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)[:: max(1, pages // 4096)] & 1  # bit 0: resident
+        return float(sample.mean())
     finally:
         libc.munmap(addr, length)
 
