@@ -309,7 +309,8 @@ def resident_fraction(fd: int, lo: int, hi: int) -> float | None:
             return None
         import numpy as np
 
-        sample = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)[:: max(1, pages // 4096)] & 1  # bit 0: resident
+        bits = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)
+        sample = bits[:: max(1, pages // 4096)] & 1  # bit 0: resident
         return float(sample.mean())
     finally:
         libc.munmap(addr, length)
