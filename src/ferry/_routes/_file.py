@@ -140,7 +140,7 @@ class FilePlan:
     chunks: list[Chunk]
     nbytes: int  # payload bytes (what the pieces cover)
     span: tuple[int, int]  # the file range read or written, [lo, hi)
-    step: int  # the largest chunk: what one slot must hold
+    step: int  # the largest chunk: what one slot must hold (beyond aligning its address)
 
 
 def plan_pieces(pieces: Sequence[Piece], slot_bytes: int | None = None, *, aligned: bool = True) -> FilePlan:
@@ -185,7 +185,7 @@ def plan_pieces(pieces: Sequence[Piece], slot_bytes: int | None = None, *, align
             start = end
     total = sum(p.nbytes for p in live)
     span = (live[0].offset, live[-1].offset + live[-1].nbytes) if live else (0, 0)
-    return FilePlan(chunks, total, span, step)
+    return FilePlan(chunks, total, span, max((c.length for c in chunks), default=0))
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -436,7 +436,7 @@ class FileJob:
         self._threads: list[threading.Thread] = []
         self._remaining = count if plan.chunks else 0
         backend = self.backend
-        slot_bytes = plan.step + ALIGN
+        slot_bytes = -(-plan.step // ALIGN) * ALIGN + ALIGN  # a full plan's: exactly SLOT_BYTES, one pool class
         try:
             for _ in range(count if plan.chunks else 0):
                 self._streams.append(backend.stream_create())
