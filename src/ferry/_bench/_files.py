@@ -105,6 +105,30 @@ def write_checkpoint(path: str, shapes: dict[str, tuple[int, ...]], seed: int = 
     return at
 
 
+def _folder() -> str:
+    """A scratch folder on a disk: ``FERRY_BENCH_DIR``, else the current directory (a tmpfs ``/tmp`` has no
+    cold reads and refuses ``O_DIRECT``), else the temporary directory."""
+    for base in [b for b in (os.environ.get("FERRY_BENCH_DIR"), os.getcwd()) if b]:
+        try:
+            return tempfile.mkdtemp(prefix="ferry-bench-files-", dir=base)
+        except OSError:
+            continue
+    return tempfile.mkdtemp(prefix="ferry-bench-files-")
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem type and device holding ``path`` (from /proc/mounts), or "an unknown filesystem"."""
+    best = ("", "an unknown filesystem")
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) >= len(best[0]):
+                best = (parts[1], f"{parts[2]} ({parts[0]})")
+    return best[1]
+
+
 # -- cold ------------------------------------------------------------------------------------------------
 def can_drop_caches() -> bool:
     """Whether this process may drop the page cache."""
@@ -271,12 +295,12 @@ def group_files(ctx: Any) -> None:
     shapes = checkpoint_shapes(emulated, ctx.quick)
     reps = 2 if ctx.quick or emulated else 3
     cold_reps = 1 if ctx.quick or emulated else 2
-    folder = tempfile.mkdtemp(prefix="ferry-bench-files-", dir=os.environ.get("FERRY_BENCH_DIR") or None)
+    folder = _folder()
     path = os.path.join(folder, "model.safetensors")
     saved = os.path.join(folder, "saved.safetensors")
     nbytes = write_checkpoint(path, shapes)
     size = os.path.getsize(path)
-    config = f"{len(shapes)} tensors, {nbytes / GiB:.2f} GiB fp16"
+    config = f"{len(shapes)} tensors, {nbytes / GiB:.2f} GiB fp16, on {filesystem_of(folder)}"
     dropping = can_drop_caches() and not emulated  # (a toy run leaves the machine's cache alone)
     cold_how = "page cache dropped before each run" if dropping else "O_DIRECT (the page cache cannot be dropped here)"
     ref = Reference(path)
@@ -332,12 +356,15 @@ def group_files(ctx: Any) -> None:
 
         def ferry_cold() -> None:
             direct = None if dropping else True
+            checked: list[bool] = []
+
+            def check(out: dict[str, Any]) -> None:
+                checked.append(verify_device_arrays(rt, ref, out))
+                out.clear()
+
             samples = timed(lambda: ferry.load_safetensors(path, runtime=rt, direct=direct), cold_reps, cold_before,
-                            after=lambda out: out.clear())
-            loaded = ferry.load_safetensors(path, runtime=rt, direct=direct)
-            valid = verify_device_arrays(rt, ref, loaded)
-            del loaded
-            record("ferry", "load_safetensors", "cold", samples, valid, cold_how)
+                            after=check)
+            record("ferry", "load_safetensors", "cold", samples, all(checked), cold_how)
 
         def ferry_memory() -> None:
             warm_up()
@@ -351,7 +378,7 @@ def group_files(ctx: Any) -> None:
             grown = max(0, rt.stats().pinned_pool_bytes - pool)
             extra = peak - rss - grown - (nbytes if emulated else 0)  # the emulated device's memory is the host's
             del loaded
-            ctx.results.append(Result(GROUP, "ferry", "host_memory", "host", max(0, extra), samples=[1.0],
+            ctx.results.append(Result(GROUP, "ferry", "host_memory", "host", max(0, extra), samples=[0.0],
                                       valid=None, note=f"peak RSS above the start, less the pinned pool's growth "
                                       f"({grown >> 20} MiB): {max(0, extra) / MiB:.0f} MiB", config=config))
 
