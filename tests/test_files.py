@@ -243,3 +243,22 @@ def test_a_refused_o_direct_falls_back_to_buffered_reads(
     dest = emu.empty(data.size, np.uint8)
     emu.upload_file(path, dest, direct=True).wait()
     assert np.array_equal(emu.to_host(dest), data)
+
+
+def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    source = emu.empty(16, np.uint8)
+    pending = emu.upload(np.zeros(16, np.uint8), source)
+    target = tmp_path / "new.bin"
+    with pytest.raises(ferry.TransferSubmitError, match="in_flight"):
+        emu.download_file(source, target)
+    pending.wait()
+    assert not target.exists()
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise MemoryError("no pinned memory left")
+
+    monkeypatch.setattr(_file.FileJob, "__init__", refuse)
+    with pytest.raises(ferry.TransferSubmitError, match="no pinned memory"):
+        emu.download_file(source, target)
+    assert not target.exists() and source.state == "owned"

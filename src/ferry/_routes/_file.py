@@ -204,7 +204,9 @@ class OpenFile:
     def __init__(self, file: Any, *, write: bool, create: bool = False) -> None:
         self.name = file_name(file)
         self.direct_fd = -1
+        self.created = False  # a path this call created (removed again if the submission is refused)
         if isinstance(file, (str, bytes, os.PathLike)):
+            self.created = write and create and not os.path.lexists(file)
             flags = (os.O_RDWR | (os.O_CREAT if create else 0)) if write else os.O_RDONLY
             flags |= getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open (it is refused below)
             try:
@@ -674,6 +676,9 @@ def submit_file(
             return record
     except BaseException:
         opened.close()
+        if opened.created:
+            with contextlib.suppress(OSError):
+                os.unlink(file)
         raise
 
 
