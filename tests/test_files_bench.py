@@ -29,7 +29,7 @@ def test_the_files_group_verifies_every_row(rt: ferry.Runtime, monkeypatch: pyte
     assert len(ctx.results) == len(labels) == case_count("files", ctx)
     for r in ctx.results:
         assert r.valid is not False, (r.impl, r.route, r.direction, r.note)
-        if r.route != "host_memory":
+        if r.route != "host_memory" and r.valid is not None:  # (valid None: not measurable here, said in the note)
             assert r.samples and all(s > 0 for s in r.samples), (r.impl, r.route)
     routes = {(r.impl, r.route, r.direction) for r in ctx.results}
     assert {("ceiling", "pread", "warm"), ("ceiling", "pread", "cold"), ("ferry", "load_safetensors", "warm"),
