@@ -448,3 +448,35 @@ def test_a_fifo_is_refused_without_blocking(emu: ferry.Runtime, tmp_path: Path) 
     os.mkfifo(fifo)
     with pytest.raises(ferry.TransferSubmitError, match="not a regular file"):
         emu.upload_file(fifo, emu.empty(4, np.uint8))
+
+
+def test_to_torch_views_each_carrier_as_torchs_dtype(emu: ferry.Runtime, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in torch module: what load_safetensors hands it and asks of it (the real one: GPU tests)."""
+    import sys
+    import types
+
+    class Tensor:
+        def __init__(self, array: Any, dtype: Any = None) -> None:
+            self.array, self.dtype = array, dtype or f"carrier {array.dtype}"
+
+        def view(self, dtype: Any) -> Tensor:
+            return Tensor(self.array, dtype)
+
+    fake = types.ModuleType("torch")
+    fake.from_dlpack = Tensor  # type: ignore[attr-defined]
+    for name in ("bfloat16", "float8_e4m3fn", "float16"):
+        setattr(fake, name, f"torch.{name}")
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    path = tmp_path / "t.safetensors"
+    _write(path, {"bf": ("BF16", (3,), b"\x01\x02" * 3), "f8": ("F8_E4M3", (4,), b"\x07" * 4),
+                  "h": ("F16", (2,), b"\x00\x3c" * 2), "f4": ("F4", (2, 2), b"\x12\x34")})
+    loaded = ferry.load_safetensors(path, runtime=emu, to="torch")
+    assert loaded["bf"].dtype == "torch.bfloat16" and loaded["bf"].array.dtype == np.int16
+    assert loaded["f8"].dtype == "torch.float8_e4m3fn" and loaded["f8"].array.dtype == np.int8
+    assert loaded["h"].dtype == "carrier float16"  # NumPy's own dtype: no view
+    assert loaded["f4"].dtype == "carrier uint8" and loaded["f4"].array.shape == (2, 1)
+    assert emu.to_host(loaded["bf"].array).tobytes() == b"\x01\x02" * 3
+    delattr(fake, "float8_e4m3fn")
+    with pytest.raises(ferry.CheckpointError, match=r"'f8'.*F8_E4M3.*torch lacks"):
+        ferry.load_safetensors(path, runtime=emu, to="torch")

@@ -1,8 +1,8 @@
 """The element types of checkpoint files, and what each becomes in NumPy, PyTorch, CuPy and JAX.
 
 A device array is bytes with a dtype attached. Every format dtype has a
-*carrier*: a plain NumPy dtype of the same size (``uint16`` for ``BF16``,
-``uint8`` for the 8-bit floats) that every DLPack consumer understands. The
+*carrier*: a plain NumPy dtype of the same size (``int16`` for ``BF16``,
+``int8`` for the 8-bit floats) that every DLPack consumer understands. The
 bytes are loaded once, into an array of the dtype the caller asked for:
 NumPy's own where it has one, ``ml_dtypes``' (``bfloat16``,
 ``float8_e4m3fn``, ...) where it does not, or the carrier when the array is
@@ -50,7 +50,7 @@ _KINDS = [
     Kind("U16", 16, "uint16", "uint16", None, "uint16", "uint16"),
     Kind("I16", 16, "int16", "int16", None, "int16", "int16"),
     Kind("F16", 16, "float16", "float16", None, "float16", "float16"),
-    Kind("BF16", 16, "uint16", None, "bfloat16", "bfloat16", "bfloat16"),
+    Kind("BF16", 16, "int16", None, "bfloat16", "bfloat16", "bfloat16"),
     Kind("U32", 32, "uint32", "uint32", None, "uint32", "uint32"),
     Kind("I32", 32, "int32", "int32", None, "int32", "int32"),
     Kind("F32", 32, "float32", "float32", None, "float32", "float32"),
@@ -58,11 +58,11 @@ _KINDS = [
     Kind("I64", 64, "int64", "int64", None, "int64", "int64"),
     Kind("F64", 64, "float64", "float64", None, "float64", "float64"),
     Kind("C64", 64, "complex64", "complex64", None, "complex64", "complex64"),
-    Kind("F8_E4M3", 8, "uint8", None, "float8_e4m3fn", "float8_e4m3fn", "float8_e4m3fn"),
-    Kind("F8_E5M2", 8, "uint8", None, "float8_e5m2", "float8_e5m2", "float8_e5m2"),
-    Kind("F8_E4M3FNUZ", 8, "uint8", None, "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e4m3fnuz"),
-    Kind("F8_E5M2FNUZ", 8, "uint8", None, "float8_e5m2fnuz", "float8_e5m2fnuz", "float8_e5m2fnuz"),
-    Kind("F8_E8M0", 8, "uint8", None, "float8_e8m0fnu", "float8_e8m0fnu", "float8_e8m0fnu"),
+    Kind("F8_E4M3", 8, "int8", None, "float8_e4m3fn", "float8_e4m3fn", "float8_e4m3fn"),
+    Kind("F8_E5M2", 8, "int8", None, "float8_e5m2", "float8_e5m2", "float8_e5m2"),
+    Kind("F8_E4M3FNUZ", 8, "int8", None, "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e4m3fnuz"),
+    Kind("F8_E5M2FNUZ", 8, "int8", None, "float8_e5m2fnuz", "float8_e5m2fnuz", "float8_e5m2fnuz"),
+    Kind("F8_E8M0", 8, "int8", None, "float8_e8m0fnu", "float8_e8m0fnu", "float8_e8m0fnu"),
     Kind("F6_E2M3", 6, "uint8", None, None, None, None),
     Kind("F6_E3M2", 6, "uint8", None, None, None, None),
     Kind("F4", 4, "uint8", None, None, None, None),
