@@ -37,7 +37,7 @@ def test_the_files_group_verifies_every_row(rt: ferry.Runtime, monkeypatch: pyte
             ("ferry", "save_safetensors", "save")} <= routes
     names = {c.name: c for c in compute_checks(ctx.results)}
     for name in ("checkpoint load, warm, vs the parallel pread ceiling", "checkpoint load, warm",
-                 "checkpoint load, cold, vs the parallel pread ceiling (cold)",
+                 "checkpoint load, cold, vs the parallel pread ceiling (cold, the faster of buffered and O_DIRECT)",
                  "checkpoint save vs the parallel pwrite ceiling", "host memory during a load, above the pools"):
         assert names[name].measured != "not measured", name
     assert list(tmp_path.iterdir()) == []
