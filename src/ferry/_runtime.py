@@ -36,6 +36,7 @@ from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
 from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
+from ._routes import _file
 from ._routes._peer import check_copy, copy_between
 from ._routes._pinned import submit_pinned
 from ._routes._staged import StagingConfig
@@ -373,6 +374,30 @@ class Runtime:
         Like :meth:`to_device`, it waits as ``wait()`` does: Ctrl-C interrupts it."""
         result = self.download(array).wait()[1]
         return result
+
+    # -- files ------------------------------------------------------------------------------------
+    def upload_file(
+        self, file: Any, destination: DeviceArray, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingUpload[Any, DeviceArray]:
+        """Read ``destination.nbytes`` bytes of ``file`` (a path or an open binary file) at ``offset``
+        into ``destination`` without blocking; ``wait()`` returns ``(file, destination)``.
+
+        Reads go straight into pinned slots (``pread``, no mmap), several at once, each slot's DMA
+        issued as its read completes; ``direct`` picks ``O_DIRECT`` (``None``: the page cache unless
+        the range is not cached; docs/checkpoints.md). The destination moves into the transfer. A read
+        that fails or ends early (a truncated file) fails the transfer with an error naming the file
+        and the byte offset. Raises :class:`~ferry.TransferSubmitError`, nothing changed, for a file
+        that cannot be opened or is too short, or an argument refused as for :meth:`upload_pending`.
+        """
+        return _file.upload_file(self, self._parts, file, destination, offset, direct)
+
+    def download_file(
+        self, source: DeviceArray, file: Any, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingDownload[DeviceArray, Any]:
+        """Write ``source``'s bytes into ``file`` (a path, created if missing, or an open binary file) at
+        ``offset`` without blocking; ``wait()`` returns ``(source, file)``. The source is read-leased
+        as for :meth:`download_pending`; the file is never truncated. A failed write fails the transfer."""
+        return _file.download_file(self, self._parts, source, file, offset, direct)
 
     # -- several devices ----------------------------------------------------------------------
     def copy_pending(self, source: DeviceArray, destination: DeviceArray) -> PendingCopy:
