@@ -310,7 +310,7 @@ def _parser() -> _Parser:
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="auto (the default): CUDA when a GPU is usable, else the emulated device")
     parser.add_argument("--device", type=_device_index, default=0, metavar="N", help="device index (default 0)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench,load}")
     sub.add_parser("info", help="backend, device, driver, PCIe link, pool state, routes",
                    description="Print the backend (and why it was chosen), the device, driver, PCIe link, "
                                "pinned pool state and the device-to-device routes.")
@@ -322,6 +322,9 @@ def _parser() -> _Parser:
     bench = sub.add_parser("bench", help="every route against the peers: table, JSON, plot",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(bench)
+    from ._files import _cli as files_cli
+
+    files_cli.add_arguments(sub.add_parser("load", help=files_cli.HELP, description=files_cli.DESCRIPTION))
     return parser
 
 
@@ -345,6 +348,10 @@ def _run(argv: Sequence[str] | None) -> int:
                 from ._bench import run
 
                 return run(rt, args)
+            if args.command == "load":
+                from ._files._cli import cmd_load
+
+                return cmd_load(rt, args)
             return cmd_demo(rt, args.mib)
     except UsageError as exc:
         parser.exit(2, f"{PROG}{'' if args.command is None else ' ' + args.command}: error: {exc}\n")

@@ -51,7 +51,7 @@ from ._structure import KEEP, Builder, Path, describe, host_array, is_device_arr
 
 if TYPE_CHECKING:
     from ._pending import _Pending
-    from ._waiting import TransferFuture
+    from ._watcher import TransferFuture
 
 __all__: list[str] = []
 
@@ -248,7 +248,7 @@ class TreePort:
 
     def watch(self, handle: _Pending[Any]) -> TransferFuture:
         """A future resolved once every leaf resolved, with what ``wait()`` returns."""
-        from ._waiting import TransferFuture
+        from ._watcher import TransferFuture
 
         record: TreeRecord = handle._record  # type: ignore[assignment]
         with record.lock:

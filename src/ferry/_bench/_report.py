@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime import parts_of
-from . import _trees
+from . import _files, _trees
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -168,7 +168,8 @@ def compute_checks(results: list[Result]) -> list[Check]:
     checks += _ceiling_checks(results)
     checks += _pipeline_checks(results)
     checks += _gil_checks(results)
-    checks += _trees.checks(results)
+    checks += _files.checks(results, Check, _find)
+    checks += _trees.checks(results, Check)
     return checks
 
 
@@ -187,7 +188,7 @@ def time_ratio_check(
 
 
 def _small_checks(results: list[Result]) -> list[Check]:
-    """Issue 16: many small uploads against the raw driver's loop with one event per copy (ferry's
+    """Many small uploads against the raw driver's loop with one event per copy (ferry's
     own loop within 1.5x, inside ``rt.batch()`` faster), and the pageable route from 16 B to 64 KiB
     within 1.1x of the driver's own pageable copy at every size measured, each way."""
     checks: list[Check] = []
@@ -445,7 +446,11 @@ def _gil_table(results: list[Result]) -> list[str]:
     return lines
 
 
-SPECIAL_TABLES = {"pipeline": _pipeline_table, "gil": _gil_table, "trees": _trees.table}
+def _trees_table(results: list[Result]) -> list[str]:
+    return _trees.table(results, _fmt_size, _fmt_time, _valid)
+
+
+SPECIAL_TABLES = {"pipeline": _pipeline_table, "gil": _gil_table, "trees": _trees_table}
 
 
 def verdict(check: Check, backend: str) -> str:

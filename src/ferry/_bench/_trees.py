@@ -28,16 +28,14 @@ import importlib
 import mmap
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ._peers import Case
 from ._protocol import Budget, Result, payload, poison
 
-if TYPE_CHECKING:
-    from ._groups import Context
-    from ._report import Check
+Context = Any  # the bench's ``_groups.Context`` (not imported: the groups import this module)
 
 __all__: list[str] = []
 
@@ -366,7 +364,7 @@ def _budget(ctx: Context) -> Budget:
 
 
 def _run(ctx: Context, shape: str, case: Case) -> Result:
-    result = ctx.run("trees", case, _budget(ctx))
+    result: Result = ctx.run("trees", case, _budget(ctx))
     result.config = shape
     return result
 
@@ -544,11 +542,10 @@ def _get(results: list[Result], shape: str, impl: str, route: str, direction: st
     return None
 
 
-def checks(results: list[Result]) -> list[Check]:
-    """The issue's "Must reach" list for this group, as checks (``not run`` where a row is missing)."""
-    from ._report import Check
-
-    out: list[Check] = []
+def checks(results: list[Result], check: Callable[..., Any]) -> list[Any]:
+    """The group's targets as ``check(name, measured, target, passed)`` rows (``passed`` None: not measured)."""
+    Check = check  # noqa: N806 - the report's row type, handed in (the report imports this module)
+    out: list[Any] = []
 
     def ratio(name: str, a: Result | None, b: Result | None, minimum: float) -> None:
         if a is None or b is None:
@@ -607,10 +604,9 @@ def checks(results: list[Result]) -> list[Check]:
     return out
 
 
-def table(results: list[Result]) -> list[str]:
-    """The group's rows, by shape."""
-    from ._report import _fmt_size, _fmt_time, _valid
-
+def table(results: list[Result], fmt_size: Callable[[int], str], fmt_time: Callable[[float], str],
+          valid: Callable[[Result], str]) -> list[str]:
+    """The group's rows, by shape (the report's cell formats handed in)."""
     rows = [r for r in results if r.group == "trees"]
     lines = ["## trees", "", "| shape | impl | route | dir | bytes | median | min | GB/s | valid | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -618,6 +614,6 @@ def table(results: list[Result]) -> list[str]:
         lo = min(r.samples) if r.samples else float("nan")
         gbps = "-" if r.gbps != r.gbps or r.nbytes < 4096 else f"{r.gbps:.2f}"
         note = "" if r.valid is False else r.note
-        lines.append(f"| {r.config} | {r.impl} | {r.route} | {r.direction} | {_fmt_size(r.nbytes)} | "
-                     f"{_fmt_time(r.median)} | {_fmt_time(lo)} | {gbps} | {_valid(r)} | {note} |")
+        lines.append(f"| {r.config} | {r.impl} | {r.route} | {r.direction} | {fmt_size(r.nbytes)} | "
+                     f"{fmt_time(r.median)} | {fmt_time(lo)} | {gbps} | {valid(r)} | {note} |")
     return [*lines, ""]
