@@ -252,69 +252,69 @@ def test_a_dropped_tree_handle_retires_every_leaf(emu: ferry.Runtime) -> None:
     assert testing.live_objects(emu)["handles"] == start["handles"]
 
 
-def test_hand_off_gives_the_device_tree_before_the_copies_are_waited(emu: ferry.Runtime) -> None:
+def test_hand_off_gives_the_device_tree_before_the_copies_are_waited(rt: ferry.Runtime) -> None:
     tree = make_tree(13)
-    pending = emu.upload_tree(tree)
+    pending = rt.upload_tree(tree)
     handed = pending.hand_off()
     assert isinstance(handed["embed"], ferry.DeviceArray)
-    _, back = emu.download_tree(handed).wait()
+    _, back = rt.download_tree(handed).wait()
     assert_same_tree(back, host_copy_of(tree))
     assert pending.wait()[0] is tree
 
 
-def test_many_small_leaves_go_to_the_device_as_batches(emu: ferry.Runtime) -> None:
+def test_many_small_leaves_go_to_the_device_as_batches(rt: ferry.Runtime) -> None:
     blocks = {f"block{i}": np.full(16 * KiB, i % 251, dtype=np.uint8) for i in range(300)}
-    before = testing.fast_path_counts(emu)
-    _, device = emu.upload_tree(blocks).wait()
-    after = testing.fast_path_counts(emu)
+    before = testing.fast_path_counts(rt)
+    _, device = rt.upload_tree(blocks).wait()
+    after = testing.fast_path_counts(rt)
     assert after["batched_copies"] - before["batched_copies"] == 300
     assert after["batches"] - before["batches"] < 10
-    _, back = emu.download_tree(device).wait()
+    _, back = rt.download_tree(device).wait()
     assert all(np.array_equal(back[k], v) for k, v in blocks.items())
 
 
-def test_pinned_leaves_come_from_the_pool_and_go_back_up_in_one_dma_each(emu: ferry.Runtime) -> None:
+def test_pinned_leaves_come_from_the_pool_and_go_back_up_in_one_dma_each(rt: ferry.Runtime) -> None:
     tree = make_tree(14)
-    _, device = emu.upload_tree(tree).wait()
-    _, host = emu.download_tree(device, pinned=True).wait()
+    _, device = rt.upload_tree(tree).wait()
+    _, host = rt.download_tree(device, pinned=True).wait()
     assert_same_tree(host, host_copy_of(tree))
     assert all(type(a) is np.ndarray and a.flags.writeable for a in leaves(host))
-    copied = emu.stats().host_copied_bytes
-    _, again = emu.upload_tree(host, device).wait()
-    assert emu.stats().host_copied_bytes == copied  # no staging copy: one DMA per leaf
-    one = emu.download(device["layers"][1]["w"], host["layers"][1]["w"])  # a single download into a leaf too
+    copied = rt.stats().host_copied_bytes
+    _, again = rt.upload_tree(host, device).wait()
+    assert rt.stats().host_copied_bytes == copied  # no staging copy: one DMA per leaf
+    one = rt.download(device["layers"][1]["w"], host["layers"][1]["w"])  # a single download into a leaf too
     one.wait()
-    assert emu.stats().host_copied_bytes == copied
+    assert rt.stats().host_copied_bytes == copied
     assert again is device
 
 
-def test_pinned_leaves_stay_bounded_over_offload_and_reload_rounds(emu: ferry.Runtime) -> None:
+def test_pinned_leaves_stay_bounded_over_offload_and_reload_rounds(rt: ferry.Runtime) -> None:
     tree = make_tree(15)
-    _, device = emu.upload_tree(tree).wait()
+    _, device = rt.upload_tree(tree).wait()
     pool = []
     for _ in range(6):
-        _, host = emu.download_tree(device, pinned=True).wait()
-        emu.upload_tree(host, device).wait()
+        _, host = rt.download_tree(device, pinned=True).wait()
+        rt.upload_tree(host, device).wait()
         del host
         gc.collect()
-        pool.append(emu.stats().pinned_pool_bytes)
+        pool.append(rt.stats().pinned_pool_bytes)
     assert pool[2:] == [pool[2]] * 4, pool
 
 
-def test_a_view_of_a_pinned_leaf_keeps_its_block_out_of_the_pool(emu: ferry.Runtime) -> None:
-    _, device = emu.upload_tree({"a": np.arange(MiB, dtype=np.uint8)}).wait()
-    _, host = emu.download_tree(device, pinned=True).wait()
+def test_a_view_of_a_pinned_leaf_keeps_its_block_out_of_the_pool(rt: ferry.Runtime) -> None:
+    _, device = rt.upload_tree({"a": np.arange(MiB, dtype=np.uint8)}).wait()
+    _, host = rt.download_tree(device, pinned=True).wait()
     view = host["a"][10:20]
-    free = emu.stats().pinned_free_bytes
+    free = rt.stats().pinned_free_bytes
     del host
     gc.collect()
-    assert emu.stats().pinned_free_bytes == free  # the view lives: the block is not back
+    assert rt.stats().pinned_free_bytes == free  # the view lives: the block is not back
     assert np.array_equal(view, np.arange(10, 20, dtype=np.uint8))
-    _, other = emu.download_tree({"b": emu.to_device(np.zeros(MiB, dtype=np.uint8))}, pinned=True).wait()
+    _, other = rt.download_tree({"b": rt.to_device(np.zeros(MiB, dtype=np.uint8))}, pinned=True).wait()
     assert np.array_equal(view, np.arange(10, 20, dtype=np.uint8))  # not overwritten by a reuse
     del view, other
     gc.collect()
-    assert emu.stats().pinned_free_bytes > free
+    assert rt.stats().pinned_free_bytes > free
 
 
 def test_prefetch_still_takes_structures_apart() -> None:
