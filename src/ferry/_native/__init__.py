@@ -1,8 +1,9 @@
 """The compiled extension and the rules for choosing it.
 
 ``ferry._native._engine`` is a C extension (C11 + pthreads, Python's limited
-API, so one abi3 binary serves CPython 3.11-3.13). It holds two things; its
-opening essay is the contract of both:
+API, so one abi3 binary serves CPython 3.11-3.13), built from the sources in
+this folder (its README lists them; each opens with its contract). It holds
+two things:
 
 * the staging engine, which runs the pageable staging lanes on native
   threads, without the GIL;
@@ -184,7 +185,7 @@ def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]],
     """The compiled fast path (``_engine.Calls``) for this driver.
 
     ``on_error(op, code, stage, args)`` is called with a failed call's CUresult
-    (see ``_engine.c``); what it returns or raises is the call's outcome.
+    (see ``calls.c``); what it returns or raises is the call's outcome.
 
     Raises
     ------
