@@ -32,6 +32,7 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
@@ -266,11 +267,33 @@ def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | N
 def runtime_lock() -> threading.RLock:
     """A runtime's lock: the extension's ``RLock`` (``threading.RLock``'s semantics; the compiled
     submit and wait take it with a C call, and its plain ``acquire()`` parses no arguments), or a
-    ``threading.RLock`` where the extension is missing."""
+    ``threading.RLock`` where the extension is missing.
+
+    Either way a lock held by a thread of the parent process counts as free in a forked child (that
+    thread does not exist there): the child takes it at once, so a runtime inherited by the child
+    raises its error instead of hanging.
+    """
     module = load()
     if module is None:
-        return threading.RLock()
+        lock = threading.RLock()
+        _FALLBACK_LOCKS.add(lock)
+        return lock
     return cast("threading.RLock", module.RLock())
+
+
+# threading.RLock does not know about fork: each fallback lock is made free again in a forked child,
+# unless the thread that forked (the child's only thread) holds it
+_FALLBACK_LOCKS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _free_fallback_locks_in_child() -> None:
+    for lock in list(_FALLBACK_LOCKS):
+        if not lock._is_owned():
+            lock._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_fallback_locks_in_child)
 
 
 def lease_table() -> Any:
@@ -367,12 +390,12 @@ def array_layout() -> bool:
         return False
     import numpy as np
 
-    module.set_array_layout(_DATA_AT, _FLAGS_AT)
+    module.set_array_layout(_DATA_AT, _FLAGS_AT, np.ndarray)
     probe = np.zeros(3)
     cleared = module.clear_writeable(probe) and not probe.flags.writeable
     module.set_writeable(probe)
     if not (cleared and probe.flags.writeable):  # the compiled flips must agree with NumPy as well
-        module.set_array_layout(-1, -1)
+        module.set_array_layout(-1, -1, np.ndarray)
         return False
     return True
 

@@ -279,8 +279,11 @@ static PyObject *Calls_copy_batch(PyObject *obj, PyObject *const *args, Py_ssize
     }
     CUstream stream = (CUstream)(uintptr_t)stream_v;
     CUresult rc = 0;
-    int stage = 0;
-    if (self->batch && n > 1) {
+    int stage = 0, batched = 0;
+    /* read once, with the GIL: another thread whose batch the driver refuses resets them meanwhile */
+    void *batch = self->batch;
+    int batch_abi = self->batch_abi;
+    if (batch && n > 1) {
         unsigned char attrs[MEMCPY_ATTR_BYTES];
         memset(attrs, 0, sizeof(attrs));
         int order = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
@@ -288,14 +291,15 @@ static PyObject *Calls_copy_batch(PyObject *obj, PyObject *const *args, Py_ssize
         size_t first = 0, fail = (size_t)-1;
         int free_gil = n >= BATCH_FREE_GIL;
         PyThreadState *ts = free_gil ? PyEval_SaveThread() : NULL;
-        if (self->batch_abi == 13000)
-            rc = ((fn_memcpy_batch_13000)self->batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes,
-                                                      (size_t)n, attrs, &first, 1, stream);
+        if (batch_abi == 13000)
+            rc = ((fn_memcpy_batch_13000)batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes, (size_t)n,
+                                                attrs, &first, 1, stream);
         else
-            rc = ((fn_memcpy_batch_12080)self->batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes,
-                                                      (size_t)n, attrs, &first, 1, &fail, stream);
+            rc = ((fn_memcpy_batch_12080)batch)((CUdeviceptr *)dsts, (CUdeviceptr *)srcs, (size_t *)sizes, (size_t)n,
+                                                attrs, &first, 1, &fail, stream);
         if (ts) PyEval_RestoreThread(ts);
         if (!rc) {
+            batched = 1;
             self->batches++;
             self->batched += n;
         } else if (rc == ERR_INVALID_VALUE || rc == ERR_NOT_SUPPORTED) {
@@ -307,7 +311,7 @@ static PyObject *Calls_copy_batch(PyObject *obj, PyObject *const *args, Py_ssize
             rc = 0;
         }
     }
-    if (!self->batch || n <= 1) {
+    if (!batched) {
         for (Py_ssize_t i = 0; i < n && !rc; i++) {
             if (!sizes[i]) continue;
             rc = upload ? self->htod((CUdeviceptr)dsts[i], (const void *)(uintptr_t)srcs[i], (size_t)sizes[i], stream)

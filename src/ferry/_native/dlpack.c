@@ -13,6 +13,21 @@
  * capsule while an exception is pending (NumPy does when it refuses a CUDA tensor), so the
  * destructor keeps that exception aside while the deleter (a Python callback in ferry) runs and
  * puts it back afterwards: the consumer's error reaches its caller and nothing is printed. */
+/*
+ * The interpreter's exit. A deleter on a thread Python does not know takes the GIL with
+ * PyGILState_Ensure; once finalization is under way that can end the thread (3.11 - 3.13) or hang it
+ * (3.14). The module registers dlpack_at_exit with atexit, which runs first thing in finalization
+ * (other threads still run): from then on every deleter does nothing, which leaves only the window
+ * between a deleter's check and its PyGILState_Ensure. The process is ending: what a skipped deleter
+ * would have released goes with it.
+ */
+atomic_int dlpack_exiting;
+
+PyObject *dlpack_at_exit(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    atomic_store(&dlpack_exiting, 1);
+    Py_RETURN_NONE;
+}
+
 typedef struct {
     void *data;
     int32_t device_type, device_id;
@@ -53,7 +68,7 @@ PyObject *mod_dlpack_capsule_destructor(PyObject *Py_UNUSED(mod), PyObject *Py_U
 PyObject *dlpack_release; /* ferry's callback: release(address) */
 
 void dlpack_deleter(void *managed) {
-    if (!Py_IsInitialized() || dlpack_release == NULL) return;
+    if (atomic_load(&dlpack_exiting) || !Py_IsInitialized() || dlpack_release == NULL) return;
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
@@ -154,7 +169,7 @@ static atomic_long exported_live; /* tensors exported and not yet deleted */
 
 static void exported_deleter(void *tensor) {
     exported_tensor *t = (exported_tensor *)tensor;
-    if (!Py_IsInitialized()) return;
+    if (atomic_load(&dlpack_exiting) || !Py_IsInitialized()) return;
     PyGILState_STATE gil = PyGILState_Ensure();
     Py_XDECREF((PyObject *)t->managed.manager_ctx);
     PyGILState_Release(gil);

@@ -59,7 +59,8 @@ static void *emu_stream_main(void *arg) {
                 if (!es->pending_error) es->pending_error = op->fail;
                 pthread_mutex_unlock(&es->mu);
             }
-            int64_t deadline = start + (int64_t)((eng->latency + (double)op->n / eng->bandwidth) * 1e9);
+            double ns = (eng->latency + (double)op->n / eng->bandwidth) * 1e9; /* finite: Engine checks both */
+            int64_t deadline = start + (ns < 1e17 ? (int64_t)ns : (int64_t)1e17);
             if (deadline - now_ns() > 20000) sleep_until(deadline);
             break;
         }
@@ -138,7 +139,7 @@ emu_stream_t *emu_stream_start(engine_t *eng, int *code) {
     if (pthread_mutex_init(&es->mu, NULL)) goto fail_mu;
     if (pthread_cond_init(&es->cv, NULL)) goto fail_cv;
     if (pthread_cond_init(&es->done_cv, NULL)) goto fail_done;
-    if (pthread_create(&es->thread, NULL, emu_stream_main, es)) goto fail_thread;
+    if (start_thread(&es->thread, emu_stream_main, es)) goto fail_thread;
     es->started = 1;
     return es;
 fail_thread:

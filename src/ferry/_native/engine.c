@@ -167,8 +167,13 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         PyErr_SetString(PyExc_ValueError, "min_chunks_per_lane must be in [1, 64]");
         return NULL;
     }
-    if (emulated && !(bandwidth > 0 && latency >= 0)) {
-        PyErr_SetString(PyExc_ValueError, "emulated bandwidth must be > 0 and latency >= 0");
+    if (emulated && !(bandwidth > 0 && bandwidth <= 1e15 && latency >= 0 && latency <= 3600)) {
+        PyErr_SetString(PyExc_ValueError, "emulated bandwidth must be in (0, 1e15] and latency in [0, 3600] s");
+        return NULL;
+    }
+    /* the staging memory, lanes * slots_per_lane * slot_bytes, counted in a long long (held_bytes) */
+    if ((unsigned long long)slot_bytes > (unsigned long long)LLONG_MAX / (unsigned long long)lanes / (unsigned long long)slots) {
+        PyErr_SetString(PyExc_ValueError, "lanes * slots_per_lane * slot_bytes is too large");
         return NULL;
     }
     driver_t drv;
@@ -261,7 +266,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     Py_BEGIN_ALLOW_THREADS
     for (; started < lanes; started++) {
         lane_t *L = &eng->lanes[started];
-        if (pthread_create(&L->thread, NULL, lane_main, L)) break;
+        if (start_thread(&L->thread, lane_main, L)) break;
         L->started = 1;
     }
     pthread_mutex_lock(&eng->mu);
@@ -296,14 +301,27 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return obj;
 }
 
+/* Close once; a close that finds another one draining the lanes waits until it is done (GIL released),
+ * so that every close() returns only once every job ran. */
 static void engine_close(EngineObject *self) {
-    if (self->closed || !self->eng) return;
-    self->closed = 1;
     engine_t *eng = self->eng;
+    if (!eng) return;
+    if (self->closed) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&eng->mu);
+        while (!eng->closed) pthread_cond_wait(&eng->cv, &eng->mu);
+        pthread_mutex_unlock(&eng->mu);
+        Py_END_ALLOW_THREADS
+        return;
+    }
+    self->closed = 1;
     Py_BEGIN_ALLOW_THREADS
     engine_stop_lanes(eng);
-    Py_END_ALLOW_THREADS
+    pthread_mutex_lock(&eng->mu);
     eng->closed = 1;
+    pthread_cond_broadcast(&eng->cv);
+    pthread_mutex_unlock(&eng->mu);
+    Py_END_ALLOW_THREADS
 }
 
 static void Engine_dealloc(PyObject *obj) {
@@ -971,6 +989,7 @@ static PyObject *Job_hand_off(PyObject *obj, PyObject *args, PyObject *kwds) {
 
 static PyObject *Job_get_error(PyObject *obj, void *Py_UNUSED(closure)) {
     job_t *job = ((JobObject *)obj)->job;
+    if (job_of_this_process((JobObject *)obj)) return NULL; /* its mutex may be held by a lane that is not here */
     if (!atomic_load_explicit(&job->failed, memory_order_acquire)) Py_RETURN_NONE;
     err_t e;
     pthread_mutex_lock(&job->mu);

@@ -88,6 +88,17 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
         PyErr_SetString(PyExc_AttributeError, "a small-route slot without its ring, finish or host");
         return -1;
     }
+    unsigned long long address = 0, ptr = 0, nbytes = 0;
+    if (finish != Py_None) { /* a download's copy-out: its addresses read (and checked) before anything changes */
+        PyObject *a = slot_of(slot, SL_SLOT_ADDRESS), *p = slot_of(slot, SL_SLOT_PTR), *n = slot_of(slot, SL_SLOT_NBYTES);
+        if (!a || !p || !n || !PyLong_Check(a) || !PyLong_Check(p) || !PyLong_Check(n)) {
+            PyErr_SetString(PyExc_TypeError, "a small-route slot whose address, ptr or nbytes is not an int");
+            return -1;
+        }
+        if (((address = as_u64(a)) == (unsigned long long)-1 || (ptr = as_u64(p)) == (unsigned long long)-1 ||
+             (nbytes = as_u64(n)) == (unsigned long long)-1) && PyErr_Occurred())
+            return -1;
+    }
     Py_INCREF(slot);
     Py_INCREF(ring);
     Py_INCREF(host);
@@ -95,12 +106,6 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
     PyObject *give = NULL, *free_list = NULL;
     set_field(&r->settled, Py_True);
     if (finish != Py_None) { /* a download: the copy is proven complete, the bytes are the caller's now */
-        unsigned long long address = as_u64(slot_of(slot, SL_SLOT_ADDRESS)), ptr, nbytes;
-        if (address == (unsigned long long)-1 && PyErr_Occurred()) goto out;
-        ptr = as_u64(slot_of(slot, SL_SLOT_PTR));
-        if (ptr == (unsigned long long)-1 && PyErr_Occurred()) goto out;
-        nbytes = as_u64(slot_of(slot, SL_SLOT_NBYTES));
-        if (nbytes == (unsigned long long)-1 && PyErr_Occurred()) goto out;
         memcpy((void *)(uintptr_t)address, (const void *)(uintptr_t)ptr, (size_t)nbytes);
         PyObject *copied = PyObject_GetAttr(ring, S_host_copied);
         if (!copied) goto out;

@@ -719,6 +719,20 @@ static int fast_pinned_tuples(int upload, PyObject *host, PyObject *device, PyOb
 
 /* e: stream, copy, dst, src, nbytes (Fast_pinned's arguments 1 - 5). Py_None (a new reference): not taken
  * (no pooled event), the caller goes through Fast_enqueue. */
+/* Garbage collection off around a window (GIL held), nesting: windows of several threads may overlap (a
+ * callback inside one can release the GIL), and collection comes back on only when the last one closes,
+ * and only if it was on when the first one opened. gc_hold's result goes to the matching gc_release. */
+static int gc_holds, gc_was_on;
+
+static int gc_hold(void) {
+    if (gc_holds++ == 0) gc_was_on = PyGC_Disable();
+    return 1;
+}
+
+static void gc_release(int held) {
+    if (held && --gc_holds == 0 && gc_was_on) PyGC_Enable();
+}
+
 static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_upload, PyObject *const *e, int upload,
                                  PyObject *host, PyObject *device, PyObject *const *tuples) {
     unsigned long long dst, src, n, stream, ev;
@@ -733,7 +747,7 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
         Py_DECREF(event);
         return NULL;
     }
-    int gc_was = PyGC_Disable();
+    int gc_was = gc_hold();
     int stage;
     CUresult rc = calls_copy_record(calls, cu_upload, dst, src, (size_t)n, (CUstream)(uintptr_t)stream,
                                     (CUevent)(uintptr_t)ev, &stage);
@@ -770,7 +784,7 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
     Py_XDECREF(leased);
     Py_XDECREF(result);
     if (rc) { /* refused: reported as Fast_enqueue reports it, through the record */
-        if (gc_was) PyGC_Enable();
+        gc_release(gc_was);
         if (!record) { /* and no memory for a record: MemoryError, with nothing left running untracked */
             /* whether the copy was queued: the error says (an on_error retry may have queued it) */
             PyObject *queued = err_value ? PyObject_GetAttrString(err_value, "enqueued") : NULL;
@@ -791,11 +805,11 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
     if (record && PySet_Add(self->live, record) == 0) {
         self->submitted++;
         Py_DECREF(event);
-        if (gc_was) PyGC_Enable();
+        gc_release(gc_was);
         return record;
     }
     /* queued, but no memory to track it: prove it complete, then refuse (its event is sound: pooled) */
-    if (gc_was) PyGC_Enable();
+    gc_release(gc_was);
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     Py_XDECREF(record);

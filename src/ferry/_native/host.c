@@ -204,7 +204,7 @@ PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
     unsigned long long dst, capacity;
     if ((nargs != 3 && nargs_is(nargs, 4, "copy_in")) || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0))
         return NULL;
-    if (nargs == 4 && array_data_offset >= 0) {
+    if (nargs == 4 && array_data_offset >= 0 && is_ndarray(args[2])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[3]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -227,7 +227,7 @@ PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
 PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long capacity;
     if ((nargs != 2 && nargs_is(nargs, 3, "address_of")) || int_arg(args[1], &capacity, 0)) return NULL;
-    if (nargs == 3 && array_data_offset >= 0) {
+    if (nargs == 3 && array_data_offset >= 0 && is_ndarray(args[0])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[2]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -251,6 +251,7 @@ PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array) {
         PyErr_SetString(PyExc_RuntimeError, "data_of needs a verified array layout (set_array_layout)");
         return NULL;
     }
+    if (!is_ndarray(array)) return not_ndarray("data_of", array);
     return PyLong_FromVoidPtr(array_data(array));
 }
 
@@ -352,12 +353,8 @@ static void *copier_main(void *arg) {
 
 /* Start the helpers (GIL held, busy owned). Those that could not start are not counted. */
 static void copier_start(CopierObject *c) {
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old); /* helpers inherit a full mask: signals go to Python's threads */
-    int n = 0;
-    while (n < c->helpers && !pthread_create(&c->threads[n], NULL, copier_main, c)) n++;
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int n = 0; /* helpers block every signal (start_thread): signals go to Python's threads */
+    while (n < c->helpers && !start_thread(&c->threads[n], copier_main, c)) n++;
     c->started = n;
 }
 

@@ -23,6 +23,22 @@
 PyTypeObject *RLockType;
 
 
+atomic_uint fork_generation;
+
+static void count_fork(void) { atomic_fetch_add(&fork_generation, 1); }
+
+/* Count forks from now on (module.c calls it once per process, at import). 0, or -1 with an error. */
+int lock_count_forks(void) {
+    static int done;
+    if (done) return 0;
+    if (pthread_atfork(NULL, NULL, count_fork)) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
+        return -1;
+    }
+    done = 1;
+    return 0;
+}
+
 static PyObject *RLock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if ((args && PyTuple_Size(args)) || (kwds && PyDict_Size(kwds))) {
         PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");

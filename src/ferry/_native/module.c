@@ -25,6 +25,8 @@ static PyObject *mod_entry_point_names(PyObject *Py_UNUSED(mod), PyObject *Py_UN
 }
 
 static PyMethodDef module_methods[] = {
+    {"_dlpack_at_exit", dlpack_at_exit, METH_NOARGS,
+     "_dlpack_at_exit(): the interpreter's exit began; DLPack deleters do nothing from now on (atexit calls it)"},
     {"dlpack_capsule_destructor", mod_dlpack_capsule_destructor, METH_NOARGS,
      "dlpack_capsule_destructor() -> the address of a DLPack capsule destructor that keeps a pending exception"},
     {"dlpack_deleter", mod_dlpack_deleter, METH_O,
@@ -83,6 +85,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__engine(void) {
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
+    if (lock_count_forks()) goto fail;
     DriverError = PyErr_NewException("ferry._native._engine.DriverError", PyExc_RuntimeError, NULL);
     if (!DriverError) goto fail;
     Py_INCREF(DriverError); /* one for the module (stolen on success), one kept here */
@@ -151,6 +154,15 @@ PyMODINIT_FUNC PyInit__engine(void) {
         sys_is_finalizing = PyObject_GetAttrString(sys, "is_finalizing");
         Py_DECREF(sys);
         if (!sys_is_finalizing) goto fail;
+    }
+    { /* the exit flag of the DLPack deleters (dlpack.c): atexit runs first thing in finalization */
+        PyObject *atexit = PyImport_ImportModule("atexit");
+        PyObject *at_exit = atexit ? PyObject_GetAttrString(m, "_dlpack_at_exit") : NULL;
+        PyObject *r = at_exit ? PyObject_CallMethod(atexit, "register", "O", at_exit) : NULL;
+        Py_XDECREF(atexit);
+        Py_XDECREF(at_exit);
+        if (!r) goto fail;
+        Py_DECREF(r);
     }
     if (!(S_wait = PyUnicode_InternFromString("wait")) || !(S_detach = PyUnicode_InternFromString("detach")))
         goto fail;

@@ -178,10 +178,25 @@ typedef struct {
     pid_t pid;           /* the process that initialized them (a forked child makes its own: rlock_sleep_ready) */
     unsigned long owner; /* PyThread_get_thread_ident of the holder; meaningful while count > 0 */
     unsigned long count;
+    unsigned gen;        /* fork_generation when it was taken: a holder of an older one is in another process */
     PyObject *weakreflist;
 } RLockObject;
 
 int rlock_sleep_ready(RLockObject *self);
+
+/* How many forks this process descends from (lock.c: a pthread_atfork child handler counts them). A lock
+ * taken in an older generation was taken in a parent process: its holder does not exist here. */
+extern atomic_uint fork_generation;
+
+/* A lock whose holder is a thread of the parent process (taken before a fork, by a thread that did not
+ * fork): it counts as free here. Only the contended path asks. */
+static inline int rlock_take_dead(RLockObject *self) {
+    if (!self->count || self->gen == atomic_load_explicit(&fork_generation, memory_order_relaxed)) return 0;
+    self->count = 0;
+    self->owner = 0;
+    atomic_store(&self->held, 0);
+    return 1;
+}
 
 static inline int rlock_try(RLockObject *self) {
     int expected = 0;
@@ -201,6 +216,7 @@ static inline int rlock_take(RLockObject *self, long long timeout_us) {
         return 1;
     }
     int got = rlock_try(self);
+    if (!got && rlock_take_dead(self)) got = rlock_try(self); /* held in a parent process, never here */
     if (!got && timeout_us != 0) {
         if (rlock_sleep_ready(self)) return -1;
         int64_t start = now_ns();
@@ -226,6 +242,7 @@ static inline int rlock_take(RLockObject *self, long long timeout_us) {
     if (!got) return 0;
     self->owner = me;
     self->count = 1;
+    self->gen = atomic_load_explicit(&fork_generation, memory_order_relaxed);
     return 1;
 }
 
@@ -327,6 +344,17 @@ typedef struct {
 } PairObject;
 
 
+extern PyObject *ndarray_type; /* small.c: numpy.ndarray, once the layout is set */
+
+/* Whether obj is exactly a numpy.ndarray (a subclass may keep its data elsewhere: no field is read). */
+static inline int is_ndarray(PyObject *obj) { return ndarray_type && (PyObject *)Py_TYPE(obj) == ndarray_type; }
+
+/* TypeError for a helper handed something that is not exactly a numpy.ndarray; NULL */
+static inline PyObject *not_ndarray(const char *helper, PyObject *obj) {
+    PyErr_Format(PyExc_TypeError, "%s needs a numpy.ndarray, not %R", helper, (PyObject *)Py_TYPE(obj));
+    return NULL;
+}
+
 static inline char *array_data(PyObject *a) { return *(char **)((char *)a + array_data_offset); }
 
 static inline int *array_flags(PyObject *a) { return (int *)((char *)a + array_flags_offset); }
@@ -410,6 +438,8 @@ PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array);
 PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
 
 /* dlpack.c */
+extern atomic_int dlpack_exiting;
+PyObject *dlpack_at_exit(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored));
 void dlpack_capsule_destructor(PyObject *capsule);
 PyObject *mod_dlpack_capsule_destructor(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored));
 void dlpack_deleter(void *managed);
@@ -418,5 +448,8 @@ PyObject *mod_dlpack_import(PyObject *Py_UNUSED(mod), PyObject *capsule);
 PyObject *mod_dlpack_exports_live(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored));
 PyObject *mod_dlpack_export(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_dlpack_release(PyObject *Py_UNUSED(mod), PyObject *arg);
+
+/* lock.c */
+int lock_count_forks(void);
 
 #endif /* FERRY_NATIVE_H */

@@ -85,8 +85,18 @@ static PyMemberDef Record_members[] = {
     RECORD_MEMBER(shared),  RECORD_MEMBER(napped), {NULL, 0, 0, 0, NULL},
 };
 
+/* A field is set, never deleted: the compiled wait and settle read every field unchecked. */
+static int Record_setattro(PyObject *obj, PyObject *name, PyObject *value) {
+    if (!value) {
+        PyErr_Format(PyExc_AttributeError, "a transfer record's field %R cannot be deleted", name);
+        return -1;
+    }
+    return PyObject_GenericSetAttr(obj, name, value);
+}
+
 static PyType_Slot Record_slots[] = {
     {Py_tp_new, Record_new},
+    {Py_tp_setattro, Record_setattro},
     {Py_tp_dealloc, Record_dealloc},
     {Py_tp_traverse, Record_traverse},
     {Py_tp_clear, Record_clear},

@@ -28,14 +28,22 @@ int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, in
  */
 
 Py_ssize_t array_data_offset = -1, array_flags_offset = -1;
-
+PyObject *ndarray_type; /* numpy.ndarray, given with the layout: only its exact instances are read */
 
 PyObject *mod_set_array_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_is(nargs, 2, "set_array_layout")) return NULL;
+    if (nargs_is(nargs, 3, "set_array_layout")) return NULL;
     Py_ssize_t data = PyLong_AsSsize_t(args[0]), flags = PyLong_AsSsize_t(args[1]);
     if ((data == -1 || flags == -1) && PyErr_Occurred()) return NULL;
+    if (!PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "set_array_layout: the third argument must be numpy.ndarray");
+        return NULL;
+    }
     array_data_offset = data;
     array_flags_offset = flags;
+    PyObject *old = ndarray_type;
+    Py_INCREF(args[2]);
+    ndarray_type = args[2];
+    Py_XDECREF(old);
     Py_RETURN_NONE;
 }
 
@@ -286,6 +294,7 @@ PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
         PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
         return NULL;
     }
+    if (!is_ndarray(array)) return not_ndarray("clear_writeable", array);
     int *flags = array_flags(array);
     int was = *flags & NPY_WRITEABLE_FLAG;
     *flags &= ~NPY_WRITEABLE_FLAG;
@@ -298,6 +307,7 @@ PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
         PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
         return NULL;
     }
+    if (!is_ndarray(array)) return not_ndarray("set_writeable", array);
     *array_flags(array) |= NPY_WRITEABLE_FLAG;
     Py_RETURN_NONE;
 }

@@ -260,7 +260,7 @@ driver_thread_t *dt_start(engine_t *eng, int64_t idle_ns, int one_stream, int *r
         free(dt);
         return NULL;
     }
-    if (pthread_create(&dt->thread, NULL, dt_main, dt)) {
+    if (start_thread(&dt->thread, dt_main, dt)) {
         pthread_cond_destroy(&dt->cv);
         pthread_mutex_destroy(&dt->mu);
         free(dt);
