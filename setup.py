@@ -32,6 +32,7 @@ SOURCES = [
         "engine.c",
         "calls.c",
         "records.c",
+        "objects.c",
         "lock.c",
         "fast.c",
         "entries.c",

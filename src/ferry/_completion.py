@@ -57,6 +57,7 @@ from ._backends._base import Backend, DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._interop._cai import stream_handle_of
+from ._native.objects import ExtrasFields
 from ._retire import RetirementQueue
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED
 
@@ -183,7 +184,7 @@ class Job(Protocol):
         ...
 
 
-class Extras:
+class Extras(ExtrasFields):
     """What the routes beyond the pinned one add to a record.
 
     ``finish`` publishes on success (a download's copy-out from pinned
@@ -197,7 +198,7 @@ class Extras:
     an upload handed off before completing.
     """
 
-    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "progress", "ready_to_order")
+    __slots__ = ()  # the fields are ExtrasFields' (cleanups, export_stream, finish, handed, job, ...)
 
     own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
 

@@ -155,12 +155,12 @@ class Runtime:
             or type(self._lock) is not getattr(_native.load(), "RLock", None)
             or cls.upload_pending is not Runtime.upload_pending
             or cls.download_pending is not Runtime.download_pending
-            or not _native.slot_layout()
+            or not _native.hot_types()
         ):
             return
         fast.bind_entries(Runtime.upload_pending, Runtime.download_pending, PendingUpload, PendingDownload,
                           self._h2d, self._d2h, self._backend)
-        small = cls.upload is Runtime.upload and _native.array_shape_layout()  # the small pageable upload too
+        small = cls.upload is Runtime.upload and _native.array_layout()  # the small pageable upload too
         if small:
             fast.bind_small(self._small, np.ndarray, Runtime.upload)
         # bound to this runtime as a method is (kept alone, they keep it alive: a cycle through this

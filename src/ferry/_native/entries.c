@@ -5,67 +5,22 @@
 
 /*
  * Runtime.upload_pending / download_pending in one C call (bound as the runtime's own attributes by
- * Runtime.__init__ where the extension, its RLock and the slot layout are there). The checks are
- * the Python method's common-case expression, read from the arguments' __slots__ at the offsets
- * ferry._native.slot_layout() found and verified; the submission is then Fast_pinned's, under the
- * runtime lock taken in C. Anything else (another type, a check that fails, keywords, a dead
- * runtime's entry) calls the Python method, which names the problem: nothing is changed before.
+ * Runtime.__init__ where the extension, its RLock and the hot classes are there). The checks are the
+ * Python method's common-case expression, read from the arguments' fields (objects.c: their classes
+ * derive from the compiled field types, read at offsetof once the exact class is checked); the
+ * submission is then Fast_pinned's, under the runtime lock taken in C. Anything else (another type, a
+ * check that fails, keywords, a dead runtime's entry) calls the Python method, which names the
+ * problem: nothing is changed before.
  */
-Py_ssize_t slot_at[SL_COUNT];
-PyObject *slot_types[SLOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */
 
-/* set_slot_layout((PinnedHostBuffer, DeviceArray, Block, Health, Slot), offsets): found and verified by the
- * caller (ferry._native.slot_layout) */
-PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_is(nargs, 2, "set_slot_layout")) return NULL;
-    if (!PyTuple_Check(args[0]) || PyTuple_Size(args[0]) != SLOT_TYPES || !PyTuple_Check(args[1]) ||
-        PyTuple_Size(args[1]) != SL_COUNT) {
-        PyErr_Format(PyExc_TypeError, "set_slot_layout(types: %d-tuple, offsets: %d-tuple)", SLOT_TYPES,
-                     (int)SL_COUNT);
-        return NULL;
-    }
-    Py_ssize_t at[SL_COUNT];
-    for (int i = 0; i < SL_COUNT; i++) {
-        at[i] = PyLong_AsSsize_t(PyTuple_GetItem(args[1], i));
-        if (at[i] == -1 && PyErr_Occurred()) return NULL;
-        if (at[i] < (Py_ssize_t)(2 * sizeof(void *)) || at[i] % (Py_ssize_t)sizeof(void *)) {
-            PyErr_SetString(PyExc_ValueError, "set_slot_layout: an offset inside the object header or misaligned");
-            return NULL;
-        }
-    }
-    for (int i = 0; i < SLOT_TYPES; i++) {
-        PyObject *t = PyTuple_GetItem(args[0], i);
-        if (!PyType_Check(t)) {
-            PyErr_SetString(PyExc_TypeError, "set_slot_layout: types must be types");
-            return NULL;
-        }
-    }
-    for (int i = 0; i < SLOT_TYPES; i++) {
-        PyObject *t = PyTuple_GetItem(args[0], i);
-        PyObject *old = slot_types[i];
-        Py_INCREF(t);
-        slot_types[i] = t;
-        Py_XDECREF(old);
-    }
-    memcpy(slot_at, at, sizeof at);
-    Py_RETURN_NONE;
-}
-
-
-
-/* obj._state = state written straight into the slot where obj is a PinnedHostBuffer or DeviceArray and
- * the layout is set (what the member descriptor does, without the attribute lookup): 1, else 0 (the
- * caller sets the attribute). Never fails. */
+/* obj._state = state written straight into the field where obj is a PinnedHostBuffer or DeviceArray
+ * (what the descriptor does, without the attribute lookup): 1, else 0 (the caller sets the attribute).
+ * Never fails. */
 int set_state_slot(PyObject *obj, PyObject *state) {
-    int which = !slot_types[0]                                   ? -1
-                : Py_TYPE(obj) == (PyTypeObject *)slot_types[0] ? SL_BUF_STATE
-                : Py_TYPE(obj) == (PyTypeObject *)slot_types[1] ? SL_DEV_STATE
-                                                                : -1;
-    if (which < 0) return 0;
-    PyObject **field = (PyObject **)((char *)obj + slot_at[which]);
+    PyObject **field = is_hot(obj, HOT_BUFFER) ? &BUFFER(obj)->state : is_hot(obj, HOT_ARRAY) ? &ARRAY(obj)->state : NULL;
+    if (!field) return 0;
     PyObject *old = *field;
-    Py_INCREF(state);
-    *field = state;
+    *field = Py_NewRef(state);
     Py_XDECREF(old);
     return 1;
 }
@@ -73,7 +28,7 @@ int set_state_slot(PyObject *obj, PyObject *state) {
 /* Whether extra is a small-route Slot whose record its own event proves (not handed off): Completion.settle's
  * one-call case, which fast_settle_slot does in C. */
 int is_small_slot(PyObject *extra) {
-    return slot_types[4] && Py_TYPE(extra) == (PyTypeObject *)slot_types[4] && slot_of(extra, SL_SLOT_HANDED) == Py_None;
+    return is_hot(extra, HOT_SLOT) && SLOT(extra)->extras.handed == Py_None;
 }
 
 PyObject *S_give, *S_free, *S_host_copied;
@@ -82,15 +37,15 @@ PyObject *S_give, *S_free, *S_host_copied;
  * the slot's bytes into the caller's array, counted), Slot.release(False) (the array's lease given back, the
  * slot back to its ring), the event back to the pool, the objects handed back. */
 int fast_settle_slot(FastObject *self, RecordObject *r) {
-    PyObject *slot = r->extra, *ring = slot_of(slot, SL_SLOT_RING), *finish = slot_of(slot, SL_SLOT_FINISH);
-    PyObject *host = slot_of(slot, SL_SLOT_HOST);
+    PyObject *slot = r->extra, *ring = SLOT(slot)->ring, *finish = SLOT(slot)->extras.finish;
+    PyObject *host = SLOT(slot)->host;
     if (!ring || !finish || !host) {
         PyErr_SetString(PyExc_AttributeError, "a small-route slot without its ring, finish or host");
         return -1;
     }
     unsigned long long address = 0, ptr = 0, nbytes = 0;
     if (finish != Py_None) { /* a download's copy-out: its addresses read (and checked) before anything changes */
-        PyObject *a = slot_of(slot, SL_SLOT_ADDRESS), *p = slot_of(slot, SL_SLOT_PTR), *n = slot_of(slot, SL_SLOT_NBYTES);
+        PyObject *a = SLOT(slot)->address, *p = SLOT(slot)->ptr, *n = SLOT(slot)->nbytes;
         if (!a || !p || !n || !PyLong_Check(a) || !PyLong_Check(p) || !PyLong_Check(n)) {
             PyErr_SetString(PyExc_TypeError, "a small-route slot whose address, ptr or nbytes is not an int");
             return -1;
@@ -129,14 +84,10 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
                          : PyObject_CallFunctionObjArgs(give, host, NULL);
     if (!gave) goto out;
     Py_DECREF(gave);
-    PyObject **field = (PyObject **)((char *)slot + slot_at[SL_SLOT_HOST]);
-    Py_INCREF(Py_None);
-    Py_XSETREF_LOCAL(*field, Py_None);
-    if (slot_of(slot, SL_SLOT_RECORD) != Py_None) {
+    set_field(&SLOT(slot)->host, Py_None);
+    if (SLOT(slot)->record != Py_None) {
         set_field(&r->extra, Py_None); /* the slot is not that record's any more */
-        field = (PyObject **)((char *)slot + slot_at[SL_SLOT_RECORD]);
-        Py_INCREF(Py_None);
-        Py_XSETREF_LOCAL(*field, Py_None);
+        set_field(&SLOT(slot)->record, Py_None);
     }
     if (up_ring) {
         free_list = self->small_free;
@@ -229,7 +180,7 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
         return NULL;
     }
-    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[0])
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !hot_types[HOT_BUFFER])
         return fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs, kwnames);
     Py_INCREF(runtime); /* held across the submission */
     PyObject *host = upload ? args[0] : args[1], *device = upload ? args[1] : args[0];
@@ -247,16 +198,13 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
         return NULL;
     }
     PyObject *result = NULL, *block, *base;
-    int common = Py_TYPE(self->health) == (PyTypeObject *)slot_types[3] &&
-                 slot_of(self->health, SL_HEALTH_REFUSAL) == Py_None &&
-                 Py_TYPE(host) == (PyTypeObject *)slot_types[0] && Py_TYPE(device) == (PyTypeObject *)slot_types[1] &&
-                 slot_of(host, SL_BUF_RUNTIME) == runtime && slot_of(device, SL_DEV_RUNTIME) == runtime &&
-                 slot_of(host, SL_BUF_STATE) == self->owned && slot_of(device, SL_DEV_STATE) == self->owned &&
-                 (!upload || is_zero(slot_of(device, SL_DEV_LEASES))) && slot_of(device, SL_DEV_READY) == Py_None &&
-                 (base = slot_of(host, SL_BUF_BASE)) != NULL && Py_REFCNT(base) == 1 && /* the buffer's own */
-                 size_at_least(slot_of(host, SL_BUF_NBYTES), slot_of(device, SL_DEV_NBYTES)) &&
-                 (block = slot_of(host, SL_BUF_BLOCK)) != NULL && Py_TYPE(block) == (PyTypeObject *)slot_types[2] &&
-                 slot_of(block, SL_BLOCK_PTR) != NULL && slot_of(device, SL_DEV_PTR) != NULL;
+    int common = is_hot(self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
+                 is_hot(host, HOT_BUFFER) && is_hot(device, HOT_ARRAY) && BUFFER(host)->runtime == runtime &&
+                 ARRAY(device)->runtime == runtime && BUFFER(host)->state == self->owned &&
+                 ARRAY(device)->state == self->owned && (!upload || is_zero(ARRAY(device)->leases)) &&
+                 ARRAY(device)->ready == Py_None && (base = BUFFER(host)->base) != Py_None &&
+                 no_views(base) && size_at_least(BUFFER(host)->nbytes, ARRAY(device)->nbytes) &&
+                 (block = BUFFER(host)->block) != NULL && is_hot(block, HOT_BLOCK);
     if (!common) {
         Py_DECREF(copy);
         if (rlock_give(lock) == 0)
@@ -267,8 +215,8 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
     }
     {
         /* held for the call: Fast_pinned reads them after calls that may run Python */
-        PyObject *host_ptr = slot_of(block, SL_BLOCK_PTR), *device_ptr = slot_of(device, SL_DEV_PTR);
-        PyObject *nbytes = slot_of(device, SL_DEV_NBYTES);
+        PyObject *host_ptr = BLOCK(block)->ptr, *device_ptr = ARRAY(device)->ptr;
+        PyObject *nbytes = ARRAY(device)->nbytes;
         Py_INCREF(host_ptr);
         Py_INCREF(device_ptr);
         Py_INCREF(nbytes);

@@ -34,9 +34,10 @@
  *
  * - entries (bind_entries, bind_small): Runtime.upload_pending / download_pending, and Runtime.upload's
  *   small pageable case, become the runtime's own attributes bound to upload_pending / download_pending /
- *   upload here. They check the Python methods' common case by reading the arguments' __slots__ (offsets
- *   from ferry._native.slot_layout) and NumPy's fields (array_layout, array_shape_layout), under the lock
- *   taken in C, then submit as pinned / SmallRoute.upload do; anything else calls the Python method.
+ *   upload here (entries.c, small.c). They check the Python methods' common case by reading the
+ *   arguments' fields (objects.c: compiled field types, read at offsetof) and NumPy's array fields
+ *   (native.h: NumpyArray), under the lock taken in C, then submit as pinned / SmallRoute.upload do;
+ *   anything else calls the Python method.
  * - settle: a plain record, a batched one and a small-route slot's (fast_settle_slot: the copy-out, the
  *   lease, the slot back to its ring) are settled in C; any other extras go to Completion.settle.
  *

@@ -77,7 +77,7 @@ static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     int was;
-    if ((PyObject *)Py_TYPE(array) == self->ndarray && array_flags_offset >= 0) {
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
         int *flags = array_flags(array);
         was = (*flags & NPY_WRITEABLE_FLAG) != 0;
         *flags &= ~NPY_WRITEABLE_FLAG;
@@ -144,7 +144,7 @@ PyObject *Leases_give(PyObject *obj, PyObject *array) {
     int was = rc ? -1 : PyObject_IsTrue(PyList_GetItem(entry, 2));
     Py_DECREF(entry);
     if (was <= 0) return was < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
-    if ((PyObject *)Py_TYPE(array) == self->ndarray && array_flags_offset >= 0) {
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
         PyObject *base = PyObject_GetAttr(array, S_base);
         if (!base) return NULL;
         int owns = base == Py_None;
@@ -204,7 +204,7 @@ PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
     unsigned long long dst, capacity;
     if ((nargs != 3 && nargs_is(nargs, 4, "copy_in")) || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0))
         return NULL;
-    if (nargs == 4 && array_data_offset >= 0 && is_ndarray(args[2])) {
+    if (nargs == 4 && is_ndarray(args[2])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[3]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -227,7 +227,7 @@ PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
 PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long capacity;
     if ((nargs != 2 && nargs_is(nargs, 3, "address_of")) || int_arg(args[1], &capacity, 0)) return NULL;
-    if (nargs == 3 && array_data_offset >= 0 && is_ndarray(args[0])) {
+    if (nargs == 3 && is_ndarray(args[0])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[2]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -247,10 +247,6 @@ PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssi
 /* data_of(ndarray) -> its data pointer, read from NumPy's array struct: the caller vouches that it is
  * an exact numpy.ndarray (needs set_array_layout; ndarray.ctypes.data costs a microsecond). */
 PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (array_data_offset < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "data_of needs a verified array layout (set_array_layout)");
-        return NULL;
-    }
     if (!is_ndarray(array)) return not_ndarray("data_of", array);
     return PyLong_FromVoidPtr(array_data(array));
 }

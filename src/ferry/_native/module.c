@@ -49,20 +49,20 @@ static PyMethodDef module_methods[] = {
     {"address_of", (PyCFunction)(void (*)(void))mod_address_of, METH_FASTCALL,
      "address_of(array, capacity[, nbytes]) -> address of a writable C-contiguous array of at most capacity "
      "bytes, or 0"},
-    {"set_slot_layout", (PyCFunction)(void (*)(void))mod_set_slot_layout, METH_FASTCALL,
-     "set_slot_layout(types, offsets): where ferry's slotted objects keep the fields Fast's entries read"},
-    {"set_array_shape_layout", (PyCFunction)(void (*)(void))mod_set_array_shape_layout, METH_FASTCALL,
-     "set_array_shape_layout(nd_offset, dimensions_offset, descr_offset): NumPy's, verified by the caller"},
-    {"set_array_layout", (PyCFunction)(void (*)(void))mod_set_array_layout, METH_FASTCALL,
-     "set_array_layout(data_offset, flags_offset): NumPy's array struct offsets, verified by the caller (-1: off)"},
+    {"set_hot_types", (PyCFunction)(void (*)(void))mod_set_hot_types, METH_FASTCALL,
+     "set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the classes whose fields the entries read"},
+    {"array_fields", mod_array_fields, METH_NOARGS,
+     "array_fields() -> {field: offset} of the NumPy array fields the helpers read (NumPy's PyArrayObject_fields)"},
+    {"set_array_type", mod_set_array_type, METH_O,
+     "set_array_type(numpy.ndarray or None): enable the reads of NumPy's array fields for exact ndarrays"},
     {"clear_writeable", mod_clear_writeable, METH_O,
-     "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_layout"},
-    {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_layout"},
+     "clear_writeable(ndarray) -> whether it was writeable (it is not now); needs set_array_type"},
+    {"set_writeable", mod_set_writeable, METH_O, "set_writeable(ndarray): the writeable flag back; needs set_array_type"},
     {"memcopy", (PyCFunction)(void (*)(void))mod_memcopy, METH_FASTCALL,
      "memcopy(dst, src, nbytes, nontemporal=False): memcpy, the GIL held; nontemporal: the engine's streaming "
      "stores from 64 KiB on x86-64, the GIL released"},
     {"data_of", mod_data_of, METH_O,
-     "data_of(ndarray) -> its data pointer (an exact numpy.ndarray, vouched by the caller; needs set_array_layout)"},
+     "data_of(ndarray) -> its data pointer (an exact numpy.ndarray; needs set_array_type)"},
     {"set_handle_errors", mod_set_handle_errors, METH_O,
      "set_handle_errors(waited_error): the exception class a handle's second wait() raises"},
     {"new_record", (PyCFunction)(void (*)(void))mod_new_record, METH_FASTCALL,
@@ -73,7 +73,8 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     "ferry._native._engine",
-    "ferry's staging engine on native threads (see the essay at the top of _engine.c).",
+    "ferry's compiled layer: the staging engine on native threads and the small-transfer fast path "
+    "(src/ferry/_native/README.md lists its sources).",
     -1,
     module_methods,
     NULL,
@@ -178,6 +179,26 @@ PyMODINIT_FUNC PyInit__engine(void) {
     if (PyModule_AddObject(m, "RLock", (PyObject *)RLockType)) {
         Py_DECREF((PyObject *)RLockType);
         goto fail;
+    }
+    { /* the hot objects' field types (objects.c): Slot's derives from the extras' */
+        struct { PyTypeObject **type; PyType_Spec *spec; const char *name; PyTypeObject **base; } made[] = {
+            {&BufferFieldsType, &BufferFields_spec, "BufferFields", NULL},
+            {&ArrayFieldsType, &ArrayFields_spec, "ArrayFields", NULL},
+            {&BlockFieldsType, &BlockFields_spec, "BlockFields", NULL},
+            {&HealthFieldsType, &HealthFields_spec, "HealthFields", NULL},
+            {&ExtrasFieldsType, &ExtrasFields_spec, "ExtrasFields", NULL},
+            {&SlotFieldsType, &SlotFields_spec, "SlotFields", &ExtrasFieldsType},
+        };
+        for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) {
+            PyObject *t = made[i].base ? PyType_FromSpecWithBases(made[i].spec, (PyObject *)*made[i].base)
+                                       : PyType_FromSpec(made[i].spec);
+            if (!t) goto fail;
+            *made[i].type = (PyTypeObject *)t;
+            if (PyModule_AddObject(m, made[i].name, Py_NewRef(t))) {
+                Py_DECREF(t);
+                goto fail;
+            }
+        }
     }
     LeasesType = (PyTypeObject *)PyType_FromSpec(&Leases_spec);
     if (!LeasesType) goto fail;

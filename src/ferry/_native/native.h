@@ -8,6 +8,7 @@
  *   engine.c   Engine and Job: the staging engine's Python types (core/ does the work)
  *   calls.c    Calls: the driver entry points of the small-transfer path, called from C
  *   records.c  Record (a transfer's record) and Handle (the compiled base of ferry's handles)
+ *   objects.c  the fields of ferry's hot objects (buffer, device array, block, health, extras, slot)
  *   lock.c     RLock: threading.RLock's semantics, takeable from C (the runtime's lock)
  *   fast.c     Fast: Completion's enqueue, wait, settle and pinned submission in C
  *   entries.c  the runtime's compiled upload_pending / download_pending (Entry)
@@ -42,11 +43,79 @@ static inline unsigned long long as_u64(PyObject *obj) {
 #endif
 }
 
-enum { SL_BUF_BASE, SL_BUF_BLOCK, SL_BUF_NBYTES, SL_BUF_RUNTIME, SL_BUF_STATE, SL_DEV_DTYPE, SL_DEV_LEASES,
-       SL_DEV_NBYTES, SL_DEV_PTR, SL_DEV_READY, SL_DEV_RUNTIME, SL_DEV_SHAPE, SL_DEV_STATE, SL_BLOCK_PTR, SL_HEALTH_REFUSAL, SL_SLOT_ADDRESS,
-       SL_SLOT_CAPACITY, SL_SLOT_CLEANUPS, SL_SLOT_FINISH, SL_SLOT_HANDED, SL_SLOT_HOST, SL_SLOT_NBYTES, SL_SLOT_OWN,
-       SL_SLOT_PTR, SL_SLOT_RECORD, SL_SLOT_RING, SL_COUNT };
-#define SLOT_TYPES 5
+/* -- the fields of ferry's hot objects (objects.c: their Python classes derive from these types) --------- */
+
+typedef struct { /* ferry.PinnedHostBuffer */
+    PyObject_HEAD
+    PyObject *base, *block, *nbytes, *runtime, *state;
+} BufferFields;
+
+typedef struct { /* ferry.DeviceArray */
+    PyObject_HEAD
+    PyObject *dtype, *leases, *memory, *nbytes, *ptr, *ready, *runtime, *shape, *state;
+} ArrayFields;
+
+typedef struct { /* a pinned pool block (ferry._memory._pinned.Block) */
+    PyObject_HEAD
+    PyObject *capacity, *ptr;
+} BlockFields;
+
+typedef struct { /* a runtime's health (ferry._lifecycle.Health) */
+    PyObject_HEAD
+    PyObject *closed, *exited, *forked, *poisoned, *refusal;
+} HealthFields;
+
+typedef struct { /* a record's extras (ferry._completion.Extras) */
+    PyObject_HEAD
+    PyObject *cleanups, *export_stream, *finish, *handed, *job, *order_after, *progress, *ready_to_order;
+} ExtrasFields;
+
+typedef struct { /* a small-route slot (ferry._routes._small.Slot): the extras' fields, then its own */
+    ExtrasFields extras;
+    PyObject *address, *block, *capacity, *host, *nbytes, *own, *ptr, *record, *ring;
+} SlotFields;
+
+/* The exact classes the entries read, by set_hot_types (NULL until then) */
+enum { HOT_BUFFER, HOT_ARRAY, HOT_BLOCK, HOT_HEALTH, HOT_SLOT, HOT_TYPES };
+extern PyObject *hot_types[HOT_TYPES];
+
+/* Whether obj's exact type is the hot class `which` (then its fields are read as that struct's) */
+static inline int is_hot(PyObject *obj, int which) {
+    return hot_types[which] && (PyObject *)Py_TYPE(obj) == hot_types[which];
+}
+
+/* A pinned buffer's views are counted by its private base array's references (ferry/_buffer.py's essay:
+ * every view NumPy derives references the base directly): none is alive when the buffer's own reference
+ * is the only one, which is the Python check `getrefcount(buffer._base) == BASE_REFS`. */
+static inline int no_views(PyObject *base) { return Py_REFCNT(base) == 1; }
+
+#define BUFFER(o) ((BufferFields *)(o))
+#define ARRAY(o) ((ArrayFields *)(o))
+#define BLOCK(o) ((BlockFields *)(o))
+#define HEALTH(o) ((HealthFields *)(o))
+#define SLOT(o) ((SlotFields *)(o))
+
+extern PyTypeObject *BufferFieldsType, *ArrayFieldsType, *BlockFieldsType, *HealthFieldsType, *ExtrasFieldsType,
+    *SlotFieldsType;
+PyObject *mod_set_hot_types(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+
+/* -- NumPy's array struct ----------------------------------------------------------------------------
+ * PyArrayObject_fields of numpy/ndarraytypes.h, declared here as the driver types are in core/core.h:
+ * NumPy's ABI, which every extension compiled against NumPy reads directly (PyArray_DATA, PyArray_FLAGS
+ * and the rest are macros over these fields), unchanged since NumPy 1.7 and kept by NumPy 2. Read only
+ * for an exact numpy.ndarray, and only once ferry._native.array_layout() found NumPy's own answers for a
+ * few arrays agree with these fields (the offsets it checks come from here: array_fields()). */
+typedef struct {
+    PyObject_HEAD
+    char *data;
+    int nd;
+    Py_ssize_t *dimensions;
+    Py_ssize_t *strides;
+    PyObject *base;
+    PyObject *descr;
+    int flags;
+    PyObject *weakreflist;
+} NumpyArray;
 
 #define NPY_C_CONTIGUOUS_FLAG 0x0001
 #define NPY_WRITEABLE_FLAG 0x0400
@@ -62,11 +131,8 @@ extern PyTypeObject *RLockType;
 extern PyTypeObject *FastType;
 extern PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
 extern PyObject *S_htod_record, *S_dtoh_record;
-extern Py_ssize_t slot_at[SL_COUNT];
-extern PyObject *slot_types[SLOT_TYPES];
 extern PyObject *S_give, *S_free, *S_host_copied;
 extern PyTypeObject *EntryType;
-extern Py_ssize_t array_data_offset, array_flags_offset;
 extern PyObject *S_transfers;
 extern PyTypeObject *LeasesType;
 extern PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
@@ -80,6 +146,8 @@ extern PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_
 extern PyType_Spec Engine_spec; /* engine.c */
 extern PyType_Spec Job_spec; /* engine.c */
 extern PyType_Spec Calls_spec; /* calls.c */
+extern PyType_Spec BufferFields_spec, ArrayFields_spec, BlockFields_spec, HealthFields_spec, ExtrasFields_spec,
+    SlotFields_spec; /* objects.c */
 extern PyType_Spec Record_spec; /* records.c */
 extern PyType_Spec Handle_spec; /* records.c */
 extern PyType_Spec RLock_spec; /* lock.c */
@@ -326,13 +394,6 @@ typedef struct {
 } HandleObject;
 
 
-/* *field = value, the reference to value already taken; the old one released last (it may run code). */
-#define Py_XSETREF_LOCAL(field, value)                                                                      \
-    do {                                                                                                      \
-        PyObject *old_ = (field);                                                                             \
-        (field) = (value);                                                                                    \
-        Py_XDECREF(old_);                                                                                     \
-    } while (0)
 
 /* The object in obj's slot (borrowed; NULL when unset): obj's exact type is the layout's. */
 
@@ -344,7 +405,7 @@ typedef struct {
 } PairObject;
 
 
-extern PyObject *ndarray_type; /* small.c: numpy.ndarray, once the layout is set */
+extern PyObject *ndarray_type; /* small.c: numpy.ndarray, once array_layout() verified NumpyArray (else NULL) */
 
 /* Whether obj is exactly a numpy.ndarray (a subclass may keep its data elsewhere: no field is read). */
 static inline int is_ndarray(PyObject *obj) { return ndarray_type && (PyObject *)Py_TYPE(obj) == ndarray_type; }
@@ -355,9 +416,9 @@ static inline PyObject *not_ndarray(const char *helper, PyObject *obj) {
     return NULL;
 }
 
-static inline char *array_data(PyObject *a) { return *(char **)((char *)a + array_data_offset); }
+static inline char *array_data(PyObject *a) { return ((NumpyArray *)a)->data; }
 
-static inline int *array_flags(PyObject *a) { return (int *)((char *)a + array_flags_offset); }
+static inline int *array_flags(PyObject *a) { return &((NumpyArray *)a)->flags; }
 
 /* An address or handle: a Python int in [0, 2**64) (None for an absent event when none_ok). */
 static inline int int_arg(PyObject *obj, unsigned long long *out, int none_ok) {
@@ -376,8 +437,6 @@ static inline int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *name) 
 }
 
 
-/* The object in obj's slot (borrowed; NULL when unset): obj's exact type is the layout's. */
-static inline PyObject *slot_of(PyObject *obj, int which) { return *(PyObject **)((char *)obj + slot_at[which]); }
 
 /* An exact int 0 (a device array's read-lease count) */
 static inline int is_zero(PyObject *v) {
@@ -410,7 +469,6 @@ PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 
 /* entries.c */
-PyObject *mod_set_slot_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
 int set_state_slot(PyObject *obj, PyObject *state);
 int is_small_slot(PyObject *extra);
 int fast_settle_slot(FastObject *self, RecordObject *r);
@@ -423,8 +481,8 @@ PyObject *Fast_entries(PyObject *obj, PyObject *runtime);
 
 /* small.c */
 int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, int writable);
-PyObject *mod_set_array_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
-PyObject *mod_set_array_shape_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_set_array_type(PyObject *Py_UNUSED(mod), PyObject *arg);
+PyObject *mod_array_fields(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored));
 PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
 PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array);

@@ -19,59 +19,42 @@ int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, in
 }
 
 /*
- * NumPy's array struct (PyArrayObject_fields) keeps the data pointer and the flags at fixed offsets
- * (16 and 64 on 64-bit platforms): NumPy's ABI, which every extension compiled against it reads
- * directly (PyArray_DATA, PyArray_FLAGS). Python checks both offsets against NumPy's own answers for
- * a few arrays before it enables them here (set_array_layout); until then, and for any caller that
- * does not vouch for an exact numpy.ndarray of a known size, the buffer protocol serves. Read that
- * way a small array costs tens of nanoseconds instead of a buffer export.
+ * NumPy's array fields (NumpyArray in native.h: PyArrayObject_fields, NumPy's ABI) are read only for an
+ * exact numpy.ndarray, and only once ferry._native.array_layout() checked them against NumPy's own
+ * answers for a few arrays and set the type (set_array_type); until then, and for anything else, the
+ * buffer protocol serves. Read that way a small array costs tens of nanoseconds instead of a buffer export.
  */
+PyObject *ndarray_type; /* numpy.ndarray, once array_layout() verified NumpyArray (else NULL) */
 
-Py_ssize_t array_data_offset = -1, array_flags_offset = -1;
-PyObject *ndarray_type; /* numpy.ndarray, given with the layout: only its exact instances are read */
-
-PyObject *mod_set_array_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_is(nargs, 3, "set_array_layout")) return NULL;
-    Py_ssize_t data = PyLong_AsSsize_t(args[0]), flags = PyLong_AsSsize_t(args[1]);
-    if ((data == -1 || flags == -1) && PyErr_Occurred()) return NULL;
-    if (!PyType_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "set_array_layout: the third argument must be numpy.ndarray");
-        return NULL;
-    }
-    array_data_offset = data;
-    array_flags_offset = flags;
-    PyObject *old = ndarray_type;
-    Py_INCREF(args[2]);
-    ndarray_type = args[2];
-    Py_XDECREF(old);
-    Py_RETURN_NONE;
+/* array_fields() -> {field: offset} of NumpyArray: what array_layout() checks against NumPy's answers */
+PyObject *mod_array_fields(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{snsnsnsnsnsnsn}", "data", (Py_ssize_t)offsetof(NumpyArray, data), "nd",
+                         (Py_ssize_t)offsetof(NumpyArray, nd), "dimensions", (Py_ssize_t)offsetof(NumpyArray, dimensions),
+                         "strides", (Py_ssize_t)offsetof(NumpyArray, strides), "base",
+                         (Py_ssize_t)offsetof(NumpyArray, base), "descr", (Py_ssize_t)offsetof(NumpyArray, descr),
+                         "flags", (Py_ssize_t)offsetof(NumpyArray, flags));
 }
 
-
-/* NumPy's nd, dimensions and descr fields (set_array_shape_layout, verified by the caller; -1: off) */
-static Py_ssize_t array_nd_offset = -1, array_dims_offset = -1, array_descr_offset = -1;
-
-PyObject *mod_set_array_shape_layout(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs_is(nargs, 3, "set_array_shape_layout")) return NULL;
-    Py_ssize_t at[3];
-    for (int i = 0; i < 3; i++) {
-        at[i] = PyLong_AsSsize_t(args[i]);
-        if (at[i] == -1 && PyErr_Occurred()) return NULL;
+/* set_array_type(numpy.ndarray or None): enable (or disable) the reads of NumpyArray for its exact instances */
+PyObject *mod_set_array_type(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    if (arg != Py_None && !PyType_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "set_array_type: numpy.ndarray or None");
+        return NULL;
     }
-    array_nd_offset = at[0];
-    array_dims_offset = at[1];
-    array_descr_offset = at[2];
+    PyObject *old = ndarray_type;
+    ndarray_type = arg == Py_None ? NULL : Py_NewRef(arg);
+    Py_XDECREF(old);
     Py_RETURN_NONE;
 }
 
 /* Whether an exact ndarray has the shape ``shape`` (a tuple of ints) and the dtype object ``dtype`` itself
  * (an equal dtype that is another object: no, the caller's Python path compares it). Shape layout set. */
 static int array_matches(PyObject *array, PyObject *shape, PyObject *dtype) {
-    if (!shape || !dtype || *(PyObject **)((char *)array + array_descr_offset) != dtype || !PyTuple_Check(shape))
-        return 0;
-    int nd = *(int *)((char *)array + array_nd_offset);
+    const NumpyArray *a = (const NumpyArray *)array;
+    if (!shape || !dtype || a->descr != dtype || !PyTuple_Check(shape)) return 0;
+    int nd = a->nd;
     if (nd != PyTuple_Size(shape)) return 0;
-    Py_ssize_t *dims = *(Py_ssize_t **)((char *)array + array_dims_offset);
+    Py_ssize_t *dims = a->dimensions;
     for (int i = 0; i < nd; i++) {
         Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
         if (d == -1 && PyErr_Occurred()) {
@@ -137,13 +120,6 @@ static int ring_add(PyObject *ring, PyObject *name, unsigned long long delta) {
 
 PyObject *S_transfers;
 
-/* field = value (a new reference taken here), in an object of the slot layout */
-static void slot_set(PyObject *obj, int which, PyObject *value) {
-    PyObject **field = (PyObject **)((char *)obj + slot_at[which]);
-    Py_INCREF(value);
-    Py_XSETREF_LOCAL(*field, value);
-}
-
 /*
  * Runtime.upload's common small case in one C call (bound as the runtime's own attribute, like
  * upload_pending): a C-contiguous exact ndarray of at most one slot into a device array of this runtime
@@ -158,9 +134,8 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries and bind_small were not called");
         return NULL;
     }
-    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !slot_types[4] ||
-        array_descr_offset < 0 || array_data_offset < 0 || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type ||
-        Py_TYPE(args[1]) != (PyTypeObject *)slot_types[1])
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !hot_types[HOT_SLOT] ||
+        !is_ndarray(args[0]) || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type || !is_hot(args[1], HOT_ARRAY))
         return fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
     PyObject *source = args[0], *device = args[1];
     Py_INCREF(runtime); /* held across the submission */
@@ -178,22 +153,20 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     PyObject *result = NULL, *slot = NULL, *record = NULL, *free_list = self->small_free;
     Py_ssize_t nfree = PyList_Size(free_list), n = -1;
     unsigned long long capacity = 0;
-    PyObject *nbytes_obj = slot_of(device, SL_DEV_NBYTES);
-    int common = nfree > 0 && Py_TYPE(self->health) == (PyTypeObject *)slot_types[3] &&
-                 slot_of(self->health, SL_HEALTH_REFUSAL) == Py_None && !PyDict_Size(self->batches) &&
-                 slot_of(device, SL_DEV_RUNTIME) == runtime && slot_of(device, SL_DEV_STATE) == self->owned &&
-                 is_zero(slot_of(device, SL_DEV_LEASES)) && slot_of(device, SL_DEV_READY) == Py_None &&
-                 PyList_Size(self->small_active) == 0 && nbytes_obj && PyLong_Check(nbytes_obj) &&
-                 slot_of(device, SL_DEV_PTR) && (*array_flags(source) & NPY_C_CONTIGUOUS_FLAG) &&
-                 array_matches(source, slot_of(device, SL_DEV_SHAPE), slot_of(device, SL_DEV_DTYPE));
+    PyObject *nbytes_obj = ARRAY(device)->nbytes;
+    int common = nfree > 0 && is_hot(self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
+                 !PyDict_Size(self->batches) && ARRAY(device)->runtime == runtime &&
+                 ARRAY(device)->state == self->owned && is_zero(ARRAY(device)->leases) &&
+                 ARRAY(device)->ready == Py_None && PyList_Size(self->small_active) == 0 && PyLong_Check(nbytes_obj) &&
+                 (*array_flags(source) & NPY_C_CONTIGUOUS_FLAG) &&
+                 array_matches(source, ARRAY(device)->shape, ARRAY(device)->dtype);
     if (common) {
         n = PyLong_AsSsize_t(nbytes_obj);
         slot = PyList_GetItem(free_list, nfree - 1); /* borrowed */
-        if (n < 0 || !slot || Py_TYPE(slot) != (PyTypeObject *)slot_types[4] || !slot_of(slot, SL_SLOT_PTR) ||
-            !slot_of(slot, SL_SLOT_OWN)) {
+        if (n < 0 || !slot || !is_hot(slot, HOT_SLOT)) {
             common = 0;
         } else {
-            capacity = as_u64(slot_of(slot, SL_SLOT_CAPACITY));
+            capacity = as_u64(SLOT(slot)->capacity);
             common = !(capacity == (unsigned long long)-1 && PyErr_Occurred()) && (unsigned long long)n <= capacity;
         }
         PyErr_Clear(); /* anything odd: the Python route says what */
@@ -206,7 +179,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     }
     Py_INCREF(slot);
     /* held: read again after Fast_enqueue, which may run Python (maintenance) */
-    PyObject *slot_ptr = slot_of(slot, SL_SLOT_PTR), *device_ptr = slot_of(device, SL_DEV_PTR);
+    PyObject *slot_ptr = SLOT(slot)->ptr, *device_ptr = ARRAY(device)->ptr;
     Py_INCREF(slot_ptr);
     Py_INCREF(device_ptr);
     Py_INCREF(nbytes_obj);
@@ -240,14 +213,14 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
         set_field(&((RecordObject *)record)->extra, slot);
     else if (PyObject_SetAttrString(record, "extra", slot))
         goto done_record;
-    slot_set(slot, SL_SLOT_RECORD, record);
-    slot_set(slot, SL_SLOT_NBYTES, nbytes_obj);
-    slot_set(slot, SL_SLOT_CLEANUPS, slot_of(slot, SL_SLOT_OWN));
-    slot_set(slot, SL_SLOT_HOST, source);
+    set_field(&SLOT(slot)->record, record);
+    set_field(&SLOT(slot)->nbytes, nbytes_obj);
+    set_field(&SLOT(slot)->extras.cleanups, SLOT(slot)->own);
+    set_field(&SLOT(slot)->host, source);
     PyObject *took = PyObject_CallFunctionObjArgs(self->small_take, source, NULL);
     if (!took) goto done_record;
     Py_DECREF(took);
-    slot_set(device, SL_DEV_STATE, self->in_flight);
+    set_field(&ARRAY(device)->state, self->in_flight);
     if (ring_add(self->small_ring, S_transfers, 1) || ring_add(self->small_ring, S_host_copied, (unsigned long long)n))
         goto done_record;
     {
@@ -290,10 +263,6 @@ done:
 
 /* clear_writeable(array) -> whether the array was writeable; it is not now. Layout set; ndarray only. */
 PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (array_flags_offset < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
-        return NULL;
-    }
     if (!is_ndarray(array)) return not_ndarray("clear_writeable", array);
     int *flags = array_flags(array);
     int was = *flags & NPY_WRITEABLE_FLAG;
@@ -303,10 +272,6 @@ PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
 
 /* set_writeable(array): the writeable flag back (an array that owns its data). Layout set; ndarray only. */
 PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (array_flags_offset < 0) {
-        PyErr_SetString(PyExc_RuntimeError, "the array layout is not set");
-        return NULL;
-    }
     if (!is_ndarray(array)) return not_ndarray("set_writeable", array);
     *array_flags(array) |= NPY_WRITEABLE_FLAG;
     Py_RETURN_NONE;
