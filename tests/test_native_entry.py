@@ -69,13 +69,31 @@ def test_the_hot_classes_are_registered_and_the_entries_are_bound(rt: ferry.Runt
         engine.set_hot_types(*classes)
 
 
-def test_a_hot_objects_fields_cannot_be_deleted(rt: ferry.Runtime) -> None:
+@pytest.mark.parametrize("field", ["_state", "_base", "_block", "_nbytes", "_runtime",
+                                   "dev._ptr", "dev._nbytes", "dev._state", "dev._leases", "block.ptr"])
+def test_a_deleted_field_of_a_hot_object_goes_to_the_python_method(rt: ferry.Runtime, field: str) -> None:
+    """The entries read the fields of the arguments' compiled base types; a deleted field (as a
+    __slots__ field can be) is never the common case: the Python method runs, and raises as it does."""
     buf, dev = rt.pinned(64), rt.empty(64, np.uint8)
-    for obj, name in ((buf, "_state"), (buf, "_base"), (dev, "_runtime"), (dev, "_nbytes"),
-                      (parts_of(rt).health, "refusal")):
-        with pytest.raises(AttributeError):
-            delattr(obj, name)
-    buf, dev = rt.upload_pending(buf, dev).wait()  # still whole
+    owner, _, name = field.rpartition(".")
+    target = {"": buf, "dev": dev, "block": buf._block}[owner]
+    kept = getattr(target, name)
+    delattr(target, name)
+    with pytest.raises((AttributeError, ferry.TransferSubmitError)):
+        rt.upload_pending(buf, dev)
+    setattr(target, name, kept)  # whole again: the runtime closes it
+
+
+def test_a_small_slot_with_a_deleted_field_goes_to_the_python_route(rt: ferry.Runtime) -> None:
+    data = np.arange(16, dtype=np.uint8)
+    dev = rt.empty(16, np.uint8)
+    _, dev = rt.upload(data, dev).wait()  # the ring's first slot
+    (slot,) = parts_of(rt).host.small.up.free
+    kept = slot.capacity
+    del slot.capacity
+    with pytest.raises(AttributeError):
+        rt.upload(data, dev)
+    slot.capacity = kept
 
 
 def test_the_common_case_never_enters_python(rt: ferry.Runtime) -> None:

@@ -202,9 +202,10 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
                  is_hot(host, HOT_BUFFER) && is_hot(device, HOT_ARRAY) && BUFFER(host)->runtime == runtime &&
                  ARRAY(device)->runtime == runtime && BUFFER(host)->state == self->owned &&
                  ARRAY(device)->state == self->owned && (!upload || is_zero(ARRAY(device)->leases)) &&
-                 ARRAY(device)->ready == Py_None && (base = BUFFER(host)->base) != Py_None &&
+                 ARRAY(device)->ready == Py_None && (base = BUFFER(host)->base) != NULL && base != Py_None &&
                  no_views(base) && size_at_least(BUFFER(host)->nbytes, ARRAY(device)->nbytes) &&
-                 (block = BUFFER(host)->block) != NULL && is_hot(block, HOT_BLOCK);
+                 (block = BUFFER(host)->block) != NULL && is_hot(block, HOT_BLOCK) && BLOCK(block)->ptr &&
+                 ARRAY(device)->ptr; /* a deleted field (NULL) is never the common case */
     if (!common) {
         Py_DECREF(copy);
         if (rlock_give(lock) == 0)

@@ -8,11 +8,14 @@
  * not run), so its fields live in a C struct declared below and are read at their offsetof: no
  * offset is searched for, and a reader checks the layout against the struct by eye.
  *
- * Invariants: every field is an object reference, never NULL (a new object's fields are None until
- * its __init__ sets them, and a field cannot be deleted: its setter refuses); the entries read an
- * object's fields only after checking that its exact type is the class registered for it
- * (set_hot_types, which checks that the class derives from the matching type here); every type
- * takes part in garbage collection (a slot refers to its record, whose extras are the slot).
+ * Invariants: every field is an object reference; a new object's fields are None until its __init__
+ * sets them. A field can be deleted (as a __slots__ field can: the members are T_OBJECT_EX, which
+ * CPython's specializing interpreter reads and writes as fast as __slots__), which leaves it NULL: the
+ * entries treat a NULL field as "not the common case" and hand the call to the Python method, which
+ * raises AttributeError as before, so no read ever follows a NULL. The entries read an object's fields
+ * only after checking that its exact type is the class registered for it (set_hot_types, which checks
+ * that the class derives from the matching type here); every type takes part in garbage collection
+ * (a slot refers to its record, whose extras are the slot).
  */
 #include "native.h"
 
@@ -67,85 +70,65 @@ static void Fields_dealloc(PyObject *obj) {
     Py_DECREF(tp);
 }
 
-/* A field's getter and setter; the closure is its offset in the object. */
-static PyObject *field_get(PyObject *obj, void *closure) {
-    PyObject *v = *(PyObject **)((char *)obj + (uintptr_t)closure);
-    if (!v) { /* cleared by the collector: the object is being torn down */
-        PyErr_SetString(PyExc_AttributeError, "this field was cleared");
-        return NULL;
-    }
-    return Py_NewRef(v);
-}
+/* Members (T_OBJECT_EX: an unset or deleted field reads as AttributeError, as a __slots__ one does):
+ * CPython's specializing interpreter reads and writes them as fast as __slots__ (LOAD_ATTR_SLOT). */
+#define FIELD(T, name, field) {name, T_OBJECT_EX, offsetof(T, field), 0, NULL}
 
-static int field_set(PyObject *obj, PyObject *value, void *closure) {
-    if (!value) {
-        PyErr_SetString(PyExc_AttributeError, "this field cannot be deleted (the compiled entries read it)");
-        return -1;
-    }
-    PyObject **at = (PyObject **)((char *)obj + (uintptr_t)closure);
-    PyObject *old = *at;
-    *at = Py_NewRef(value);
-    Py_XDECREF(old);
-    return 0;
-}
-
-#define FIELD(T, name, field) {name, field_get, field_set, NULL, (void *)(uintptr_t)offsetof(T, field)}
-
-static PyGetSetDef Buffer_getset[] = {
+static PyMemberDef Buffer_members[] = {
     FIELD(BufferFields, "_base", base),       FIELD(BufferFields, "_block", block),
     FIELD(BufferFields, "_nbytes", nbytes),   FIELD(BufferFields, "_runtime", runtime),
-    FIELD(BufferFields, "_state", state),     {NULL, NULL, NULL, NULL, NULL},
+    FIELD(BufferFields, "_state", state),     {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef Array_getset[] = {
+static PyMemberDef Array_members[] = {
     FIELD(ArrayFields, "_dtype", dtype),     FIELD(ArrayFields, "_leases", leases),
     FIELD(ArrayFields, "_memory", memory),   FIELD(ArrayFields, "_nbytes", nbytes),
     FIELD(ArrayFields, "_ptr", ptr),         FIELD(ArrayFields, "_ready", ready),
     FIELD(ArrayFields, "_runtime", runtime), FIELD(ArrayFields, "_shape", shape),
-    FIELD(ArrayFields, "_state", state),     {NULL, NULL, NULL, NULL, NULL},
+    FIELD(ArrayFields, "_state", state),     {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef Block_getset[] = {
-    FIELD(BlockFields, "capacity", capacity), FIELD(BlockFields, "ptr", ptr), {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef Block_members[] = {
+    FIELD(BlockFields, "capacity", capacity), FIELD(BlockFields, "ptr", ptr), {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef Health_getset[] = {
+static PyMemberDef Health_members[] = {
     FIELD(HealthFields, "closed", closed),     FIELD(HealthFields, "exited", exited),
     FIELD(HealthFields, "forked", forked),     FIELD(HealthFields, "poisoned", poisoned),
-    FIELD(HealthFields, "refusal", refusal),   {NULL, NULL, NULL, NULL, NULL},
+    FIELD(HealthFields, "refusal", refusal),   {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef Extras_getset[] = {
+static PyMemberDef Extras_members[] = {
     FIELD(ExtrasFields, "cleanups", cleanups),   FIELD(ExtrasFields, "export_stream", export_stream),
     FIELD(ExtrasFields, "finish", finish),       FIELD(ExtrasFields, "handed", handed),
     FIELD(ExtrasFields, "job", job),             FIELD(ExtrasFields, "order_after", order_after),
     FIELD(ExtrasFields, "progress", progress),   FIELD(ExtrasFields, "ready_to_order", ready_to_order),
-    {NULL, NULL, NULL, NULL, NULL},
+    {NULL, 0, 0, 0, NULL},
 };
 
-static PyGetSetDef Slot_getset[] = {
+static PyMemberDef Slot_members[] = {
     FIELD(SlotFields, "address", address),   FIELD(SlotFields, "block", block),
     FIELD(SlotFields, "capacity", capacity), FIELD(SlotFields, "host", host),
     FIELD(SlotFields, "nbytes", nbytes),     FIELD(SlotFields, "own", own),
     FIELD(SlotFields, "ptr", ptr),           FIELD(SlotFields, "record", record),
-    FIELD(SlotFields, "ring", ring),         {NULL, NULL, NULL, NULL, NULL},
+    FIELD(SlotFields, "ring", ring),         {NULL, 0, 0, 0, NULL},
 };
 
-#define FIELDS_SPEC(Name, T, getset, doc)                                                                    \
+#define FIELDS_SPEC(Name, T, members, doc)                                                                    \
     static PyType_Slot Name##_slots[] = {                                                                     \
         {Py_tp_new, Fields_new},         {Py_tp_init, Fields_init},   {Py_tp_dealloc, Fields_dealloc},       \
-        {Py_tp_traverse, Fields_traverse}, {Py_tp_clear, Fields_clear}, {Py_tp_getset, getset},              \
+        {Py_tp_traverse, Fields_traverse}, {Py_tp_clear, Fields_clear}, {Py_tp_members, members},              \
         {Py_tp_doc, doc},                {0, NULL},                                                           \
     };                                                                                                        \
     PyType_Spec Name##_spec = {"ferry._native._engine." #Name, sizeof(T), 0,                                  \
                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, Name##_slots}
 
-FIELDS_SPEC(BufferFields, BufferFields, Buffer_getset, "The fields of ferry.PinnedHostBuffer (its base type).");
-FIELDS_SPEC(ArrayFields, ArrayFields, Array_getset, "The fields of ferry.DeviceArray (its base type).");
-FIELDS_SPEC(BlockFields, BlockFields, Block_getset, "The fields of a pinned pool block (its base type).");
-FIELDS_SPEC(HealthFields, HealthFields, Health_getset, "The fields of a runtime's health (its base type).");
-FIELDS_SPEC(ExtrasFields, ExtrasFields, Extras_getset, "The fields of a record's extras (their base type).");
-FIELDS_SPEC(SlotFields, SlotFields, Slot_getset, "The fields of a small-route slot (its base type, after the extras').");
+FIELDS_SPEC(BufferFields, BufferFields, Buffer_members, "The fields of ferry.PinnedHostBuffer (its base type).");
+FIELDS_SPEC(ArrayFields, ArrayFields, Array_members, "The fields of ferry.DeviceArray (its base type).");
+FIELDS_SPEC(BlockFields, BlockFields, Block_members, "The fields of a pinned pool block (its base type).");
+FIELDS_SPEC(HealthFields, HealthFields, Health_members, "The fields of a runtime's health (its base type).");
+FIELDS_SPEC(ExtrasFields, ExtrasFields, Extras_members, "The fields of a record's extras (their base type).");
+FIELDS_SPEC(SlotFields, SlotFields, Slot_members, "The fields of a small-route slot (its base type, after the extras').");
 
 /* -- the classes the entries read ------------------------------------------------------------------ */
 

@@ -157,13 +157,15 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     int common = nfree > 0 && is_hot(self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
                  !PyDict_Size(self->batches) && ARRAY(device)->runtime == runtime &&
                  ARRAY(device)->state == self->owned && is_zero(ARRAY(device)->leases) &&
-                 ARRAY(device)->ready == Py_None && PyList_Size(self->small_active) == 0 && PyLong_Check(nbytes_obj) &&
+                 ARRAY(device)->ready == Py_None && PyList_Size(self->small_active) == 0 && nbytes_obj &&
+                 PyLong_Check(nbytes_obj) && ARRAY(device)->ptr && /* a deleted field (NULL): not the common case */
                  (*array_flags(source) & NPY_C_CONTIGUOUS_FLAG) &&
                  array_matches(source, ARRAY(device)->shape, ARRAY(device)->dtype);
     if (common) {
         n = PyLong_AsSsize_t(nbytes_obj);
         slot = PyList_GetItem(free_list, nfree - 1); /* borrowed */
-        if (n < 0 || !slot || !is_hot(slot, HOT_SLOT)) {
+        if (n < 0 || !slot || !is_hot(slot, HOT_SLOT) || !SLOT(slot)->ptr || !SLOT(slot)->own ||
+            !SLOT(slot)->capacity) {
             common = 0;
         } else {
             capacity = as_u64(SLOT(slot)->capacity);
