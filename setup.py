@@ -28,6 +28,7 @@ SOURCES = [
         "core/copy.c",
         "core/driver.c",
         "core/lanes.c",
+        "core/engine.c",
         "emulated.c",
         "engine.c",
         "calls.c",

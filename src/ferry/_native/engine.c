@@ -221,69 +221,18 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     atomic_init(&eng->held_bytes, 0);
     atomic_init(&eng->abandoned_bytes, 0);
     atomic_init(&eng->poison, 0);
-    if (pthread_mutex_init(&eng->mu, NULL)) {
-        free(eng);
-        return PyErr_NoMemory();
-    }
-    if (pthread_cond_init(&eng->cv, NULL)) {
-        pthread_mutex_destroy(&eng->mu);
-        free(eng);
-        return PyErr_NoMemory();
-    }
-    int inited = 0;
-    for (; inited < lanes; inited++) {
-        lane_t *L = &eng->lanes[inited];
-        L->eng = eng;
-        L->index = inited;
-        atomic_init(&L->queued, 0);
-        atomic_init(&L->help_task, NULL);
-        atomic_init(&L->help_posted, 0);
-        atomic_init(&L->help_active, 0);
-        if (pthread_mutex_init(&L->mu, NULL)) break;
-        if (cond_init_monotonic(&L->cv)) { /* dt_call's timed wait uses monotonic deadlines */
-            pthread_mutex_destroy(&L->mu);
-            break;
-        }
-    }
-    if (inited < lanes) {
-        for (int i = 0; i < inited; i++) {
-            pthread_mutex_destroy(&eng->lanes[i].mu);
-            pthread_cond_destroy(&eng->lanes[i].cv);
-        }
-        pthread_mutex_destroy(&eng->mu);
-        pthread_cond_destroy(&eng->cv);
-        free(eng);
-        return PyErr_NoMemory();
-    }
-    if (driver_thread) { /* one that fails to start leaves the lanes calling the driver themselves: slower, not
-                          * wrong; Engine.driver_thread reports which runs */
-        int dt_rc = 0;
-        Py_BEGIN_ALLOW_THREADS
-        eng->dt = dt_start(eng, eng->idle_spin_ns > 100000 ? eng->idle_spin_ns : 100000, one_stream, &dt_rc);
-        Py_END_ALLOW_THREADS
-    }
-    int started = 0;
+    err_t e;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    for (; started < lanes; started++) {
-        lane_t *L = &eng->lanes[started];
-        if (start_thread(&L->thread, lane_main, L)) break;
-        L->started = 1;
-    }
-    pthread_mutex_lock(&eng->mu);
-    while (eng->ready < started) pthread_cond_wait(&eng->cv, &eng->mu);
-    pthread_mutex_unlock(&eng->mu);
+    rc = engine_start(eng, driver_thread, one_stream, &e); /* frees eng on failure */
     Py_END_ALLOW_THREADS
-    if (started < lanes || eng->setup_failed) {
-        err_t e = eng->setup_err;
-        int failed = eng->setup_failed;
-        Py_BEGIN_ALLOW_THREADS
-        engine_stop_lanes(eng);
-        Py_END_ALLOW_THREADS
-        engine_free(eng);
-        if (failed)
-            raise_driver_error(&e);
-        else
-            PyErr_SetString(PyExc_RuntimeError, "could not start the staging threads");
+    if (rc == ENGINE_SETUP_FAILED) {
+        raise_driver_error(&e);
+        return NULL;
+    }
+    if (rc) {
+        if (rc == ENGINE_NO_MEMORY) PyErr_NoMemory();
+        else PyErr_SetString(PyExc_RuntimeError, "could not start the staging threads");
         return NULL;
     }
     PyObject *obj = PyType_GenericAlloc(type, 0);
@@ -346,32 +295,6 @@ static PyObject *Engine_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-static size_t auto_chunk(const engine_t *eng, size_t nbytes) {
-    size_t lanes = (size_t)eng->nlanes;
-    size_t per_lane = (nbytes + lanes * eng->slot_bytes - 1) / (lanes * eng->slot_bytes);
-    if (per_lane < (size_t)eng->min_chunks_per_lane) per_lane = (size_t)eng->min_chunks_per_lane;
-    size_t chunk = (nbytes + lanes * per_lane - 1) / (lanes * per_lane);
-    chunk = (chunk + 65535) / 65536 * 65536;
-    if (chunk < eng->min_chunk_bytes) chunk = eng->min_chunk_bytes;
-    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
-    return chunk;
-}
-
-/* A cooperative job's chunk: a quarter of the job (so that the link starts after a quarter's copy),
- * whole 64 KiB, at least two pieces and min_chunk_bytes, at most a slot. */
-static size_t coop_chunk(const engine_t *eng, size_t nbytes) {
-    size_t chunk = (nbytes + COOP_CHUNKS - 1) / COOP_CHUNKS;
-    chunk = (chunk + 65535) / 65536 * 65536;
-    if (chunk < eng->min_chunk_bytes) chunk = eng->min_chunk_bytes;
-    if (chunk < 2 * eng->piece_bytes) chunk = 2 * eng->piece_bytes;
-    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
-    return chunk;
-}
-
-static int is_coop(const engine_t *eng, int contiguous, size_t nbytes) {
-    return eng->helpers > 0 && contiguous && nbytes >= 2 * eng->piece_bytes && nbytes <= eng->coop_max_bytes;
-}
-
 static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
     EngineObject *self = (EngineObject *)obj;
     if (check_open(self)) return NULL;
@@ -385,7 +308,7 @@ static PyObject *Engine_chunk_bytes(PyObject *obj, PyObject *arg) {
     return PyLong_FromSize_t(is_coop(eng, 1, (size_t)n) ? coop_chunk(eng, (size_t)n) : auto_chunk(eng, (size_t)n));
 }
 
-static int seq_to_ssize(PyObject *seq, Py_ssize_t *out, Py_ssize_t *n, const char *what) {
+static int seq_to_ssize(PyObject *seq, ptrdiff_t *out, Py_ssize_t *n, const char *what) {
     Py_ssize_t len = PySequence_Size(seq);
     if (len < 0) return -1;
     if (len > MAX_DIMS) {
@@ -417,183 +340,41 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         return NULL;
     if (check_open(self)) return NULL;
     engine_t *eng = self->eng;
-    job_t *job = calloc(1, sizeof *job);
-    if (!job) return PyErr_NoMemory();
-    job->nontemporal = eng->nontemporal;
+    ptrdiff_t shape[MAX_DIMS], strides[MAX_DIMS];
     Py_ssize_t nd_shape = 0, nd_strides = 0;
-    if (seq_to_ssize(shape_obj, job->shape, &nd_shape, "shape") ||
-        seq_to_ssize(strides_obj, job->strides, &nd_strides, "strides"))
-        goto fail;
+    if (seq_to_ssize(shape_obj, shape, &nd_shape, "shape") || seq_to_ssize(strides_obj, strides, &nd_strides, "strides"))
+        return NULL;
     if (nd_shape != nd_strides) {
         PyErr_SetString(PyExc_ValueError, "shape and strides differ in length");
-        goto fail;
+        return NULL;
     }
-    if (itemsize < 1 || nbytes < 0 || chunk_bytes < 0) {
-        PyErr_SetString(PyExc_ValueError, "itemsize must be >= 1, nbytes and chunk_bytes >= 0");
-        goto fail;
-    }
-    if ((size_t)itemsize > eng->slot_bytes) {
-        PyErr_SetString(PyExc_ValueError, "itemsize is larger than a staging slot");
-        goto fail;
-    }
-    if ((!host_ptr || !dev_ptr) && nbytes) {
-        PyErr_SetString(PyExc_ValueError, "host_ptr and device_ptr must not be NULL");
-        goto fail;
-    }
-    job->ndim = (int)nd_shape;
-    job->itemsize = (size_t)itemsize;
-    size_t count = 1;
-    for (int a = 0; a < job->ndim; a++) {
-        if (job->shape[a] < 0) {
-            PyErr_SetString(PyExc_ValueError, "shape entries must be >= 0");
-            goto fail;
-        }
-        if (job->shape[a] && count > SIZE_MAX / (size_t)job->shape[a]) {
-            PyErr_SetString(PyExc_OverflowError, "the array is too large");
-            goto fail;
-        }
-        count *= (size_t)job->shape[a];
-    }
-    if (count > SIZE_MAX / job->itemsize || count * job->itemsize != (size_t)nbytes) {
-        PyErr_SetString(PyExc_ValueError, "nbytes does not equal prod(shape) * itemsize");
-        goto fail;
-    }
-    job->upload = eng->upload;
-    job->host = (char *)(uintptr_t)host_ptr;
-    job->dev = (CUdeviceptr)dev_ptr;
-    job->nbytes = (size_t)nbytes;
-    /* contiguous in C order? (dims of length 1 do not matter) */
-    size_t step = job->itemsize;
-    job->contiguous = 1;
-    for (int a = job->ndim - 1; a >= 0; a--) {
-        job->step[a] = step;
-        if (job->shape[a] != 1 && job->strides[a] != (Py_ssize_t)step) job->contiguous = 0;
-        step *= (size_t)job->shape[a];
-    }
-    job->coop = is_coop(eng, job->contiguous, job->nbytes);
-    size_t chunk = chunk_bytes ? (size_t)chunk_bytes
-                   : job->coop ? coop_chunk(eng, job->nbytes)
-                               : auto_chunk(eng, job->nbytes);
-    if (chunk > eng->slot_bytes) chunk = eng->slot_bytes;
-    if (chunk < 1) chunk = 1;
-    job->chunk_bytes = chunk;
-    if (job->nbytes == 0) {
-        job->nchunks = 0;
-    } else if (job->contiguous) {
-        job->nchunks = (job->nbytes + chunk - 1) / chunk;
-    } else {
-        int axis = job->ndim - 1;
-        for (int a = 0; a < job->ndim; a++)
-            if (job->step[a] <= chunk) {
-                axis = a;
-                break;
-            }
-        size_t per = chunk / job->step[axis];
-        if (per < 1) per = 1;
-        job->axis = axis;
-        job->per = per;
-        job->nper = ((size_t)job->shape[axis] + per - 1) / per;
-        size_t prefixes = 1;
-        for (int a = 0; a < axis; a++) prefixes *= (size_t)job->shape[a];
-        job->nchunks = prefixes * job->nper;
-    }
-    if (job->nchunks && job->nchunks <= TRACE_CHUNKS) job->trace = calloc(job->nchunks, sizeof(chunk_trace_t));
-    int nl = job->nchunks < (size_t)eng->nlanes ? (int)job->nchunks : eng->nlanes;
-    if (job->coop && nl > 1) nl = 1; /* the lead takes every chunk; helpers copy with it */
-    if (!nl) job->coop = 0;
-    job->nlanes = nl;
-    atomic_init(&job->done, nl == 0);
-    atomic_init(&job->failed, 0);
-    atomic_init(&job->remaining, nl);
-    atomic_init(&job->unposted, hand_off ? nl : 0);
-    atomic_init(&job->host_bytes, 0);
-    atomic_init(&job->refs, 1 + nl);
-    job->t_submit = now_ns();
-    atomic_init(&job->t_start_first, 0);
-    atomic_init(&job->t_start_last, 0);
-    atomic_init(&job->t_copy_last, 0);
-    atomic_init(&job->t_enqueue_last, 0);
-    atomic_init(&job->t_done, nl == 0 ? job->t_submit : 0);
-    if (pthread_mutex_init(&job->mu, NULL)) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    if (cond_init_monotonic(&job->cv)) {
-        pthread_mutex_destroy(&job->mu);
-        PyErr_NoMemory();
-        goto fail;
-    }
-    share_t *shares[MAX_LANES];
-    for (int i = 0; i < nl; i++) {
-        shares[i] = calloc(1, sizeof(share_t));
-        if (!shares[i]) {
-            for (int j = 0; j < i; j++) free(shares[j]);
-            pthread_mutex_destroy(&job->mu);
-            pthread_cond_destroy(&job->cv);
-            PyErr_NoMemory();
-            goto fail;
-        }
+    int kind;
+    const char *why;
+    job_t *job = job_plan(eng, (char *)(uintptr_t)host_ptr, (CUdeviceptr)dev_ptr, nbytes, (int)nd_shape, shape, strides,
+                          itemsize, chunk_bytes, hand_off, &kind, &why);
+    if (!job) {
+        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
+        return NULL;
     }
     JobObject *jo = (JobObject *)PyType_GenericAlloc(JobType, 0);
     if (!jo) {
-        for (int j = 0; j < nl; j++) free(shares[j]);
-        pthread_mutex_destroy(&job->mu);
-        pthread_cond_destroy(&job->cv);
-        goto fail;
+        atomic_store(&job->refs, 1);
+        job_decref(job);
+        return NULL;
     }
     jo->job = job;
     Py_INCREF(obj);
     jo->engine = obj;
-    pthread_mutex_lock(&eng->mu);
-    if (eng->closing) { /* another thread closed it since check_open */
-        pthread_mutex_unlock(&eng->mu);
-        for (int j = 0; j < nl; j++) free(shares[j]);
+    int rc = engine_queue(eng, job, hand_off);
+    if (rc) { /* nothing was queued */
         atomic_store(&job->refs, 1);
         Py_DECREF(jo); /* frees the job */
+        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
         PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
         return NULL;
     }
-    int start = eng->next_lane;
-    eng->next_lane = (int)(((size_t)start + (job->coop ? 1 : job->nchunks)) % (size_t)eng->nlanes);
-    if (job->coop) { /* before the lead can run (and count down): helpers look for it */
-        atomic_fetch_add(&eng->leads, 1);
-        atomic_fetch_add_explicit(&eng->coop_jobs, 1, memory_order_relaxed);
-    }
-    if (eng->dt) atomic_fetch_add(&eng->dt->active, nl); /* before a lane can run (and count down) one */
-    for (int i = 0; i < nl; i++) {
-        share_t *s = shares[i];
-        s->job = job;
-        s->first = (size_t)i;
-        s->stride = (size_t)nl;
-        s->posts = hand_off;
-    }
-    /* Queue every share, then wake the lanes that sleep, outside their mutexes (a lane woken while
-     * its mutex is held would only block on it again: a second wake-up, costly on a VM). A lane
-     * that is busy or polling finds its share without a signal. */
-    lane_t *sleepers[MAX_LANES];
-    int nsleep = 0;
-    for (int i = 0; i < nl; i++) {
-        lane_t *L = &eng->lanes[(start + i) % eng->nlanes];
-        pthread_mutex_lock(&L->mu);
-        if (L->tail)
-            L->tail->next = shares[i];
-        else
-            L->head = shares[i];
-        L->tail = shares[i];
-        atomic_fetch_add_explicit(&L->queued, 1, memory_order_release);
-        if (L->sleeping) sleepers[nsleep++] = L;
-        pthread_mutex_unlock(&L->mu);
-    }
-    pthread_mutex_unlock(&eng->mu);
-    for (int i = 0; i < nsleep; i++) pthread_cond_signal(&sleepers[i]->cv);
-    if (job->coop) /* helpers wake while the lead does: a wake-up costs 50 - 200 us on the H200's VM */
-        wake_helpers(&eng->lanes[start], eng->helpers);
-    if (eng->dt) dt_wake(eng->dt); /* up and polling before the job's first copy ends */
     return (PyObject *)jo;
-fail:
-    free(job->trace);
-    free(job);
-    return NULL;
 }
 
 static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {

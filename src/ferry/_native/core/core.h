@@ -3,7 +3,8 @@
  *
  * The core moves bytes between host memory and a device on native threads: jobs cut into chunks and
  * shares (jobs.c), the host copies (copy.c), the driver seam and the driver thread (driver.c), the
- * lanes and cooperative jobs (lanes.c); emulated.c is the emulated device behind the same seam. The
+ * lanes and cooperative jobs (lanes.c), an engine's start, plans, queueing and stop (engine.c);
+ * ../emulated.c is the emulated device behind the same seam. The
  * Python-facing files (engine.c and the rest, through ../native.h) include this header and reach the
  * core only through the functions declared at its end. Nothing here touches a Python object, and no
  * native thread ever takes the GIL: Python hands over addresses and sizes and learns the outcome from
@@ -477,10 +478,36 @@ int d_sync(lane_t *L, slot_t *slot);
 int d_slot_alloc(lane_t *L, slot_t *slot);
 void d_slot_free(lane_t *L, char *ptr, void *ev);
 
-/* lanes.c: the lanes, cooperative jobs, the engine's lifetime */
+/* lanes.c: the lanes and cooperative jobs */
 #define COOP_CHUNKS 4 /* a cooperative job is cut in this many chunks (within bounds) */
 void *lane_main(void *arg);
 int wake_helpers(lane_t *L, int k);
+
+/* engine.c: an engine's life. engine_start and engine_queue answer 0 or one of these. */
+enum { ENGINE_NO_MEMORY = -1, ENGINE_NO_THREADS = -2, ENGINE_SETUP_FAILED = -3, ENGINE_CLOSED = -4 };
+/* job_plan's failures: what kind (the message in *why, a static string) */
+enum { PLAN_OK, PLAN_VALUE, PLAN_OVERFLOW, PLAN_NO_MEMORY };
+
+/* Start an engine whose parameters are set (every other field zero): its driver thread (when asked; one
+ * that cannot start leaves the lanes calling the driver themselves) and its lanes, each set up on its own
+ * thread. 0 once every lane is ready; else the engine was stopped and freed: ENGINE_NO_MEMORY,
+ * ENGINE_NO_THREADS, or ENGINE_SETUP_FAILED with the lane's error in *e. May block: call it without the GIL. */
+int engine_start(engine_t *eng, int driver_thread, int one_stream, err_t *e);
+/* A job over a host array of `ndim` axes (shape, strides in bytes, itemsize; nbytes = prod(shape) *
+ * itemsize) and a device range, cut into chunks of at most chunk_bytes (0: the engine's choice): the job
+ * with two references' worth of owners to come (one for the caller, one per share: see engine_queue),
+ * or NULL with *kind and *why. Nothing is queued. */
+job_t *job_plan(const engine_t *eng, char *host, CUdeviceptr dev, long long nbytes, int ndim, const ptrdiff_t *shape,
+               const ptrdiff_t *strides, long long itemsize, long long chunk_bytes, int hand_off, int *kind,
+               const char **why);
+/* Deal a planned job's shares to the lanes and wake them: 0, or ENGINE_CLOSED / ENGINE_NO_MEMORY with
+ * nothing queued (the caller then drops the job: refs to 1, job_decref). */
+int engine_queue(engine_t *eng, job_t *job, int hand_off);
+/* The chunk a job of nbytes gets (auto_chunk: dealt to the lanes; coop_chunk: a cooperative one) */
+size_t auto_chunk(const engine_t *eng, size_t nbytes);
+size_t coop_chunk(const engine_t *eng, size_t nbytes);
+int is_coop(const engine_t *eng, int contiguous, size_t nbytes);
+/* Let every queued job run, then join the lanes and the driver thread (blocks); then engine_free. */
 void engine_stop_lanes(engine_t *eng);
 void engine_free(engine_t *eng);
 
