@@ -18,19 +18,48 @@ import sys
 
 from setuptools import Extension, setup
 
+# One extension module from several sources (src/ferry/_native/README.md lists them): core/ is plain
+# C11 + pthreads without Python.h, the rest are the Python-facing types.
+NATIVE = "src/ferry/_native/"
+SOURCES = [
+    NATIVE + name
+    for name in (
+        "core/jobs.c",
+        "core/copy.c",
+        "core/driver.c",
+        "core/lanes.c",
+        "core/engine.c",
+        "emulated.c",
+        "engine.c",
+        "calls.c",
+        "records.c",
+        "objects.c",
+        "lock.c",
+        "fast.c",
+        "entries.c",
+        "small.c",
+        "host.c",
+        "dlpack.c",
+        "module.c",
+    )
+]
+HEADERS = [NATIVE + "native.h", NATIVE + "core/core.h"]
+
 ext_modules = []
 if sys.platform != "win32":  # pthreads and POSIX clocks
     extra = shlex.split(os.environ.get("FERRY_NATIVE_CFLAGS", ""))
     ext_modules.append(
         Extension(
             "ferry._native._engine",
-            sources=["src/ferry/_native/_engine.c"],
+            sources=SOURCES,
+            depends=HEADERS,
             py_limited_api=True,
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             extra_compile_args=[
                 "-std=c11",
                 "-O2",
                 "-pthread",
+                "-fvisibility=hidden",
                 "-Wall",
                 "-Wextra",
                 "-Wno-missing-field-initializers",

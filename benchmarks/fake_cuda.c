@@ -37,7 +37,7 @@ typedef unsigned long long CUdeviceptr;
 
 static __thread void *current_ctx;
 static char ctx_token, stream_tokens[4096];
-static int next_stream;
+static unsigned long long next_stream; /* streams handed out (atomic: lanes make theirs in parallel) */
 static unsigned long long n_copies, n_batches, n_batched, n_records, n_queries;
 
 static int skip_copies; /* FAKECUDA_NOCOPY, read once when the library loads (before any thread) */
@@ -69,8 +69,8 @@ static unsigned long long last_copy_ns, last_done_ns;
  * CLOCK_MONOTONIC ns, Python's time.perf_counter_ns clock): a probe's split of a round trip into the
  * caller's work before the enqueue and after the completion */
 void fake_last_copy(unsigned long long out[2]) {
-    out[0] = last_copy_ns;
-    out[1] = last_done_ns;
+    out[0] = __atomic_load_n(&last_copy_ns, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&last_done_ns, __ATOMIC_RELAXED);
 }
 
 /* latency mode: a copy on ``s`` completes ``latency_ns`` after the later of now and the stream's last one */
@@ -79,8 +79,8 @@ static void enqueue_latency(void *s) {
     unsigned long long *done = done_of(s), start = now_ns(), prev = __atomic_load_n(done, __ATOMIC_RELAXED);
     unsigned long long end = (prev > start ? prev : start) + latency_ns;
     __atomic_store_n(done, end, __ATOMIC_RELEASE);
-    last_copy_ns = start;
-    last_done_ns = end;
+    __atomic_store_n(&last_copy_ns, start, __ATOMIC_RELAXED);
+    __atomic_store_n(&last_done_ns, end, __ATOMIC_RELAXED);
 }
 
 static void spin_until(unsigned long long when) {
@@ -98,23 +98,26 @@ static int driver_version(void) {
  * next cuEventRecord return these codes once (0: succeed). For tests of the refusal paths. */
 static int fail_copy, fail_record;
 void fake_fail_next(int copy_code, int record_code) {
-    fail_copy = copy_code;
-    fail_record = record_code;
+    __atomic_store_n(&fail_copy, copy_code, __ATOMIC_RELAXED);
+    __atomic_store_n(&fail_record, record_code, __ATOMIC_RELAXED);
 }
 
-static int take_failure(int *code) {
-    int c = *code;
-    *code = 0;
-    return c;
-}
+static int take_failure(int *code) { return __atomic_exchange_n(code, 0, __ATOMIC_RELAXED); }
+
+/* Every counter is updated with an atomic add: staging lanes call the driver from several threads at once. */
+#define COUNT(n) __atomic_fetch_add(&(n), 1, __ATOMIC_RELAXED)
+#define READ(n) __atomic_load_n(&(n), __ATOMIC_RELAXED)
 
 void fake_counts(unsigned long long out[5]) {
-    out[0] = n_copies;
-    out[1] = n_batches;
-    out[2] = n_batched;
-    out[3] = n_records;
-    out[4] = n_queries;
+    out[0] = READ(n_copies);
+    out[1] = READ(n_batches);
+    out[2] = READ(n_batched);
+    out[3] = READ(n_records);
+    out[4] = READ(n_queries);
 }
+
+/* fake_streams_made(): how many streams cuStreamCreate handed out (each takes the next token). */
+unsigned long long fake_streams_made(void) { return READ(next_stream); }
 
 CUresult cuInit(unsigned int flags) { (void)flags; return 0; }
 CUresult cuDriverGetVersion(int *v) { *v = driver_version(); return 0; }
@@ -171,7 +174,7 @@ CUresult cuMemHostGetDevicePointer(CUdeviceptr *d, void *p, unsigned int flags) 
 
 CUresult cuStreamCreate(void **s, unsigned int flags) {
     (void)flags;
-    *s = &stream_tokens[next_stream++ % 4096];
+    *s = &stream_tokens[__atomic_fetch_add(&next_stream, 1, __ATOMIC_RELAXED) % 4096];
     return 0;
 }
 CUresult cuStreamDestroy(void *s) { (void)s; return 0; }
@@ -179,12 +182,12 @@ static unsigned long long n_stream_syncs, n_event_syncs;
 
 /* fake_syncs(out): cuStreamSynchronize and cuEventSynchronize calls so far. */
 void fake_syncs(unsigned long long out[2]) {
-    out[0] = n_stream_syncs;
-    out[1] = n_event_syncs;
+    out[0] = READ(n_stream_syncs);
+    out[1] = READ(n_event_syncs);
 }
 
 CUresult cuStreamSynchronize(void *s) {
-    n_stream_syncs++;
+    COUNT(n_stream_syncs);
     spin_until(__atomic_load_n(done_of(s), __ATOMIC_ACQUIRE));
     return 0;
 }
@@ -204,59 +207,59 @@ static unsigned long long n_event_creates, n_event_destroys;
 
 /* fake_event_counts(out): events created and destroyed so far (a test's leak check). */
 void fake_event_counts(unsigned long long out[2]) {
-    out[0] = n_event_creates;
-    out[1] = n_event_destroys;
+    out[0] = READ(n_event_creates);
+    out[1] = READ(n_event_destroys);
 }
 
 /* an event is 16 bytes: when it is ready (latency mode; 0: always) */
 CUresult cuEventCreate(void **e, unsigned int flags) {
     (void)flags;
     *e = calloc(1, 16);
-    if (*e) n_event_creates++;
+    if (*e) COUNT(n_event_creates);
     return *e ? 0 : 2;
 }
 CUresult cuEventDestroy(void *e) {
     free(e);
-    n_event_destroys++;
+    COUNT(n_event_destroys);
     return 0;
 }
 CUresult cuEventRecord(void *e, void *s) {
-    if (fail_record) return take_failure(&fail_record);
-    n_records++;
+    if (__atomic_load_n(&fail_record, __ATOMIC_RELAXED)) return take_failure(&fail_record);
+    COUNT(n_records);
     if (latency_ns) __atomic_store_n((unsigned long long *)e, __atomic_load_n(done_of(s), __ATOMIC_ACQUIRE),
                                      __ATOMIC_RELEASE);
     return 0;
 }
 CUresult cuEventQuery(void *e) {
-    n_queries++;
+    COUNT(n_queries);
     return latency_ns && now_ns() < __atomic_load_n((unsigned long long *)e, __ATOMIC_ACQUIRE) ? 600 : 0;
 }
 CUresult cuEventSynchronize(void *e) {
-    n_event_syncs++;
+    COUNT(n_event_syncs);
     if (latency_ns) spin_until(__atomic_load_n((unsigned long long *)e, __ATOMIC_ACQUIRE));
     return 0;
 }
 
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *h, size_t n, void *s) {
     (void)s;
-    if (fail_copy) return take_failure(&fail_copy);
+    if (__atomic_load_n(&fail_copy, __ATOMIC_RELAXED)) return take_failure(&fail_copy);
     if (!no_copy()) memcpy((void *)(uintptr_t)d, h, n);
-    n_copies++;
+    COUNT(n_copies);
     enqueue_latency(s);
     return 0;
 }
 CUresult cuMemcpyDtoHAsync(void *h, CUdeviceptr d, size_t n, void *s) {
     (void)s;
-    if (fail_copy) return take_failure(&fail_copy);
+    if (__atomic_load_n(&fail_copy, __ATOMIC_RELAXED)) return take_failure(&fail_copy);
     if (!no_copy()) memcpy(h, (const void *)(uintptr_t)d, n);
-    n_copies++;
+    COUNT(n_copies);
     enqueue_latency(s);
     return 0;
 }
 CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s_, size_t n, void *s) {
     (void)s;
     if (!no_copy()) memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s_, n);
-    n_copies++;
+    COUNT(n_copies);
     return 0;
 }
 
@@ -264,8 +267,8 @@ static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_
                       size_t *idxs, size_t nattrs) {
     if (!count || !attrs || !idxs || !nattrs || idxs[0] != 0 || *(const int *)attrs != 1) return 1;
     for (size_t i = 0; i < count; i++) memcpy((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i]);
-    n_batches++;
-    n_batched += count;
+    COUNT(n_batches);
+    __atomic_fetch_add(&n_batched, count, __ATOMIC_RELAXED);
     return 0;
 }
 CUresult fake_batch_v12080(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, void *attrs,

@@ -1,8 +1,8 @@
 """The compiled entries: ``rt.upload_pending`` / ``rt.download_pending`` checked and submitted in one C call.
 
 Where the extension runs, a runtime binds the two methods to ``_engine.Fast``'s
-entries, which read the arguments' ``__slots__`` (at offsets that
-``ferry._native.slot_layout`` found) and hand whatever is not the common case
+entries, which read the arguments' fields (their classes derive from the compiled
+field types of ``ferry._native.objects``) and hand whatever is not the common case
 to the Python methods. These tests check that the common case never enters
 Python, and that every other case behaves exactly as the Python method does.
 """
@@ -54,15 +54,46 @@ def python_calls(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
     return result, names
 
 
-def test_the_slot_layout_is_found_and_the_entries_are_bound(rt: ferry.Runtime) -> None:
-    assert _native.slot_layout()
+def test_the_hot_classes_are_registered_and_the_entries_are_bound(rt: ferry.Runtime) -> None:
+    assert _native.hot_types()
     assert type(rt.upload_pending).__name__ == "builtin_function_or_method"
     assert type(rt.download_pending).__name__ == "builtin_function_or_method"
+    engine = _native.load()
+    assert engine is not None
 
-    class Plain:  # its fields live in a __dict__, not in the object
+    class Plain:  # its fields live in a __dict__: not a class whose fields the entries may read
         pass
 
-    assert _native._slot_offsets(Plain, ("field",)) is None
+    classes = [ferry.PinnedHostBuffer, ferry.DeviceArray, Plain, Plain, Plain]
+    with pytest.raises(TypeError):
+        engine.set_hot_types(*classes)
+
+
+@pytest.mark.parametrize("field", ["_state", "_base", "_block", "_nbytes", "_runtime",
+                                   "dev._ptr", "dev._nbytes", "dev._state", "dev._leases", "block.ptr"])
+def test_a_deleted_field_of_a_hot_object_goes_to_the_python_method(rt: ferry.Runtime, field: str) -> None:
+    """The entries read the fields of the arguments' compiled base types; a deleted field (as a
+    __slots__ field can be) is never the common case: the Python method runs, and raises as it does."""
+    buf, dev = rt.pinned(64), rt.empty(64, np.uint8)
+    owner, _, name = field.rpartition(".")
+    target = {"": buf, "dev": dev, "block": buf._block}[owner]
+    kept = getattr(target, name)
+    delattr(target, name)
+    with pytest.raises((AttributeError, ferry.TransferSubmitError)):
+        rt.upload_pending(buf, dev)
+    setattr(target, name, kept)  # whole again: the runtime closes it
+
+
+def test_a_small_slot_with_a_deleted_field_goes_to_the_python_route(rt: ferry.Runtime) -> None:
+    data = np.arange(16, dtype=np.uint8)
+    dev = rt.empty(16, np.uint8)
+    _, dev = rt.upload(data, dev).wait()  # the ring's first slot
+    (slot,) = parts_of(rt).host.small.up.free
+    kept = slot.capacity
+    del slot.capacity
+    with pytest.raises(AttributeError):
+        rt.upload(data, dev)
+    slot.capacity = kept
 
 
 def test_the_common_case_never_enters_python(rt: ferry.Runtime) -> None:
@@ -255,7 +286,7 @@ def test_a_small_pageable_wait_past_its_poll_sleeps_and_settles_the_same(rt: fer
 
 
 def test_a_small_pageable_upload_is_submitted_in_c(rt: ferry.Runtime) -> None:
-    assert _native.array_shape_layout()
+    assert _native.array_layout()
     assert type(rt.upload).__name__ == "builtin_function_or_method"
     data = np.arange(64, dtype=np.float32).reshape(4, 16)
     dev = rt.empty((4, 16), np.float32)

@@ -437,3 +437,60 @@ def test_out_of_memory_in_a_pinned_submission_never_leaves_a_copy_untracked(stan
         print("checked", checked)
     """)
     assert "checked 480" in out, out
+
+
+def test_garbage_collection_stays_off_while_any_pinned_submission_is_in_its_window(stand_in: Path) -> None:
+    """The compiled pinned submission turns garbage collection off from its copy until its record is
+    tracked. Two threads' windows overlap (the driver's refusal runs Python, which lets another thread
+    in): collection comes back on only when the last window closes, never inside another's."""
+    out = run(stand_in, """
+        import ctypes, gc, threading
+        import numpy as np
+        import ferry
+        from ferry._backends._cuda import CudaBackend
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        original = CudaBackend._native_failed
+        inside_b, a_done = threading.Event(), threading.Event()
+        seen = []
+        rt_a, rt_b = ferry.Runtime("cuda"), ferry.Runtime("cuda")
+        bufs = {rt: (rt.pinned(64), rt.empty(64, np.uint8)) for rt in (rt_a, rt_b)}
+        for rt, (buf, dev) in bufs.items():
+            rt.upload_pending(buf, dev).wait()
+
+        def submit_b():
+            try:
+                rt_b.upload_pending(*bufs[rt_b])
+            except ferry.TransferSubmitError:
+                seen.append("b refused")
+
+        def failed(self, op, code, stage, args):
+            if threading.current_thread() is threading.main_thread():  # A's window: B opens one meanwhile
+                seen.append(("a", gc.isenabled()))
+                lib.fake_fail_next(1, 0)
+                threading.Thread(target=submit_b).start()
+                inside_b.wait(10)
+            else:  # B's window, until A's closed
+                inside_b.set()
+                a_done.wait(10)
+                seen.append(("b", gc.isenabled()))
+            return original(self, op, code, stage, args)
+
+        CudaBackend._native_failed = failed
+        assert gc.isenabled()
+        lib.fake_fail_next(1, 0)
+        try:
+            rt_a.upload_pending(*bufs[rt_a])
+        except ferry.TransferSubmitError:
+            seen.append("a refused")
+        a_done.set()
+        for t in threading.enumerate():
+            if t is not threading.main_thread():
+                t.join(10)
+        seen.append(("after", gc.isenabled()))
+        CudaBackend._native_failed = original
+        rt_a.close()
+        rt_b.close()
+        print(seen)
+    """)
+    assert out.strip() == "[('a', False), 'a refused', ('b', False), 'b refused', ('after', True)]", out

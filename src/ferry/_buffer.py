@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._errors import BufferMovedError
+from ._native.objects import BufferFields
 from ._state import CLOSED, IN_FLIGHT, OWNED, State
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def check_dtype(dtype: Any) -> np.dtype[Any]:
     return dt
 
 
-class PinnedHostBuffer:
+class PinnedHostBuffer(BufferFields):
     """Owned, page-locked host memory, moved into transfers and returned by ``wait()``.
 
     Obtain one from :meth:`ferry.Runtime.pinned`. States (``buf.state``):
@@ -72,7 +73,7 @@ class PinnedHostBuffer:
         Returned to the pool (or its runtime closed): raises.
     """
 
-    __slots__ = ("__weakref__", "_base", "_block", "_nbytes", "_runtime", "_state")
+    __slots__ = ("__weakref__",)  # the fields are BufferFields' (_base, _block, _nbytes, _runtime, _state)
 
     def __init__(self, owner: object, pool: PinnedPool, block: Block, nbytes: int, *, _token: object = None) -> None:
         if _token is not _FACTORY:

@@ -31,6 +31,7 @@ from ._backends._base import DeviceError
 from ._errors import BufferMovedError
 from ._interop._cai import CAI_VERSION
 from ._interop._dlpack import export_capsule
+from ._native.objects import ArrayFields
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
 
 if TYPE_CHECKING:
@@ -41,15 +42,13 @@ __all__ = ["DeviceArray"]
 _FACTORY = object()
 
 
-class DeviceArray:
+class DeviceArray(ArrayFields):
     """A C-contiguous array in device memory, owned by one runtime.
 
     Create one with :meth:`ferry.Runtime.empty` or :meth:`ferry.Runtime.to_device`.
     """
 
-    __slots__ = (
-        "__weakref__", "_dtype", "_leases", "_memory", "_nbytes", "_ptr", "_ready", "_runtime", "_shape", "_state"
-    )
+    __slots__ = ("__weakref__",)  # the fields are ArrayFields' (_dtype, _leases, _memory, _nbytes, _ptr, ...)
 
     def __init__(
         self,

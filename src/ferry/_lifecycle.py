@@ -44,6 +44,7 @@ import warnings
 from typing import TYPE_CHECKING, Protocol
 
 from ._errors import DeviceUnavailableError, RuntimeClosedError
+from ._native.objects import HealthFields
 
 if TYPE_CHECKING:
     from ._backends._base import Backend, DeviceError
@@ -51,10 +52,10 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 
-class Health:
+class Health(HealthFields):
     """Why a runtime refuses calls, if it does; shared by all of its parts."""
 
-    __slots__ = ("closed", "exited", "forked", "poisoned", "refusal")
+    __slots__ = ()  # the fields are HealthFields' (closed, exited, forked, poisoned, refusal)
 
     def __init__(self) -> None:
         self.closed = False

@@ -84,12 +84,12 @@ class Parts:
             or type(self.lock) is not getattr(_native.load(), "RLock", None)
             or cls.upload_pending is not facade.upload_pending
             or cls.download_pending is not facade.download_pending
-            or not _native.slot_layout()
+            or not _native.hot_types()
         ):
             return {}
         fast.bind_entries(facade.upload_pending, facade.download_pending, PendingUpload, PendingDownload,
                           self.h2d, self.d2h, self.backend)
-        small = cls.upload is facade.upload and _native.array_shape_layout()  # the small pageable upload too
+        small = cls.upload is facade.upload and _native.array_layout()  # the small pageable upload too
         if small:
             fast.bind_small(self.host.small, np.ndarray, facade.upload)
         # bound to the runtime as a method is (kept alone, they keep it alive: a cycle through its

@@ -21,6 +21,7 @@ from typing import Any, Protocol, cast
 from . import _native
 from ._backends._base import DeviceError
 from ._errors import TransferFailedError
+from ._native.objects import ExtrasFields
 
 __all__: list[str] = []
 
@@ -135,7 +136,7 @@ class Job(Protocol):
         ...
 
 
-class Extras:
+class Extras(ExtrasFields):
     """What the routes beyond the pinned one add to a record.
 
     ``finish`` publishes on success (a download's copy-out from pinned
@@ -149,7 +150,7 @@ class Extras:
     an upload handed off before completing.
     """
 
-    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "progress", "ready_to_order")
+    __slots__ = ()  # the fields are ExtrasFields' (cleanups, export_stream, finish, handed, job, ...)
 
     own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
 

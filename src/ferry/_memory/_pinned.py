@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 
 from .._backends._base import Backend
+from .._native.objects import BlockFields
 
 __all__: list[str] = []
 
@@ -36,10 +37,10 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-class Block:
+class Block(BlockFields):
     """One pinned allocation of ``capacity`` bytes at ``ptr``."""
 
-    __slots__ = ("capacity", "ptr")
+    __slots__ = ()  # the fields are BlockFields' (capacity, ptr)
 
     def __init__(self, ptr: int, capacity: int) -> None:
         self.ptr = ptr

@@ -1,8 +1,9 @@
 """The compiled extension and the rules for choosing it.
 
 ``ferry._native._engine`` is a C extension (C11 + pthreads, Python's limited
-API, so one abi3 binary serves CPython 3.11-3.13). It holds two things; its
-opening essay is the contract of both:
+API, so one abi3 binary serves CPython 3.11-3.13), built from the sources in
+this folder (its README lists them; each opens with its contract). It holds
+two things:
 
 * the staging engine, which runs the pageable staging lanes on native
   threads, without the GIL;
@@ -31,13 +32,14 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
 __all__ = [
-    "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "array_shape_layout", "cuda_calls", "cuda_entry_points",
-    "host_copies", "lease_table", "load", "runtime_lock", "slot_layout", "status", "writeable_flags",
+    "BATCH_ENV_VAR", "ENV_VAR", "array_layout", "cuda_calls", "cuda_entry_points", "host_copies", "hot_types",
+    "lease_table", "load", "runtime_lock", "status", "writeable_flags",
 ]
 
 ENV_VAR = "FERRY_NATIVE"
@@ -184,7 +186,7 @@ def cuda_calls(driver: Any, on_error: Callable[[str, int, int, tuple[Any, ...]],
     """The compiled fast path (``_engine.Calls``) for this driver.
 
     ``on_error(op, code, stage, args)`` is called with a failed call's CUresult
-    (see ``_engine.c``); what it returns or raises is the call's outcome.
+    (see ``calls.c``); what it returns or raises is the call's outcome.
 
     Raises
     ------
@@ -265,11 +267,33 @@ def writeable_flags() -> tuple[Callable[[Any], bool], Callable[[Any], None]] | N
 def runtime_lock() -> threading.RLock:
     """A runtime's lock: the extension's ``RLock`` (``threading.RLock``'s semantics; the compiled
     submit and wait take it with a C call, and its plain ``acquire()`` parses no arguments), or a
-    ``threading.RLock`` where the extension is missing."""
+    ``threading.RLock`` where the extension is missing.
+
+    Either way a lock held by a thread of the parent process counts as free in a forked child (that
+    thread does not exist there): the child takes it at once, so a runtime inherited by the child
+    raises its error instead of hanging.
+    """
     module = load()
     if module is None:
-        return threading.RLock()
+        lock = threading.RLock()
+        _FALLBACK_LOCKS.add(lock)
+        return lock
     return cast("threading.RLock", module.RLock())
+
+
+# threading.RLock does not know about fork: each fallback lock is made free again in a forked child,
+# unless the thread that forked (the child's only thread) holds it
+_FALLBACK_LOCKS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _free_fallback_locks_in_child() -> None:
+    for lock in list(_FALLBACK_LOCKS):
+        if not lock._is_owned():
+            lock._at_fork_reinit()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_fallback_locks_in_child)
 
 
 def lease_table() -> Any:
@@ -284,127 +308,78 @@ def lease_table() -> Any:
     return module.Leases(np.ndarray)
 
 
-# The fields the compiled pinned submission reads straight from ferry's own slotted objects
-_SLOT_READS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("ferry._buffer", "PinnedHostBuffer", ("_base", "_block", "_nbytes", "_runtime", "_state")),
-    ("ferry._device_array", "DeviceArray",
-     ("_dtype", "_leases", "_nbytes", "_ptr", "_ready", "_runtime", "_shape", "_state")),
-    ("ferry._memory._pinned", "Block", ("ptr",)),
-    ("ferry._lifecycle", "Health", ("refusal",)),
-    ("ferry._routes._small", "Slot",
-     ("address", "capacity", "cleanups", "finish", "handed", "host", "nbytes", "own", "ptr", "record", "ring")),
+# The classes whose fields the compiled entries read (each derives from its type in ferry._native.objects)
+_HOT_TYPES: tuple[tuple[str, str], ...] = (
+    ("ferry._buffer", "PinnedHostBuffer"),
+    ("ferry._device_array", "DeviceArray"),
+    ("ferry._memory._pinned", "Block"),
+    ("ferry._lifecycle", "Health"),
+    ("ferry._routes._small", "Slot"),
 )
 
 
 @functools.cache
-def slot_layout() -> bool:
-    """Enable the compiled pinned submission's reads of ferry's slotted objects once they are verified.
+def hot_types() -> bool:
+    """Enable the compiled entries' reads of ferry's hot objects (a pinned buffer, a device array, a pool
+    block, a runtime's health, a small-route slot).
 
-    ``Fast.upload_pending`` / ``download_pending`` check a submission's
-    arguments (a pinned buffer's and a device array's state, owner, size and
-    views, the runtime's refusal), and ``Fast.wait`` settles a small-route
-    slot, by reading their ``__slots__`` where CPython
-    keeps them, inside the object, at an offset the limited API does not
-    name. The offsets are found here: each field of a probe object is set to
-    a fresh sentinel and the object's memory is searched for it; one
-    unambiguous hit per field, and every field read back at its offset, or
-    the compiled reads stay off (the Python checks then serve).
+    Their classes derive from the compiled field types of :mod:`ferry._native.objects`, so the fields
+    are read at the offsets the C structs declare; the extension checks each class's base when it is
+    registered. ``False`` where the extension does not run.
     """
     module = _import()[0]
-    if module is None or ctypes.sizeof(ctypes.c_void_p) != 8:
+    if module is None:
         return False
     import importlib
 
-    types: list[type] = []
-    offsets: list[int] = []
     try:
-        for module_name, name, fields in _SLOT_READS:
-            cls = getattr(importlib.import_module(module_name), name)
-            found = _slot_offsets(cls, fields)
-            if found is None:
-                return False
-            types.append(cls)
-            offsets.extend(found)
-    except Exception:
+        classes = [getattr(importlib.import_module(module_name), name) for module_name, name in _HOT_TYPES]
+        module.set_hot_types(*classes)
+    except (ImportError, AttributeError, TypeError):
         return False
-    module.set_slot_layout(tuple(types), tuple(offsets))
     return True
-
-
-def _slot_offsets(cls: type, fields: tuple[str, ...]) -> list[int] | None:
-    """The offsets of ``cls``'s slots ``fields`` inside an instance, or ``None`` if not found uniquely."""
-    # a subclass without slots of its own has the same layout; no __init__ runs, and no finalizer
-    probe_type = type(f"_{cls.__name__}LayoutProbe", (cls,), {"__slots__": (), "__del__": lambda self: None})
-    probe: Any = object.__new__(probe_type)
-    size = cls.__basicsize__
-    sentinels = {name: object() for name in fields}
-    for name, sentinel in sentinels.items():
-        setattr(probe, name, sentinel)
-    offsets = []
-    for name, sentinel in sentinels.items():
-        hits = [at for at in range(16, size - 7, 8)
-                if ctypes.c_void_p.from_address(id(probe) + at).value == id(sentinel)]
-        if len(hits) != 1 or getattr(probe, name) is not sentinel:
-            return None
-        offsets.append(hits[0])
-    return offsets
 
 
 @functools.cache
 def array_layout() -> bool:
-    """Enable the compiled reads of NumPy's array struct (data pointer, flags) once they are verified.
+    """Enable the compiled reads of NumPy's array fields (data pointer, flags, shape, dtype) once checked.
 
-    NumPy's ``PyArrayObject_fields`` keeps ``data`` at offset 16 and
-    ``flags`` at offset 64 on 64-bit platforms (its ABI, read directly by
-    every compiled extension). They are used only after NumPy's own answers
-    for a few arrays (owned, viewed, strided, read-only, empty) match what
-    is read there, and toggling the writeable flag through NumPy shows at
-    the flags offset; otherwise the buffer protocol and NumPy's API serve.
+    The extension declares NumPy's ``PyArrayObject_fields`` (NumPy's ABI, which every compiled
+    extension reads directly) and names the offsets it reads (``array_fields()``). They are used only
+    after NumPy's own answers for a few arrays (owned, viewed, strided, read-only, empty, 0-d) match
+    what is read there, and toggling the writeable flag through NumPy shows in the flags; otherwise
+    the buffer protocol and NumPy's API serve. Only exact ``numpy.ndarray`` instances are read.
     """
     module = _import()[0]
-    if module is None or ctypes.sizeof(ctypes.c_void_p) != 8 or not _layout_matches(_DATA_AT, _FLAGS_AT):
+    if module is None or ctypes.sizeof(ctypes.c_void_p) != 8:
         return False
     import numpy as np
 
-    module.set_array_layout(_DATA_AT, _FLAGS_AT)
+    fields = module.array_fields()
+    if not (_layout_matches(fields["data"], fields["flags"])
+            and _shape_layout_matches(fields["nd"], fields["dimensions"], fields["descr"])):
+        return False
+    module.set_array_type(np.ndarray)
     probe = np.zeros(3)
     cleared = module.clear_writeable(probe) and not probe.flags.writeable
     module.set_writeable(probe)
     if not (cleared and probe.flags.writeable):  # the compiled flips must agree with NumPy as well
-        module.set_array_layout(-1, -1)
+        module.set_array_type(None)
         return False
     return True
 
 
-# PyArrayObject_fields: data right after PyObject_HEAD; flags after data, nd, dimensions, strides, base, descr
-_DATA_AT, _FLAGS_AT = 16, 64
-_ND_AT, _DIMENSIONS_AT, _DESCR_AT = 24, 32, 56
-
-
-@functools.cache
-def array_shape_layout() -> bool:
-    """Enable the compiled reads of an array's shape and dtype (``nd``, ``dimensions``, ``descr`` of
-    NumPy's ``PyArrayObject_fields``, at 24, 32 and 56 on 64-bit platforms) once NumPy's own answers
-    for a few arrays match them (and :func:`array_layout` holds): the small upload entry then checks
-    a source against its destination without making a shape tuple."""
-    module = _import()[0]
-    if module is None or not array_layout() or not _shape_layout_matches():
-        return False
-    module.set_array_shape_layout(_ND_AT, _DIMENSIONS_AT, _DESCR_AT)
-    return True
-
-
-def _shape_layout_matches() -> bool:
+def _shape_layout_matches(nd_at: int, dimensions_at: int, descr_at: int) -> bool:
     import numpy as np
 
     try:
         samples: list[Any] = [np.zeros(7, np.float32), np.zeros((3, 4))[:, 1], np.zeros((2, 3, 5), np.int16),
                               np.zeros(0), np.zeros(()), np.arange(10)[2:]]
         for array in samples:
-            nd = ctypes.c_int.from_address(id(array) + _ND_AT).value
-            dims_at = ctypes.c_void_p.from_address(id(array) + _DIMENSIONS_AT).value or 0
+            nd = ctypes.c_int.from_address(id(array) + nd_at).value
+            dims_at = ctypes.c_void_p.from_address(id(array) + dimensions_at).value or 0
             dims = [ctypes.c_ssize_t.from_address(dims_at + 8 * i).value for i in range(nd)]
-            descr = ctypes.c_void_p.from_address(id(array) + _DESCR_AT).value
+            descr = ctypes.c_void_p.from_address(id(array) + descr_at).value
             if nd != array.ndim or tuple(dims) != array.shape or descr != id(array.dtype):
                 return False
     except Exception:

@@ -1,7 +1,10 @@
-"""Types of the compiled extension (``_engine.c``; its opening essay is the full contract)."""
+"""Types of the compiled extension ``ferry._native._engine``, sectioned as its sources are (README.md in this
+folder lists them; each source opens with the contract of what it defines)."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, final
+
+# -- module.c: the module's constants and small functions ------------------------------------------
 
 MAX_LANES: int
 MAX_SLOTS: int
@@ -16,124 +19,10 @@ class DriverError(RuntimeError):
 def is_sticky(code: int, /) -> bool:
     """Whether a CUDA error code leaves the context unusable (700, 701, 702, 714-719, 999)."""
 
-def dlpack_capsule_destructor() -> int:
-    """The address of a DLPack capsule destructor (C) that calls an unconsumed tensor's deleter
-    and keeps an exception pending in the consumer intact."""
-
-def dlpack_import(capsule: Any, /) -> tuple[int, int, int, int, tuple[int, ...], tuple[int, ...] | None, int, int, int]:
-    """(managed, ptr, device_type, device_id, shape, strides or None, code, bits, lanes); renames the capsule."""
-
-def dlpack_export(owner: Any, ptr: int, shape: tuple[int, ...], code: int, bits: int, device_type: int,
-                  device_id: int, /) -> Any:
-    """A 'dltensor' capsule (C order) whose tensor keeps ``owner`` alive until its deleter runs."""
-
-def dlpack_exports_live() -> int:
-    """Tensors ``dlpack_export`` made whose deleter has not run."""
-
-def dlpack_release(managed: int, /) -> None:
-    """Call an imported tensor's deleter."""
-
-def dlpack_deleter(release: Callable[[int], None], /) -> int:
-    """The address of a ``DLManagedTensor`` deleter (C) that calls ``release(address)`` while the
-    interpreter runs and does nothing once it is finalized (``release`` is kept for good)."""
-
 def entry_point_names() -> tuple[str, ...]:
     """The entry points ``mode="cuda"`` needs; the last two (error texts) are optional."""
 
-def copy_in(dst: int, capacity: int, array: Any, nbytes: int = -1, /) -> int:
-    """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken).
-    ``nbytes >= 0``: the caller vouches for an exact ``numpy.ndarray`` of that size (struct reads)."""
-
-def data_of(array: Any, /) -> int:
-    """An exact ``numpy.ndarray``'s data pointer, read from its struct (needs ``set_array_layout``)."""
-
-def address_of(array: Any, capacity: int, nbytes: int = -1, /) -> int:
-    """The address of a writable C-contiguous buffer of at most ``capacity`` bytes, or 0 (not taken)."""
-
-def set_array_layout(data_offset: int, flags_offset: int, /) -> None:
-    """NumPy's array struct offsets of the data pointer and the flags, verified by the caller (-1: off)."""
-
-def clear_writeable(array: Any, /) -> bool:
-    """Whether the ``numpy.ndarray`` was writeable; it is not now (needs :func:`set_array_layout`)."""
-
-def set_writeable(array: Any, /) -> None:
-    """The ``numpy.ndarray``'s writeable flag back (needs :func:`set_array_layout`)."""
-
-def memcopy(dst: int, src: int, nbytes: int, nontemporal: bool = False, /) -> None:
-    """``memcpy`` between two host addresses."""
-
-@final
-class Record:
-    """A transfer's record: the compiled twin of ``ferry._completion.Record`` (same fields, same defaults)."""
-
-    seq: int
-    event: Any
-    stream: Any
-    moved: tuple[Any, ...]
-    leased: tuple[Any, ...]
-    result: tuple[Any, ...]
-    nbytes: int
-    done: bool
-    error: Any
-    extra: Any
-    settled: bool
-    claimed: bool
-    waiters: int
-    spun: bool
-    signal: Any
-    batch: Any
-    shared: Any
-    def __init__(
-        self, seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...],
-        result: tuple[Any, ...], nbytes: int, /,
-    ) -> None: ...
-
-def new_record(
-    seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...], result: tuple[Any, ...],
-    nbytes: int, /,
-) -> Record:
-    """``Record(...)`` without the type call."""
-
-@final
-class Calls:
-    """The small-transfer path's driver calls, made from C (see ``_engine.c``).
-
-    Handles are raw ``CUstream``/``CUevent`` values; a non-zero ``CUresult`` goes to
-    ``on_error(op, code, stage, args)``, whose result (or exception) becomes the call's.
-    """
-
-    def __init__(
-        self,
-        entry_points: Mapping[str, int],
-        on_error: Callable[[str, int, int, tuple[Any, ...]], Any],
-        batch_abi: int = 0,
-    ) -> None: ...
-    @property
-    def batch_abi(self) -> int:
-        """12080 or 13000: the ``cuMemcpyBatchAsync`` signature in use; 0: batches are loops."""
-    @property
-    def batch_refused(self) -> int:
-        """The ``CUresult`` with which the driver refused a batch (INVALID_VALUE or NOT_SUPPORTED, checked
-        before anything is queued): batches are loops since. 0: none."""
-    @property
-    def waits(self) -> int:
-        """Host waits so far (``event_wait`` and ``event_synchronize`` calls)."""
-    def htod_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
-    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
-    def event_record(self, event: int, stream: int, /) -> None: ...
-    def event_query(self, event: int, /) -> bool: ...
-    def event_wait(self, event: int, timeout: float, /) -> bool:
-        """Poll until complete (GIL released, signals checked every 2 ms) or ``timeout`` seconds passed."""
-    def event_synchronize(self, event: int, /) -> None: ...
-    def stream_wait_events(self, stream: int, events: list[int], /) -> None:
-        """``cuStreamWaitEvent(stream, event, 0)`` for each event of the list (a failure goes to
-        ``on_error`` with stage 0: waiting again is harmless)."""
-    def copy_batch(
-        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: int, event: int | None, /
-    ) -> None:
-        """The copies in one ``cuMemcpyBatchAsync`` (or a loop), then the event record."""
-    def counts(self) -> dict[str, int]:
-        """``waits``, ``copies`` (single copies), ``batches`` and ``batched_copies`` so far."""
+# -- engine.c: the staging engine (its work is done by core/) --------------------------------------
 
 @final
 class Job:
@@ -312,6 +201,115 @@ class Engine:
     def close(self) -> None:
         """Wait for every queued job, stop the lanes, free the slots. Idempotent."""
 
+# -- calls.c: the small-transfer path's driver calls -----------------------------------------------
+
+@final
+class Calls:
+    """The small-transfer path's driver calls, made from C (see ``_engine.c``).
+
+    Handles are raw ``CUstream``/``CUevent`` values; a non-zero ``CUresult`` goes to
+    ``on_error(op, code, stage, args)``, whose result (or exception) becomes the call's.
+    """
+
+    def __init__(
+        self,
+        entry_points: Mapping[str, int],
+        on_error: Callable[[str, int, int, tuple[Any, ...]], Any],
+        batch_abi: int = 0,
+    ) -> None: ...
+    @property
+    def batch_abi(self) -> int:
+        """12080 or 13000: the ``cuMemcpyBatchAsync`` signature in use; 0: batches are loops."""
+    @property
+    def batch_refused(self) -> int:
+        """The ``CUresult`` with which the driver refused a batch (INVALID_VALUE or NOT_SUPPORTED, checked
+        before anything is queued): batches are loops since. 0: none."""
+    @property
+    def waits(self) -> int:
+        """Host waits so far (``event_wait`` and ``event_synchronize`` calls)."""
+    def htod_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
+    def dtoh_record(self, dst: int, src: int, nbytes: int, stream: int, event: int | None, /) -> None: ...
+    def event_record(self, event: int, stream: int, /) -> None: ...
+    def event_query(self, event: int, /) -> bool: ...
+    def event_wait(self, event: int, timeout: float, /) -> bool:
+        """Poll until complete (GIL released, signals checked every 2 ms) or ``timeout`` seconds passed."""
+    def event_synchronize(self, event: int, /) -> None: ...
+    def stream_wait_events(self, stream: int, events: list[int], /) -> None:
+        """``cuStreamWaitEvent(stream, event, 0)`` for each event of the list (a failure goes to
+        ``on_error`` with stage 0: waiting again is harmless)."""
+    def copy_batch(
+        self, upload: bool, dsts: list[int], srcs: list[int], sizes: list[int], stream: int, event: int | None, /
+    ) -> None:
+        """The copies in one ``cuMemcpyBatchAsync`` (or a loop), then the event record."""
+    def counts(self) -> dict[str, int]:
+        """``waits``, ``copies`` (single copies), ``batches`` and ``batched_copies`` so far."""
+
+# -- records.c: records and handles ----------------------------------------------------------------
+
+@final
+class Record:
+    """A transfer's record: the compiled twin of ``ferry._completion.Record`` (same fields, same defaults)."""
+
+    seq: int
+    event: Any
+    stream: Any
+    moved: tuple[Any, ...]
+    leased: tuple[Any, ...]
+    result: tuple[Any, ...]
+    nbytes: int
+    done: bool
+    error: Any
+    extra: Any
+    settled: bool
+    claimed: bool
+    waiters: int
+    spun: bool
+    signal: Any
+    batch: Any
+    shared: Any
+    def __init__(
+        self, seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...],
+        result: tuple[Any, ...], nbytes: int, /,
+    ) -> None: ...
+
+def new_record(
+    seq: int, event: Any, stream: Any, moved: tuple[Any, ...], leased: tuple[Any, ...], result: tuple[Any, ...],
+    nbytes: int, /,
+) -> Record:
+    """``Record(...)`` without the type call."""
+
+class Handle:
+    """The compiled base of ferry's transfer handles (``ferry._pending``); only subclasses are made."""
+
+    _port: Any
+    _record: Any
+    _waited: bool
+    _claimed: bool
+    _future: Any
+    def __init__(self, port: Any, record: Any, /) -> None: ...
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+def set_handle_errors(waited_error: type[BaseException], /) -> None:
+    """The exception class a handle's second ``wait()`` raises."""
+
+# -- lock.c: the runtime's lock --------------------------------------------------------------------
+
+@final
+class RLock:
+    """``threading.RLock``'s semantics (reentrant, owned by one thread), takeable from C: the runtime's
+    lock, which the compiled submit and wait take without a Python call."""
+
+    def __init__(self) -> None: ...
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take it (again, when this thread holds it); ``False`` when not taken in time."""
+    def release(self) -> None:
+        """Give it back once; ``RuntimeError`` when this thread does not hold it."""
+    def __enter__(self) -> bool: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def _is_owned(self) -> bool: ...
+
+# -- fast.c: Completion's hot paths ----------------------------------------------------------------
+
 @final
 class Fast:
     """A Completion's enqueue, wait and pinned submission in C (see ``_engine.c``); also its counters."""
@@ -333,30 +331,31 @@ class Fast:
         host: Any, device: Any, upload: bool, /,
     ) -> Handle: ...
 
-class Handle:
-    """The compiled base of ferry's transfer handles (``ferry._pending``); only subclasses are made."""
+# -- small.c: NumPy's array fields (the small route) -----------------------------------------------
 
-    _port: Any
-    _record: Any
-    _waited: bool
-    _claimed: bool
-    _future: Any
-    def __init__(self, port: Any, record: Any, /) -> None: ...
-    def wait(self, timeout: float | None = None) -> Any: ...
+def set_array_layout(data_offset: int, flags_offset: int, /) -> None:
+    """NumPy's array struct offsets of the data pointer and the flags, verified by the caller (-1: off)."""
 
-@final
-class RLock:
-    """``threading.RLock``'s semantics (reentrant, owned by one thread), takeable from C: the runtime's
-    lock, which the compiled submit and wait take without a Python call."""
+def clear_writeable(array: Any, /) -> bool:
+    """Whether the ``numpy.ndarray`` was writeable; it is not now (needs :func:`set_array_layout`)."""
 
-    def __init__(self) -> None: ...
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """Take it (again, when this thread holds it); ``False`` when not taken in time."""
-    def release(self) -> None:
-        """Give it back once; ``RuntimeError`` when this thread does not hold it."""
-    def __enter__(self) -> bool: ...
-    def __exit__(self, *exc: object) -> None: ...
-    def _is_owned(self) -> bool: ...
+def set_writeable(array: Any, /) -> None:
+    """The ``numpy.ndarray``'s writeable flag back (needs :func:`set_array_layout`)."""
+
+# -- host.c: host copies ---------------------------------------------------------------------------
+
+def copy_in(dst: int, capacity: int, array: Any, nbytes: int = -1, /) -> int:
+    """Copy a C-contiguous buffer of at most ``capacity`` bytes to ``dst``; its size, or -1 (not taken).
+    ``nbytes >= 0``: the caller vouches for an exact ``numpy.ndarray`` of that size (struct reads)."""
+
+def data_of(array: Any, /) -> int:
+    """An exact ``numpy.ndarray``'s data pointer, read from its struct (needs ``set_array_layout``)."""
+
+def address_of(array: Any, capacity: int, nbytes: int = -1, /) -> int:
+    """The address of a writable C-contiguous buffer of at most ``capacity`` bytes, or 0 (not taken)."""
+
+def memcopy(dst: int, src: int, nbytes: int, nontemporal: bool = False, /) -> None:
+    """``memcpy`` between two host addresses."""
 
 class Leases:
     """HostLeases' table (``ferry/_routes/_base.py``) in C: NumPy arrays flagged read-only while
@@ -373,5 +372,25 @@ class Leases:
         """End one flight's lease; the last one sets the flag back (through ``setflags`` for an array
         that does not own its data, which stays read-only if NumPy refuses)."""
 
-def set_handle_errors(waited_error: type[BaseException], /) -> None:
-    """The exception class a handle's second ``wait()`` raises."""
+# -- dlpack.c: DLPack export and import ------------------------------------------------------------
+
+def dlpack_capsule_destructor() -> int:
+    """The address of a DLPack capsule destructor (C) that calls an unconsumed tensor's deleter
+    and keeps an exception pending in the consumer intact."""
+
+def dlpack_import(capsule: Any, /) -> tuple[int, int, int, int, tuple[int, ...], tuple[int, ...] | None, int, int, int]:
+    """(managed, ptr, device_type, device_id, shape, strides or None, code, bits, lanes); renames the capsule."""
+
+def dlpack_export(owner: Any, ptr: int, shape: tuple[int, ...], code: int, bits: int, device_type: int,
+                  device_id: int, /) -> Any:
+    """A 'dltensor' capsule (C order) whose tensor keeps ``owner`` alive until its deleter runs."""
+
+def dlpack_exports_live() -> int:
+    """Tensors ``dlpack_export`` made whose deleter has not run."""
+
+def dlpack_release(managed: int, /) -> None:
+    """Call an imported tensor's deleter."""
+
+def dlpack_deleter(release: Callable[[int], None], /) -> int:
+    """The address of a ``DLManagedTensor`` deleter (C) that calls ``release(address)`` while the
+    interpreter runs and does nothing once it is finalized (``release`` is kept for good)."""

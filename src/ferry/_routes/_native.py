@@ -2,7 +2,7 @@
 
 ``ferry._native._engine`` runs the staging lanes in C: each chunk's host copy,
 DMA enqueue, event record and slot recycling happen on native threads that
-never take the GIL (see the essay at the top of ``_engine.c``). This module
+never take the GIL (see the essay at the top of ``_native/core/lanes.c``). This module
 adapts it to the route interface: Python hands over addresses, sizes and
 strides, keeps the host array and the device memory alive until the job is
 done, and learns the outcome from the job (one atomic load on the
@@ -57,7 +57,7 @@ _GIVE_BACK = threading.Lock()
 # caller's thread, the driver thread, one more for the rest of the process. Below that (CI's 2-CPU
 # machines) spinning threads would take turns with the lanes, and a thread wake-up is cheaper.
 _SPARE_CPUS = 3
-WAIT_SPIN_US = 200.0  # a wait polls a job this long past its expected end (_engine.c: Job_wait), then sleeps
+WAIT_SPIN_US = 200.0  # a wait polls a job this long past its expected end (_native/engine.c: Job_wait), then sleeps
 DRIVER_THREAD_ENV = "FERRY_DRIVER_THREAD"  # "0": never, "1": always, else by the CPU count
 
 
@@ -74,7 +74,7 @@ def engine_threads(lanes: int) -> tuple[bool, float]:
 
     With at least ``lanes + 3`` usable CPUs (the process's affinity) one driver thread makes every
     enqueue of the lanes (their own calls, right after a chunk's host copy, cost 4 - 8x as much on the
-    H200 VM: see ``_engine.c``) and a ``wait()`` polls its job until its expected end and
+    H200 VM: see ``_native/core/driver.c``) and a ``wait()`` polls its job until its expected end and
     ``WAIT_SPIN_US`` more before sleeping (a thread wake-up there costs 30 - 60 us). With fewer CPUs
     the lanes call the driver themselves and waits sleep at once.
     ``FERRY_DRIVER_THREAD=0`` or ``1`` decides instead of the CPU count.

@@ -51,6 +51,7 @@ from .._completion import Extras
 from .._device_array import DeviceArray, new_device_array
 from .._errors import TransferSubmitError
 from .._native import host_copies
+from .._native.objects import SlotFields
 from .._state import IN_FLIGHT, OWNED
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ MAX_SLOTS = 64
 """Slots per direction at most (4 MiB of pinned memory); past it transfers take the full path."""
 
 
-class Slot(Extras):
+class Slot(Extras, SlotFields):
     """One pinned slot of a ring; while a transfer uses it, that record's extras.
 
     ``finish`` (a download's copy-out) and ``cleanups`` are set once; the
@@ -75,7 +76,7 @@ class Slot(Extras):
     ``address`` (a download's output) and ``nbytes``.
     """
 
-    __slots__ = ("address", "block", "capacity", "host", "nbytes", "own", "ptr", "record", "ring")
+    __slots__ = ()  # the fields are SlotFields' (address, block, capacity, host, nbytes, own, ptr, record, ring)
 
     own_event = True
 

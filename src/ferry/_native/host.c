@@ -1,0 +1,562 @@
+/*
+ * host.c: host copies for Python: the lease table of read-only flags (Leases), copy_in, address_of,
+ * data_of, memcopy, and the Copier (one host copy shared with helper threads).
+ */
+#include "native.h"
+
+/*
+ * Leases(ndarray_type): HostLeases' table (ferry/_routes/_base.py) in C. The caller's NumPy arrays are
+ * flagged read-only while transfers use them, counted per array, the flag restored by the last one.
+ * `table` maps an array's address to [array, count, writeable] as the Python class does; take() and
+ * give() are its methods, one C call each where the Python ones cost ~0.2 us apiece (a small pageable
+ * transfer makes one of each). An exact ndarray (ndarray_type) has its flag flipped at the verified
+ * offset (set_array_layout); any other array goes through array.flags and array.setflags, as in Python.
+ */
+PyTypeObject *LeasesType;
+
+typedef struct { /* a PairObject's shape (its traverse, clear and dealloc are Pair_*) */
+    PyObject_HEAD
+    PyObject *table, *ndarray;
+} LeasesObject;
+
+PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
+
+static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ndarray_type", NULL};
+    PyObject *ndarray;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!", kwlist, &PyType_Type, &ndarray)) return NULL;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    LeasesObject *self = (LeasesObject *)alloc(type, 0);
+    if (!self) return NULL;
+    if (!(self->table = PyDict_New())) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(ndarray);
+    self->ndarray = ndarray;
+    return (PyObject *)self;
+}
+
+
+/* array.setflags(write=value): 0, or -1 with the error set. */
+static int leases_setflags(PyObject *array, int value) {
+    PyObject *method = PyObject_GetAttr(array, S_setflags);
+    if (!method) return -1;
+    PyObject *empty = PyTuple_New(0), *kw = PyDict_New();
+    PyObject *r = NULL;
+    if (empty && kw && PyDict_SetItem(kw, S_write, value ? Py_True : Py_False) == 0) r = PyObject_Call(method, empty, kw);
+    Py_XDECREF(empty);
+    Py_XDECREF(kw);
+    Py_DECREF(method);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* take(array, writeable=None): flag `array` read-only for one flight (`writeable`: its flag, when the
+ * caller knows it; an exact ndarray's is read). give() ends it. */
+static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    LeasesObject *self = (LeasesObject *)obj;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "take takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *array = args[0], *known = nargs == 2 ? args[1] : Py_None;
+    PyObject *key = PyLong_FromVoidPtr(array);
+    if (!key) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
+    if (entry) {
+        long count = PyLong_AsLong(PyList_GetItem(entry, 1));
+        PyObject *v = (count == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(count + 1);
+        Py_DECREF(key);
+        if (!v || PyList_SetItem(entry, 1, v)) return NULL; /* steals v */
+        Py_RETURN_NONE;
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    int was;
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
+        int *flags = array_flags(array);
+        was = (*flags & NPY_WRITEABLE_FLAG) != 0;
+        *flags &= ~NPY_WRITEABLE_FLAG;
+    } else {
+        if (known == Py_None) {
+            PyObject *flags = PyObject_GetAttr(array, S_flags);
+            PyObject *w = flags ? PyObject_GetAttr(flags, S_writeable) : NULL;
+            Py_XDECREF(flags);
+            was = w ? PyObject_IsTrue(w) : -1;
+            Py_XDECREF(w);
+        } else {
+            was = PyObject_IsTrue(known);
+        }
+        if (was < 0 || (was && leases_setflags(array, 0))) {
+            Py_DECREF(key);
+            return NULL;
+        }
+    }
+    PyObject *one = PyLong_FromLong(1);
+    entry = one ? PyList_New(3) : NULL;
+    if (!entry) {
+        Py_XDECREF(one);
+        Py_DECREF(key);
+        return NULL; /* the flag stays cleared: as in Python, where the table's insert cannot fail */
+    }
+    Py_INCREF(array);
+    PyList_SetItem(entry, 0, array);
+    PyList_SetItem(entry, 1, one);
+    PyObject *flag = was ? Py_True : Py_False;
+    Py_INCREF(flag);
+    PyList_SetItem(entry, 2, flag);
+    int rc = PyDict_SetItem(self->table, key, entry);
+    Py_DECREF(entry);
+    Py_DECREF(key);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* give(array): end one flight's lease of `array`; the last one restores its flag. */
+PyObject *Leases_give(PyObject *obj, PyObject *array) {
+    LeasesObject *self = (LeasesObject *)obj;
+    PyObject *key = PyLong_FromVoidPtr(array);
+    if (!key) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
+    if (!entry) {
+        Py_DECREF(key);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    long count = PyLong_AsLong(PyList_GetItem(entry, 1));
+    if (count == -1 && PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    if (count > 1) {
+        PyObject *v = PyLong_FromLong(count - 1);
+        Py_DECREF(key);
+        if (!v || PyList_SetItem(entry, 1, v)) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(entry);
+    int rc = PyDict_DelItem(self->table, key);
+    Py_DECREF(key);
+    int was = rc ? -1 : PyObject_IsTrue(PyList_GetItem(entry, 2));
+    Py_DECREF(entry);
+    if (was <= 0) return was < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
+        PyObject *base = PyObject_GetAttr(array, S_base);
+        if (!base) return NULL;
+        int owns = base == Py_None;
+        Py_DECREF(base);
+        if (owns) { /* it owns its data: NumPy would allow it */
+            *array_flags(array) |= NPY_WRITEABLE_FLAG;
+            Py_RETURN_NONE;
+        }
+    }
+    if (leases_setflags(array, 1)) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
+        PyErr_Clear(); /* its base became read-only meanwhile: it stays so */
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Leases_get_table(PyObject *obj, void *Py_UNUSED(closure)) {
+    LeasesObject *self = (LeasesObject *)obj;
+    Py_INCREF(self->table);
+    return self->table;
+}
+
+static PyMethodDef Leases_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))Leases_take, METH_FASTCALL,
+     "take(array, writeable=None): flag array read-only for one flight (counted)"},
+    {"give", Leases_give, METH_O, "give(array): end one flight's lease; the last one restores the flag"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Leases_getset[] = {
+    {"table", Leases_get_table, NULL, "address -> [array, count, writeable] (the arrays leased now)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Leases_slots[] = {
+    {Py_tp_new, Leases_new},
+    {Py_tp_dealloc, Pair_dealloc}, /* a PairObject: table, ndarray */
+    {Py_tp_traverse, Pair_traverse},
+    {Py_tp_clear, Pair_clear},
+    {Py_tp_methods, Leases_methods},
+    {Py_tp_getset, Leases_getset},
+    {Py_tp_doc, "Leases(ndarray_type): HostLeases' table of read-only flags in flight, in C"},
+    {0, NULL},
+};
+
+PyType_Spec Leases_spec = {
+    "ferry._native._engine.Leases",
+    sizeof(LeasesObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Leases_slots,
+};
+
+/* copy_in(dst, capacity, array[, nbytes]) -> bytes copied, or -1 (not a C-contiguous buffer, or too large).
+ * nbytes >= 0: the caller vouches that array is a numpy.ndarray of that size (the layout path). */
+PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long dst, capacity;
+    if ((nargs != 3 && nargs_is(nargs, 4, "copy_in")) || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0))
+        return NULL;
+    if (nargs == 4 && is_ndarray(args[2])) {
+        Py_ssize_t n = PyLong_AsSsize_t(args[3]);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        if (n >= 0) {
+            if (!(*array_flags(args[2]) & NPY_C_CONTIGUOUS_FLAG) || (unsigned long long)n > capacity)
+                return PyLong_FromLong(-1);
+            memcpy((void *)(uintptr_t)dst, array_data(args[2]), (size_t)n);
+            return PyLong_FromSsize_t(n);
+        }
+    }
+    Py_buffer view;
+    if (small_view(args[2], &view, capacity, 0)) return PyLong_FromLong(-1);
+    Py_ssize_t n = view.len;
+    memcpy((void *)(uintptr_t)dst, view.buf, (size_t)n);
+    PyBuffer_Release(&view);
+    return PyLong_FromSsize_t(n);
+}
+
+/* address_of(array, capacity[, nbytes]) -> the address of a writable C-contiguous buffer of at most
+ * capacity bytes, or 0. nbytes >= 0: as for copy_in. */
+PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long capacity;
+    if ((nargs != 2 && nargs_is(nargs, 3, "address_of")) || int_arg(args[1], &capacity, 0)) return NULL;
+    if (nargs == 3 && is_ndarray(args[0])) {
+        Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        if (n >= 0) {
+            int flags = *array_flags(args[0]);
+            int wanted = NPY_C_CONTIGUOUS_FLAG | NPY_WRITEABLE_FLAG;
+            if ((flags & wanted) != wanted || (unsigned long long)n > capacity) return PyLong_FromLong(0);
+            return PyLong_FromVoidPtr(array_data(args[0]));
+        }
+    }
+    Py_buffer view;
+    if (small_view(args[0], &view, capacity, 1)) return PyLong_FromLong(0);
+    void *address = view.buf;
+    PyBuffer_Release(&view);
+    return PyLong_FromVoidPtr(address);
+}
+
+/* data_of(ndarray) -> its data pointer, read from NumPy's array struct: the caller vouches that it is
+ * an exact numpy.ndarray (needs set_array_layout; ndarray.ctypes.data costs a microsecond). */
+PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array) {
+    if (!is_ndarray(array)) return not_ndarray("data_of", array);
+    return PyLong_FromVoidPtr(array_data(array));
+}
+
+/* memcopy(dst, src, nbytes): memcpy between two host addresses (the GIL kept: small copies). */
+PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long dst, src, n;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "memcopy takes 3 or 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) || int_arg(args[2], &n, 0)) return NULL;
+    int nt = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (nt < 0) return NULL;
+    if (!nt || n < NT_MIN_BYTES) { /* the small route's copies keep the GIL: it holds the runtime's lock */
+        memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n);
+        Py_RETURN_NONE;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_bytes((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n, nt);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* -- the copier: one host copy shared by the caller and a few helper threads ----------------------- */
+/*
+ * The direct route copies a pageable array of up to StagingConfig.direct_bytes into one pinned block
+ * on the calling thread (and out of it, for a download, when wait() settles). One thread copies about
+ * 13 GB/s on the H200's VM, so 1 MiB costs ~80 us: close to all the time the driver's own pageable
+ * copy takes. A Copier cuts such a copy into pieces of piece_bytes that the caller and up to
+ * COPIER_MAX_HELPERS helper threads claim from one atomic counter. The caller never waits for a
+ * helper to wake up: it starts on the first piece at once and copies every piece nobody else claimed,
+ * so a copy costs at most what the caller alone costs plus one wake-up call, and helpers that are
+ * awake (they poll spin_us after their last piece before they sleep) take a share each.
+ *
+ * The task lives on the caller's stack. A helper announces itself (active++) before it reads the task
+ * pointer and leaves (active--) after its last piece; the caller, once every piece is copied, clears
+ * the pointer and waits until no helper is inside. With sequentially consistent operations a helper
+ * that read the pointer is counted before the caller reads the count, so the task outlives every
+ * reader. One caller at a time owns the copier (busy); a second caller at the same moment, a caller in
+ * a forked child (the helpers do not exist there) and a caller after close() copy alone. Helpers never
+ * touch a Python object and never take the GIL; copy() releases it.
+ */
+#define COPIER_MAX_HELPERS 8
+PyTypeObject *CopierType;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    _Atomic(copy_task_t *) task; /* the caller's task while it runs, else NULL */
+    atomic_ullong posted;        /* seq of the last task posted */
+    atomic_int active;           /* helpers that may be reading the task */
+    atomic_int sleepers;         /* helpers asleep (or about to be) on cv */
+    atomic_int stop;
+    atomic_int busy;             /* a caller owns the copier (for good after close) */
+    atomic_ullong helped;        /* pieces the helpers copied */
+    atomic_ullong shared;        /* copies cut into pieces */
+    unsigned long long seq;      /* owned by the caller that holds busy */
+    int helpers, started, caller_copies, ready;
+    size_t piece;
+    int64_t spin_ns;
+    pid_t pid;
+    pthread_t threads[COPIER_MAX_HELPERS];
+} CopierObject;
+
+static void *copier_main(void *arg) {
+    CopierObject *c = (CopierObject *)arg;
+    unsigned long long seen = 0; /* not posted's value: the first task may be posted before this thread runs */
+    int64_t idle_since = now_ns();
+    unsigned polls = 0;
+    while (!atomic_load(&c->stop)) {
+        unsigned long long p = atomic_load(&c->posted);
+        if (p != seen) {
+            atomic_fetch_add(&c->active, 1);
+            copy_task_t *t = atomic_load(&c->task);
+            if (t) {
+                size_t got = copier_drain(t);
+                if (got) atomic_fetch_add_explicit(&c->helped, got, memory_order_relaxed);
+                p = t->seq > p ? t->seq : p;
+            }
+            atomic_fetch_sub(&c->active, 1);
+            seen = p;
+            idle_since = now_ns();
+            continue;
+        }
+        if ((++polls & 63) || now_ns() - idle_since < c->spin_ns) {
+            cpu_relax();
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        atomic_fetch_add(&c->sleepers, 1);
+        while (!atomic_load(&c->stop) && atomic_load(&c->posted) == seen) pthread_cond_wait(&c->cv, &c->mu);
+        atomic_fetch_sub(&c->sleepers, 1);
+        pthread_mutex_unlock(&c->mu);
+        idle_since = now_ns();
+    }
+    return NULL;
+}
+
+/* Start the helpers (GIL held, busy owned). Those that could not start are not counted. */
+static void copier_start(CopierObject *c) {
+    int n = 0; /* helpers block every signal (start_thread): signals go to Python's threads */
+    while (n < c->helpers && !start_thread(&c->threads[n], copier_main, c)) n++;
+    c->started = n;
+}
+
+/* The shared copy (GIL released, busy owned, helpers started). */
+static void copier_share(CopierObject *c, char *dst, const char *src, size_t n, int nt) {
+    copy_task_t t;
+    task_init(&t, dst, src, n, c->piece, nt, ++c->seq);
+    atomic_store(&c->task, &t);
+    atomic_store(&c->posted, t.seq);
+    if (atomic_load(&c->sleepers)) {
+        pthread_mutex_lock(&c->mu);
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (c->caller_copies) copier_drain(&t);
+    task_retire(&t, &c->task, &c->active);
+    atomic_fetch_add_explicit(&c->shared, 1, memory_order_relaxed);
+}
+
+static PyObject *Copier_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"helpers", "spin_us", "piece_bytes", "caller_copies", NULL};
+    int helpers, caller_copies = 1;
+    long long spin_us = 100, piece = 128 << 10;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|$LLp", kwlist, &helpers, &spin_us, &piece, &caller_copies))
+        return NULL;
+    if (helpers < 0 || helpers > COPIER_MAX_HELPERS) {
+        PyErr_Format(PyExc_ValueError, "Copier needs 0 <= helpers <= %d (got %d)", COPIER_MAX_HELPERS, helpers);
+        return NULL;
+    }
+    if (spin_us < 0 || spin_us > 1000000 || piece < (long long)COPIER_MIN_PIECE || piece > (1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "Copier needs 0 <= spin_us <= 1000000 and piece_bytes >= %zu",
+                     COPIER_MIN_PIECE);
+        return NULL;
+    }
+    if (!caller_copies && !helpers) {
+        PyErr_SetString(PyExc_ValueError, "Copier(caller_copies=False) needs helpers");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    CopierObject *self = (CopierObject *)alloc(type, 0);
+    if (!self) return NULL;
+    if (pthread_mutex_init(&self->mu, NULL)) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a copier");
+        return NULL;
+    }
+    if (pthread_cond_init(&self->cv, NULL)) {
+        pthread_mutex_destroy(&self->mu);
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot initialize a copier");
+        return NULL;
+    }
+    self->ready = 1;
+    atomic_init(&self->task, NULL);
+    atomic_init(&self->posted, 0);
+    atomic_init(&self->active, 0);
+    atomic_init(&self->sleepers, 0);
+    atomic_init(&self->stop, 0);
+    atomic_init(&self->busy, 0);
+    atomic_init(&self->helped, 0);
+    atomic_init(&self->shared, 0);
+    self->helpers = helpers;
+    self->caller_copies = caller_copies;
+    self->piece = (size_t)piece;
+    self->spin_ns = spin_us * 1000;
+    self->pid = getpid();
+    return (PyObject *)self;
+}
+
+/* Stop and join the helpers (the GIL released by the caller when it may wait); the copier then copies
+ * alone for good. Only in the process that made it: a forked child has no helpers to join. */
+static void copier_close(CopierObject *c) {
+    int expected = 0;
+    for (unsigned i = 0; !atomic_compare_exchange_weak(&c->busy, &expected, 1); i++) {
+        if (expected == 2) return; /* closed already */
+        expected = 0;
+        if (i > 64) sched_yield(); /* a copy is running: it ends within its pieces */
+    }
+    atomic_store(&c->stop, 1);
+    pthread_mutex_lock(&c->mu);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->started; i++) pthread_join(c->threads[i], NULL);
+    c->started = 0;
+    atomic_store(&c->busy, 2);
+}
+
+static PyObject *Copier_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    CopierObject *c = (CopierObject *)obj;
+    if (c->pid == getpid()) {
+        Py_BEGIN_ALLOW_THREADS
+        copier_close(c);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static void Copier_dealloc(PyObject *obj) {
+    CopierObject *c = (CopierObject *)obj;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (c->ready && c->pid == getpid()) { /* a forked child leaks them: the parent's helpers are not here */
+        copier_close(c);
+        pthread_cond_destroy(&c->cv);
+        pthread_mutex_destroy(&c->mu);
+    }
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(obj);
+    Py_DECREF((PyObject *)tp);
+}
+
+/* copy(dst, src, nbytes, nontemporal=False): dst <- src (host addresses, not overlapping), the GIL
+ * released from 64 KiB; shared with the helpers from two pieces. */
+static PyObject *Copier_copy(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
+    CopierObject *c = (CopierObject *)obj;
+    unsigned long long dst, src, n;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "copy takes 3 or 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (int_arg(args[0], &dst, 0) || int_arg(args[1], &src, 0) || int_arg(args[2], &n, 0)) return NULL;
+    int nt = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (nt < 0) return NULL;
+    if (n && (!dst || !src)) {
+        PyErr_SetString(PyExc_ValueError, "copy: NULL address");
+        return NULL;
+    }
+    char *d = (char *)(uintptr_t)dst;
+    const char *s = (const char *)(uintptr_t)src;
+    int expected = 0;
+    int share = n >= 2 * c->piece && c->helpers && c->pid == getpid() &&
+                atomic_compare_exchange_strong(&c->busy, &expected, 1);
+    if (!share) {
+        if (n < NT_MIN_BYTES) {
+            memcpy(d, s, (size_t)n);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            copy_bytes(d, s, (size_t)n, nt);
+            Py_END_ALLOW_THREADS
+        }
+        Py_RETURN_NONE;
+    }
+    if (!c->started) copier_start(c); /* the first shared copy (or a retry after none could start) */
+    Py_BEGIN_ALLOW_THREADS
+    if (c->started) copier_share(c, d, s, (size_t)n, nt);
+    else copy_bytes(d, s, (size_t)n, nt);
+    Py_END_ALLOW_THREADS
+    atomic_store(&c->busy, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Copier_get_helpers(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CopierObject *)obj)->helpers);
+}
+
+static PyObject *Copier_get_started(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(((CopierObject *)obj)->started);
+}
+
+static PyObject *Copier_get_closed(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(atomic_load(&((CopierObject *)obj)->busy) == 2);
+}
+
+static PyObject *Copier_get_pieces_helped(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&((CopierObject *)obj)->helped));
+}
+
+static PyObject *Copier_get_shared_copies(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(atomic_load(&((CopierObject *)obj)->shared));
+}
+
+static PyObject *Copier_get_piece_bytes(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromSize_t(((CopierObject *)obj)->piece);
+}
+
+static PyMethodDef Copier_methods[] = {
+    {"copy", (PyCFunction)(void (*)(void))Copier_copy, METH_FASTCALL,
+     "copy(dst, src, nbytes, nontemporal=False): dst <- src, shared with the helpers from two pieces"},
+    {"close", Copier_close, METH_NOARGS, "close(): join the helpers; later copies run on the caller alone"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Copier_getset[] = {
+    {"helpers", Copier_get_helpers, NULL, "helper threads asked for", NULL},
+    {"started", Copier_get_started, NULL, "helper threads running (they start with the first shared copy)", NULL},
+    {"closed", Copier_get_closed, NULL, "whether close() ran", NULL},
+    {"pieces_helped", Copier_get_pieces_helped, NULL, "pieces the helpers copied", NULL},
+    {"shared_copies", Copier_get_shared_copies, NULL, "copies cut into pieces", NULL},
+    {"piece_bytes", Copier_get_piece_bytes, NULL, "the size of a piece", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Copier_slots[] = {
+    {Py_tp_new, Copier_new},
+    {Py_tp_dealloc, Copier_dealloc},
+    {Py_tp_methods, Copier_methods},
+    {Py_tp_getset, Copier_getset},
+    {Py_tp_doc, "Copier(helpers, *, spin_us=100, piece_bytes=131072, caller_copies=True): one host copy "
+                "shared by the caller and helper threads"},
+    {0, NULL},
+};
+
+PyType_Spec Copier_spec = {
+    "ferry._native._engine.Copier",
+    sizeof(CopierObject),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    Copier_slots,
+};
+

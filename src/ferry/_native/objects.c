@@ -1,0 +1,156 @@
+/*
+ * objects.c: the fields of ferry's hot objects, as compiled base types.
+ *
+ * The compiled entries check a submission's arguments and settle a small transfer by reading the
+ * fields of ferry's own objects: a pinned buffer, a device array, a pinned pool block, a runtime's
+ * health, a record's extras and a small-route slot. Each of those Python classes derives from one of
+ * the types here (ferry/_native/objects.py picks them, or their Python twins where the extension does
+ * not run), so its fields live in a C struct declared below and are read at their offsetof: no
+ * offset is searched for, and a reader checks the layout against the struct by eye.
+ *
+ * Invariants: every field is an object reference; a new object's fields are None until its __init__
+ * sets them. A field can be deleted (as a __slots__ field can: the members are T_OBJECT_EX, which
+ * CPython's specializing interpreter reads and writes as fast as __slots__), which leaves it NULL: the
+ * entries treat a NULL field as "not the common case" and hand the call to the Python method, which
+ * raises AttributeError as before, so no read ever follows a NULL. The entries read an object's fields
+ * only after checking that its exact type is the class registered for it (set_hot_types, which checks
+ * that the class derives from the matching type here); every type takes part in garbage collection
+ * (a slot refers to its record, whose extras are the slot).
+ */
+#include "native.h"
+
+PyTypeObject *BufferFieldsType, *ArrayFieldsType, *BlockFieldsType, *HealthFieldsType, *ExtrasFieldsType,
+    *SlotFieldsType;
+
+/* The fields as a run of object references: from `first` (just after the object header) to `end`. */
+static inline PyObject **fields_begin(PyObject *obj) { return (PyObject **)((char *)obj + sizeof(PyObject)); }
+
+/* How many fields the C type `tp` (or the C type a Python subclass derives from) has. */
+static Py_ssize_t fields_count(PyTypeObject *tp) {
+    if (PyType_IsSubtype(tp, SlotFieldsType)) return (Py_ssize_t)((sizeof(SlotFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    if (PyType_IsSubtype(tp, ExtrasFieldsType)) return (Py_ssize_t)((sizeof(ExtrasFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    if (PyType_IsSubtype(tp, BufferFieldsType)) return (Py_ssize_t)((sizeof(BufferFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    if (PyType_IsSubtype(tp, ArrayFieldsType)) return (Py_ssize_t)((sizeof(ArrayFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    if (PyType_IsSubtype(tp, BlockFieldsType)) return (Py_ssize_t)((sizeof(BlockFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    if (PyType_IsSubtype(tp, HealthFieldsType)) return (Py_ssize_t)((sizeof(HealthFields) - sizeof(PyObject)) / sizeof(PyObject *));
+    return 0;
+}
+
+static PyObject *Fields_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) {
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    PyObject *self = alloc(type, 0);
+    if (!self) return NULL;
+    PyObject **f = fields_begin(self);
+    for (Py_ssize_t i = 0, n = fields_count(type); i < n; i++) f[i] = Py_NewRef(Py_None);
+    return self;
+}
+
+/* The subclasses' __init__ take their own arguments: the base accepts and ignores them. */
+static int Fields_init(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) { return 0; }
+
+static int Fields_traverse(PyObject *obj, visitproc visit, void *arg) {
+    PyObject **f = fields_begin(obj);
+    for (Py_ssize_t i = 0, n = fields_count(Py_TYPE(obj)); i < n; i++) Py_VISIT(f[i]);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Fields_clear(PyObject *obj) {
+    PyObject **f = fields_begin(obj);
+    for (Py_ssize_t i = 0, n = fields_count(Py_TYPE(obj)); i < n; i++) Py_CLEAR(f[i]);
+    return 0;
+}
+
+static void Fields_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Fields_clear(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+/* Members (T_OBJECT_EX: an unset or deleted field reads as AttributeError, as a __slots__ one does):
+ * CPython's specializing interpreter reads and writes them as fast as __slots__ (LOAD_ATTR_SLOT). */
+#define FIELD(T, name, field) {name, T_OBJECT_EX, offsetof(T, field), 0, NULL}
+
+static PyMemberDef Buffer_members[] = {
+    FIELD(BufferFields, "_base", base),       FIELD(BufferFields, "_block", block),
+    FIELD(BufferFields, "_nbytes", nbytes),   FIELD(BufferFields, "_runtime", runtime),
+    FIELD(BufferFields, "_state", state),     {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef Array_members[] = {
+    FIELD(ArrayFields, "_dtype", dtype),     FIELD(ArrayFields, "_leases", leases),
+    FIELD(ArrayFields, "_memory", memory),   FIELD(ArrayFields, "_nbytes", nbytes),
+    FIELD(ArrayFields, "_ptr", ptr),         FIELD(ArrayFields, "_ready", ready),
+    FIELD(ArrayFields, "_runtime", runtime), FIELD(ArrayFields, "_shape", shape),
+    FIELD(ArrayFields, "_state", state),     {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef Block_members[] = {
+    FIELD(BlockFields, "capacity", capacity), FIELD(BlockFields, "ptr", ptr), {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef Health_members[] = {
+    FIELD(HealthFields, "closed", closed),     FIELD(HealthFields, "exited", exited),
+    FIELD(HealthFields, "forked", forked),     FIELD(HealthFields, "poisoned", poisoned),
+    FIELD(HealthFields, "refusal", refusal),   {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef Extras_members[] = {
+    FIELD(ExtrasFields, "cleanups", cleanups),   FIELD(ExtrasFields, "export_stream", export_stream),
+    FIELD(ExtrasFields, "finish", finish),       FIELD(ExtrasFields, "handed", handed),
+    FIELD(ExtrasFields, "job", job),             FIELD(ExtrasFields, "order_after", order_after),
+    FIELD(ExtrasFields, "progress", progress),   FIELD(ExtrasFields, "ready_to_order", ready_to_order),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef Slot_members[] = {
+    FIELD(SlotFields, "address", address),   FIELD(SlotFields, "block", block),
+    FIELD(SlotFields, "capacity", capacity), FIELD(SlotFields, "host", host),
+    FIELD(SlotFields, "nbytes", nbytes),     FIELD(SlotFields, "own", own),
+    FIELD(SlotFields, "ptr", ptr),           FIELD(SlotFields, "record", record),
+    FIELD(SlotFields, "ring", ring),         {NULL, 0, 0, 0, NULL},
+};
+
+#define FIELDS_SPEC(Name, T, members, doc)                                                                    \
+    static PyType_Slot Name##_slots[] = {                                                                     \
+        {Py_tp_new, Fields_new},         {Py_tp_init, Fields_init},   {Py_tp_dealloc, Fields_dealloc},       \
+        {Py_tp_traverse, Fields_traverse}, {Py_tp_clear, Fields_clear}, {Py_tp_members, members},              \
+        {Py_tp_doc, doc},                {0, NULL},                                                           \
+    };                                                                                                        \
+    PyType_Spec Name##_spec = {"ferry._native._engine." #Name, sizeof(T), 0,                                  \
+                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, Name##_slots}
+
+FIELDS_SPEC(BufferFields, BufferFields, Buffer_members, "The fields of ferry.PinnedHostBuffer (its base type).");
+FIELDS_SPEC(ArrayFields, ArrayFields, Array_members, "The fields of ferry.DeviceArray (its base type).");
+FIELDS_SPEC(BlockFields, BlockFields, Block_members, "The fields of a pinned pool block (its base type).");
+FIELDS_SPEC(HealthFields, HealthFields, Health_members, "The fields of a runtime's health (its base type).");
+FIELDS_SPEC(ExtrasFields, ExtrasFields, Extras_members, "The fields of a record's extras (their base type).");
+FIELDS_SPEC(SlotFields, SlotFields, Slot_members, "The fields of a small-route slot (its base type, after the extras').");
+
+/* -- the classes the entries read ------------------------------------------------------------------ */
+
+PyObject *hot_types[HOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */
+
+/* set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the exact classes whose instances the
+ * compiled entries read, each checked to derive from its fields type above. */
+PyObject *mod_set_hot_types(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, HOT_TYPES, "set_hot_types")) return NULL;
+    PyTypeObject *bases[HOT_TYPES] = {BufferFieldsType, ArrayFieldsType, BlockFieldsType, HealthFieldsType,
+                                      SlotFieldsType};
+    for (int i = 0; i < HOT_TYPES; i++) {
+        if (!PyType_Check(args[i]) || !PyType_IsSubtype((PyTypeObject *)args[i], bases[i])) {
+            PyErr_Format(PyExc_TypeError, "set_hot_types: argument %d must derive from %R", i + 1,
+                         (PyObject *)bases[i]);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < HOT_TYPES; i++) {
+        PyObject *old = hot_types[i];
+        hot_types[i] = Py_NewRef(args[i]);
+        Py_XDECREF(old);
+    }
+    Py_RETURN_NONE;
+}

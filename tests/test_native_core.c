@@ -1,0 +1,238 @@
+/*
+ * The staging core in plain C: no Python, no GPU. tests/test_native_core.py builds this with the core's
+ * sources (the .c files of src/ferry/_native/core, and emulated.c) and runs it, plainly and under the sanitizers.
+ * Each case drives an emulated engine the way engine.c does from Python: fill an engine_t, start it,
+ * plan and queue jobs, wait for them, stop it.
+ */
+#include "core.h"
+
+static int failures;
+
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            failures++;                                                              \
+        }                                                                            \
+    } while (0)
+
+static engine_t *make(int upload, int lanes, int helpers, int driver_thread) {
+    engine_t *eng = calloc(1, sizeof *eng);
+    if (!eng) return NULL;
+    eng->emulated = 1;
+    eng->upload = upload;
+    eng->nlanes = lanes;
+    eng->slots_per_lane = 2;
+    eng->slot_bytes = (size_t)1 << 20;
+    eng->min_chunk_bytes = (size_t)256 << 10;
+    eng->bandwidth = 25e9;
+    eng->latency = 5e-6;
+    eng->min_chunks_per_lane = 1;
+    eng->nontemporal = 1;
+    eng->lane_wait_ns = 100000;
+    eng->helpers = helpers;
+    eng->lead_copies = 1;
+    eng->piece_bytes = (size_t)128 << 10;
+    eng->coop_max_bytes = SIZE_MAX;
+    eng->help_spin_ns = 200000;
+    eng->pid = getpid();
+    err_t e;
+    int rc = engine_start(eng, driver_thread, 0, &e);
+    CHECK(rc == 0);
+    return rc ? NULL : eng;
+}
+
+static void stop(engine_t *eng) {
+    engine_stop_lanes(eng);
+    engine_free(eng);
+}
+
+static void wait_done(job_t *job) {
+    pthread_mutex_lock(&job->mu);
+    while (!atomic_load(&job->done)) pthread_cond_wait(&job->cv, &job->mu);
+    pthread_mutex_unlock(&job->mu);
+}
+
+/* Plan and queue a job over a C-order array of ndim axes; the caller's reference is the returned job's. */
+static job_t *submit(engine_t *eng, char *host, char *dev, int ndim, const ptrdiff_t *shape, const ptrdiff_t *strides,
+                     size_t itemsize, int hand_off) {
+    long long nbytes = (long long)itemsize;
+    for (int a = 0; a < ndim; a++) nbytes *= shape[a];
+    int kind;
+    const char *why;
+    job_t *job = job_plan(eng, host, (CUdeviceptr)(uintptr_t)dev, nbytes, ndim, shape, strides, (long long)itemsize, 0,
+                          hand_off, &kind, &why);
+    CHECK(job != NULL);
+    if (!job) return NULL;
+    CHECK(engine_queue(eng, job, hand_off) == 0);
+    return job;
+}
+
+static void test_contiguous_upload_and_download(int driver_thread) {
+    size_t n = ((size_t)8 << 20) + 13;
+    char *src = malloc(n), *dev = calloc(1, n), *back = calloc(1, n);
+    for (size_t i = 0; i < n; i++) src[i] = (char)(i * 7 + 3);
+    engine_t *up = make(1, 4, 0, driver_thread), *down = make(0, 3, 0, driver_thread);
+    ptrdiff_t shape[1] = {(ptrdiff_t)n}, strides[1] = {1};
+    job_t *job = submit(up, src, dev, 1, shape, strides, 1, 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->host_bytes) == n && job->nlanes == 4);
+    CHECK(memcmp(src, dev, n) == 0);
+    job_decref(job);
+    job = submit(down, back, dev, 1, shape, strides, 1, 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && memcmp(src, back, n) == 0);
+    job_decref(job);
+    stop(up);
+    stop(down);
+    free(src);
+    free(dev);
+    free(back);
+}
+
+/* A strided host array (every other column of a 4096 x 1024 float array) against a contiguous image. */
+static void test_strided_round_trip(void) {
+    ptrdiff_t rows = 4096, cols = 1024;
+    float *host = malloc((size_t)(rows * cols) * sizeof(float)), *image = calloc((size_t)(rows * cols / 2), sizeof(float));
+    float *out = calloc((size_t)(rows * cols), sizeof(float));
+    for (ptrdiff_t i = 0; i < rows * cols; i++) host[i] = (float)i;
+    ptrdiff_t shape[2] = {rows, cols / 2}, strides[2] = {cols * (ptrdiff_t)sizeof(float), 2 * (ptrdiff_t)sizeof(float)};
+    engine_t *up = make(1, 3, 0, 1), *down = make(0, 3, 0, 1);
+    job_t *job = submit(up, (char *)host, (char *)image, 2, shape, strides, sizeof(float), 0);
+    wait_done(job);
+    CHECK(!job->contiguous && job->nchunks > 3 && !atomic_load(&job->failed));
+    int same = 1;
+    for (ptrdiff_t r = 0; r < rows && same; r++)
+        for (ptrdiff_t c = 0; c < cols / 2; c++)
+            if (image[r * (cols / 2) + c] != host[r * cols + 2 * c]) same = 0;
+    CHECK(same);
+    job_decref(job);
+    job = submit(down, (char *)out, (char *)image, 2, shape, strides, sizeof(float), 0);
+    wait_done(job);
+    same = !atomic_load(&job->failed);
+    for (ptrdiff_t r = 0; r < rows && same; r++)
+        for (ptrdiff_t c = 0; c < cols; c++)
+            if (out[r * cols + c] != (c % 2 ? 0.0f : host[r * cols + c])) same = 0;
+    CHECK(same); /* the columns between stay untouched */
+    job_decref(job);
+    stop(up);
+    stop(down);
+    free(host);
+    free(image);
+    free(out);
+}
+
+/* A cooperative upload (one lead, idle lanes help with its chunk copies) and a hand-off's posted events. */
+static void test_cooperative_upload_with_a_hand_off(void) {
+    size_t n = (size_t)6 << 20;
+    char *src = malloc(n), *dev = calloc(1, n);
+    for (size_t i = 0; i < n; i++) src[i] = (char)(i ^ (i >> 9));
+    engine_t *up = make(1, 4, 3, 1);
+    ptrdiff_t shape[1] = {(ptrdiff_t)n}, strides[1] = {1};
+    for (int k = 0; k < 4; k++) {
+        job_t *job = submit(up, src, dev, 1, shape, strides, 1, 1);
+        CHECK(job->coop && job->nlanes == 1);
+        wait_done(job);
+        pthread_mutex_lock(&job->mu);
+        while (atomic_load(&job->unposted)) pthread_cond_wait(&job->cv, &job->mu);
+        int posted = job->nposted;
+        pthread_mutex_unlock(&job->mu);
+        CHECK(posted == 1);
+        CHECK(memcmp(src, dev, n) == 0);
+        memset(dev, 0, n);
+        job_decref(job);
+    }
+    CHECK(atomic_load(&up->coop_jobs) == 4);
+    stop(up);
+    free(src);
+    free(dev);
+}
+
+/* An injected failure fails its job with the emulated code and text; the lane recovers, the next job runs. */
+static void test_a_failed_copy_fails_its_job_and_the_next_one_runs(void) {
+    size_t n = (size_t)4 << 20;
+    char *src = malloc(n), *dev = calloc(1, n);
+    memset(src, 5, n);
+    engine_t *up = make(1, 2, 0, 1);
+    pthread_mutex_lock(&up->mu);
+    up->fail_armed = 1;
+    up->fail_after = 1;
+    pthread_mutex_unlock(&up->mu);
+    ptrdiff_t shape[1] = {(ptrdiff_t)n}, strides[1] = {1};
+    job_t *job = submit(up, src, dev, 1, shape, strides, 1, 0);
+    wait_done(job);
+    CHECK(atomic_load(&job->failed) && job->err.code == 999 && !job->err.sticky);
+    CHECK(strstr(job->err.text, "injected") != NULL);
+    job_decref(job);
+    job = submit(up, src, dev, 1, shape, strides, 1, 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && memcmp(src, dev, n) == 0);
+    CHECK(atomic_load(&up->abandoned_bytes) > 0); /* the failing lane gave its slots up */
+    job_decref(job);
+    stop(up);
+    free(src);
+    free(dev);
+}
+
+/* Stopping an engine runs every queued job first (a hold is lifted); nothing is queued after. */
+static void test_stop_runs_every_queued_job(void) {
+    size_t n = (size_t)2 << 20;
+    char *src = malloc(n), *dev[6];
+    memset(src, 9, n);
+    engine_t *up = make(1, 2, 0, 1);
+    atomic_store(&up->held, 1);
+    ptrdiff_t shape[1] = {(ptrdiff_t)n}, strides[1] = {1};
+    job_t *jobs[6];
+    for (int k = 0; k < 6; k++) {
+        dev[k] = calloc(1, n);
+        jobs[k] = submit(up, src, dev[k], 1, shape, strides, 1, 0);
+    }
+    engine_stop_lanes(up);
+    for (int k = 0; k < 6; k++) {
+        CHECK(atomic_load(&jobs[k]->done) && memcmp(src, dev[k], n) == 0);
+        job_decref(jobs[k]);
+        free(dev[k]);
+    }
+    int kind;
+    const char *why;
+    job_t *late = job_plan(up, src, (CUdeviceptr)(uintptr_t)src, (long long)n, 1, shape, strides, 1, 0, 0, &kind, &why);
+    CHECK(late != NULL && engine_queue(up, late, 0) == ENGINE_CLOSED); /* refused: nothing queued */
+    if (late) {
+        atomic_store(&late->refs, 1);
+        job_decref(late);
+    }
+    CHECK(atomic_load(&up->held_bytes) == 0); /* every lane freed its slots */
+    engine_free(up);
+    free(src);
+}
+
+/* job_plan refuses a description that does not add up, and says why. */
+static void test_a_plan_that_does_not_add_up_is_refused(void) {
+    engine_t *up = make(1, 1, 0, 0);
+    ptrdiff_t shape[2] = {4, 4}, strides[2] = {16, 4};
+    int kind;
+    const char *why = NULL;
+    char buf[64];
+    CHECK(job_plan(up, buf, (CUdeviceptr)(uintptr_t)buf, 63, 2, shape, strides, 4, 0, 0, &kind, &why) == NULL);
+    CHECK(kind == PLAN_VALUE && why && strstr(why, "prod(shape)"));
+    ptrdiff_t huge[2] = {PTRDIFF_MAX, PTRDIFF_MAX};
+    CHECK(job_plan(up, buf, (CUdeviceptr)(uintptr_t)buf, 64, 2, huge, strides, 4, 0, 0, &kind, &why) == NULL);
+    CHECK(kind == PLAN_OVERFLOW);
+    stop(up);
+}
+
+int main(void) {
+    test_contiguous_upload_and_download(1);
+    test_contiguous_upload_and_download(0);
+    test_strided_round_trip();
+    test_cooperative_upload_with_a_hand_off();
+    test_a_failed_copy_fails_its_job_and_the_next_one_runs();
+    test_stop_runs_every_queued_job();
+    test_a_plan_that_does_not_add_up_is_refused();
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("ok\n");
+    return 0;
+}
