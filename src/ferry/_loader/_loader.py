@@ -549,7 +549,13 @@ class _Engine:
                 state.next_out += 1
                 if ready[0] == "end":
                     continue
+                if ready[0] == "died":
+                    self.broken = True
+                    raise LoaderWorkerError(ready[4], ready[1], ready[2])
                 return ready
+            if state.death is not None and not state.outstanding:
+                self.broken = True
+                raise LoaderWorkerError(state.death[1], None, state.death[0])
             if not state.outstanding:
                 if state.exhausted and not state.pending:
                     return _END
@@ -633,7 +639,7 @@ class _Engine:
         ring = self.ring
         assert ring is not None
         limit = self.workers * self.prefetch_factor if ring.sized else 1
-        while not state.exhausted and state.outstanding < limit:
+        while not state.exhausted and state.outstanding < limit and state.death is None:
             worker = state.next_worker()
             if worker is None:
                 state.exhausted = True
@@ -659,10 +665,11 @@ class _Engine:
             batch = state.next_task
             try:
                 self.tasks[worker].send((state.number, batch, indices, slot, ring.slot_bytes, ring.slots))
-            except (BrokenPipeError, OSError):
+            except (BrokenPipeError, OSError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
-                self._died(worker, batch)
+                state.death = (worker, self._death_text(worker, None))
+                return
             state.next_task += 1
             state.advance()
             state.pending[batch] = worker
@@ -691,10 +698,7 @@ class _Engine:
                     self._file(state, self.results[worker].recv())
                 except (EOFError, OSError):
                     break
-            if state.ready.get(state.next_out) is not None:
-                return  # hand out what came before the death first
-            working = [b for b, w in state.pending.items() if w == worker]
-            self._died(worker, min(working) if working else None)
+            self._died(state, worker)
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:
         kind, batch, worker, slot = message[:4]
@@ -719,8 +723,22 @@ class _Engine:
         if loader is not None:
             loader._slot_bytes = slot_bytes
 
-    def _died(self, worker: int, batch: int | None) -> None:
+    def _died(self, state: _EpochState, worker: int) -> None:
+        """A worker exited while it should not have: the batches it owed fail at their positions (the
+        batches before them are still handed out), and nothing more is given out."""
         self.broken = True
+        state.gone.add(worker)
+        owed = sorted(b for b, w in state.pending.items() if w == worker)
+        for batch in owed:
+            del state.pending[batch]
+            state.outstanding -= 1
+            state.per_worker[worker] -= 1
+            state.ready[batch] = ("died", batch, worker, None, self._death_text(worker, batch))
+        if state.death is None:
+            state.death = (worker, self._death_text(worker, owed[0] if owed else None))
+        # its slots being written are never written again, and never reused: the ring goes with this epoch
+
+    def _death_text(self, worker: int, batch: int | None) -> str:
         process = self.procs[worker]
         process.join(0.1)
         code = process.exitcode
@@ -729,9 +747,7 @@ class _Engine:
             with contextlib.suppress(ValueError):
                 how = f"signal {signal.Signals(-code).name}"
         where = f" while loading batch {batch}" if batch is not None else ""
-        raise LoaderWorkerError(
-            f"DataLoader worker {worker} (pid {process.pid}) exited unexpectedly with {how}{where}",
-            batch, worker)
+        return f"DataLoader worker {worker} (pid {process.pid}) exited unexpectedly with {how}{where}"
 
     # -- loading in the main process (num_workers=0) ------------------------------------------------------
     def _load_here(self, state: _EpochState) -> bool:
@@ -869,7 +885,8 @@ class _EpochState:
         self.outstanding = 0
         self.exhausted = False
         self.active = list(range(workers))  # workers whose iterable is not exhausted
-        self.gone: set[int] = set()
+        self.gone: set[int] = set()  # workers that died
+        self.death: tuple[int, str] | None = None  # the first death: worker, what to say
         self._turn = 0
 
     def next_worker(self) -> int | None:
