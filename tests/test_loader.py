@@ -27,10 +27,9 @@ import numpy as np
 import pytest
 
 import ferry
+from conftest import eventually
 from ferry import testing
 from ferry._loader._worker import numpy_state
-
-from conftest import eventually
 from test_loader_datasets import Modules, as_array
 
 CONTEXTS = ["fork", "spawn", "forkserver"]
@@ -273,6 +272,8 @@ def test_every_start_method_delivers_through_the_ring(rt: ferry.Runtime, leaks: 
                 assert rt.stats().registered_bytes == loader.ring_bytes > 0
                 seen.extend(_host(rt, batch["y"]).tolist())
             assert seen == list(range(24))
+            engine = loader._engine  # persistent: the ring stays, every slot free again between epochs
+            assert engine is not None and engine.table.free == len(engine.table) == engine.slots
         # only the loader's very first batch came as arrays (it sized the ring); the rest came through the
         # registered slots: one DMA each and no host copy in this process
         assert loader.fallback_batches == 1
@@ -444,9 +445,9 @@ def test_a_worker_exception_reaches_the_consumer_with_its_batch_and_traceback(
 
 def test_a_failing_worker_init_fn_is_reported(rt: ferry.Runtime, leaks: _Baseline) -> None:
     with ferry.DataLoader(Squares(4), batch_size=2, num_workers=1, runtime=rt, worker_init_fn=init_fails,
-                          multiprocessing_context="fork") as loader:
-        with pytest.raises(ferry.LoaderWorkerError, match="init of worker 0 failed"):
-            list(loader)
+                          multiprocessing_context="fork") as loader, \
+            pytest.raises(ferry.LoaderWorkerError, match="init of worker 0 failed"):
+        list(loader)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -51,7 +51,7 @@ class _Leaf:
         return np.array(self.values, dtype=self.dtype)
 
 
-def _plan(samples: Sequence[Any], leaves: list[_Leaf]) -> Skeleton:
+def _plan(samples: Sequence[Any], leaves: list[_Leaf]) -> Skeleton:  # noqa: PLR0911 - one return per kind
     """The skeleton of ``default_collate(samples)``, its leaves appended to ``leaves``."""
     elem = samples[0]
     if isinstance(elem, (str, bytes)):
@@ -151,7 +151,7 @@ def split(batch: Any, arrays: list[np.ndarray[Any, Any]]) -> Skeleton:
     return ("a", len(arrays) - 1)
 
 
-def build(skeleton: Skeleton, leaves: Sequence[Any]) -> Any:
+def build(skeleton: Skeleton, leaves: Sequence[Any]) -> Any:  # noqa: PLR0911 - one return per kind
     """The batch the skeleton describes, with ``leaves`` in its array positions."""
     tag = skeleton[0]
     if tag == "a":

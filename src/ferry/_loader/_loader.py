@@ -688,7 +688,7 @@ class _Engine:
                 dead.append(sentinels[item])
                 continue
             try:
-                message = item.recv()  # type: ignore[union-attr]
+                message: Any = item.recv()  # type: ignore[call-arg, union-attr]
             except (EOFError, OSError):
                 continue  # its sentinel says why
             self._file(state, message)
@@ -775,10 +775,7 @@ class _Engine:
             else:
                 assert state.indices is not None
                 indices = next(state.indices)
-                if self.auto_batch:
-                    samples = [self.dataset[i] for i in indices]
-                else:
-                    samples = self.dataset[indices]
+                samples = [self.dataset[i] for i in indices] if self.auto_batch else self.dataset[indices]
         except StopIteration:
             state.exhausted = True
             if slot is not None:

@@ -98,7 +98,8 @@ class SlotTable:
         """The batch's copies were issued from ``slot`` (HELD -> IN_FLIGHT)."""
         s = self._at(slot)
         if s.state != HELD or s.batch != batch:
-            raise SlotProtocolError(f"copies issued from slot {slot} for batch {batch} while {s.state} (batch {s.batch})")
+            raise SlotProtocolError(
+                f"copies issued from slot {slot} for batch {batch} while {s.state} (batch {s.batch})")
         s.state = IN_FLIGHT
 
     def completed(self, slot: int) -> None:

@@ -122,8 +122,8 @@ def numpy_state(base_seed: int, worker_id: int) -> list[int]:
                 pool[dst] = mix(pool[dst], hashed(pool[src]))
     const_b = init_b
     state = []
-    for value in pool:
-        value = (value ^ const_b) & mask
+    for entry in pool:
+        value = (entry ^ const_b) & mask
         const_b = (const_b * mult_b) & mask
         value = (value * const_b) & mask
         state.append((value ^ (value >> shift)) & mask)
@@ -145,7 +145,7 @@ def seed_worker(base_seed: int, worker_id: int, num_workers: int, dataset: Any) 
 
             torch_worker._worker_info = torch_worker.WorkerInfo(
                 id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
-        except Exception:  # noqa: BLE001 - a PyTorch without that private hook: ferry's own info only
+        except Exception:
             pass
 
 
@@ -155,7 +155,7 @@ def _error(batch: int, worker: int, slot: int | None) -> tuple[Any, ...]:
     try:
         pickle.dumps(exc)
         original: Any = exc
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text only
+    except Exception:
         original = None
     return ("error", batch, worker, slot, text, original)
 
@@ -172,7 +172,7 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
         if worker_init_fn is not None:
             try:
                 worker_init_fn(worker_id)
-            except Exception:  # noqa: BLE001 - reported with the first batch asked for
+            except Exception:
                 init_failed = _error(-1, worker_id, None)
         stream: Any = None
         epoch = -1
@@ -213,7 +213,7 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 del fresh
             except StopIteration:
                 results.send(("end", batch, worker_id, slot))
-            except Exception:  # noqa: BLE001 - every failure of the user's code goes to the consumer
+            except Exception:
                 results.send(_error(batch, worker_id, slot))
     except (BrokenPipeError, EOFError, KeyboardInterrupt):
         return
