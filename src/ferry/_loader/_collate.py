@@ -55,7 +55,7 @@ def _plan(samples: Sequence[Any], leaves: list[_Leaf]) -> Skeleton:  # noqa: PLR
     """The skeleton of ``default_collate(samples)``, its leaves appended to ``leaves``."""
     elem = samples[0]
     if isinstance(elem, (str, bytes)):
-        return ("v", list(samples))
+        return ("v", samples)
     if isinstance(elem, bool):
         leaves.append(_Leaf(np.dtype(np.bool_), (len(samples),), None, list(samples)))
         return ("a", len(leaves) - 1)
@@ -98,11 +98,11 @@ def _plan(samples: Sequence[Any], leaves: list[_Leaf]) -> Skeleton:  # noqa: PLR
     )
 
 
-def _columns(samples: Sequence[Any]) -> list[list[Any]]:
+def _columns(samples: Sequence[Any]) -> list[tuple[Any, ...]]:
     size = len(samples[0])
     if any(len(s) != size for s in samples):
         raise RuntimeError("default_collate: each element in list of batch should be of equal size")
-    return [list(c) for c in zip(*samples, strict=True)]
+    return list(zip(*samples, strict=True))  # tuples: strings in a sequence come back as a tuple, as PyTorch's
 
 
 def default_collate(samples: Sequence[Any]) -> Any:
