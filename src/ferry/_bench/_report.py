@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime import parts_of
+from ._loader import loader_checks
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -167,6 +168,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
     checks += _ceiling_checks(results)
     checks += _pipeline_checks(results)
     checks += _gil_checks(results)
+    checks += loader_checks(results)
     return checks
 
 
