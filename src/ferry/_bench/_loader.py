@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import os
 import statistics
 import time
@@ -121,9 +123,7 @@ def group_loader(ctx: Any) -> None:
             continue
         why = None if torch is not None else "PyTorch is not installed: no training to feed"
         if why is None and workload.name == "image":
-            try:
-                import torchvision  # noqa: F401
-            except ImportError:
+            if importlib.util.find_spec("torchvision") is None:
                 why = "torchvision is not installed (MLP only)"
         if why is not None:
             for impl, route in CONTENDERS:
@@ -175,8 +175,7 @@ def _epoch(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total:
 def _model(torch: Any, workload: Workload) -> tuple[Any, Any, Callable[[Any], Any]]:
     nn = torch.nn
     if workload.name == "image":
-        import torchvision
-
+        torchvision = importlib.import_module("torchvision")
         model = torchvision.models.resnet18(num_classes=1000).cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         return model, optimizer, lambda x: x
