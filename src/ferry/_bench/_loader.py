@@ -122,9 +122,8 @@ def group_loader(ctx: Any) -> None:
             _emulated(ctx, p, workload)
             continue
         why = None if torch is not None else "PyTorch is not installed: no training to feed"
-        if why is None and workload.name == "image":
-            if importlib.util.find_spec("torchvision") is None:
-                why = "torchvision is not installed (MLP only)"
+        if why is None and workload.name == "image" and importlib.util.find_spec("torchvision") is None:
+            why = "torchvision is not installed (MLP only)"
         if why is not None:
             for impl, route in CONTENDERS:
                 ctx.results.append(Result("loader", impl, f"{workload.name}: {route}", "h2d", workload.nbytes,
