@@ -15,8 +15,8 @@ from . import _buffer, _device_array, _errors, _pending, _prefetch, _runtime, _s
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
-from ._loader import _loader, _worker
-from ._loader._loader import *  # noqa: F403
+from ._loader import _dataloader, _worker
+from ._loader._dataloader import *  # noqa: F403
 from ._loader._worker import *  # noqa: F403
 from ._memory import _register
 from ._memory._register import *  # noqa: F403
@@ -43,5 +43,5 @@ __all__ += _register.__all__
 __all__ += _waiting.__all__
 __all__ += _peer.__all__
 __all__ += _prefetch.__all__
-__all__ += _loader.__all__
+__all__ += _dataloader.__all__
 __all__ += _worker.__all__

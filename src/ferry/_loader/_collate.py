@@ -15,11 +15,50 @@ from typing import Any
 import numpy as np
 
 from .._memory._ring import ALIGN, round_up
-from .._prefetch import _PASS, _host_array, _mapping, _sequence
 
 __all__: list[str] = []
 
 Skeleton = tuple[Any, ...]
+_PASS = (str, bytes, int, float, complex, bool, np.generic, type(None))  # leaves that stay on the host
+_KDL_CPU, _KDL_CUDA_HOST = 1, 3
+
+
+def _host_array(leaf: Any) -> np.ndarray[Any, Any]:
+    """The NumPy array of a host leaf (no copy): a NumPy array, a DLPack CPU tensor, or anything with
+    ``__array__``; TypeError for anything else (the rules of :func:`ferry.prefetch`)."""
+    if isinstance(leaf, np.ndarray):
+        return leaf
+    device = getattr(leaf, "__dlpack_device__", None)
+    if device is not None:
+        where = tuple(device())
+        if where[0] not in (_KDL_CPU, _KDL_CUDA_HOST):
+            raise TypeError(f"a {type(leaf).__name__} on DLPack device {where} is not in host memory")
+        try:
+            return np.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError) as exc:
+            detach = getattr(leaf, "detach", None)  # a torch tensor that requires grad
+            if detach is None:
+                raise TypeError(f"NumPy cannot take the {type(leaf).__name__} through DLPack: {exc}") from exc
+            return np.from_dlpack(detach())
+    if hasattr(leaf, "__array__"):
+        return np.asarray(leaf)
+    raise TypeError(
+        f"a batch leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
+        "and tuples, lists and dicts of them are collated; str, numbers and None pass through)"
+    )
+
+
+def _sequence(kind: type, values: list[Any]) -> Any:
+    if hasattr(kind, "_fields"):  # a named tuple
+        return kind(*values)
+    return kind(values)
+
+
+def _mapping(kind: type, built: dict[Any, Any]) -> Any:
+    try:
+        return kind(built)
+    except TypeError:  # a mapping type that is not built from a dict (defaultdict, ...)
+        return built
 Layout = list[tuple[str, tuple[int, ...], int]]  # dtype, shape, offset
 
 
