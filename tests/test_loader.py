@@ -588,3 +588,36 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "zombie" not in status.read_text()
+
+
+class Numbers:
+    def __len__(self) -> int:
+        return 5 * 20000
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def growing_collate(samples: list[int]) -> np.ndarray[Any, Any]:
+    """Every batch larger than the one before: none fits the ring, each comes back as arrays."""
+    k = samples[0] // len(samples)
+    return np.full(len(samples) * (2 + k), samples[0], np.int64)
+
+
+def test_large_tasks_and_large_fallback_batches_do_not_deadlock(rt: ferry.Runtime, leaks: _Baseline) -> None:
+    # tasks of 20000 indices (more than a pipe holds, prefetch_factor of them) while the worker sends
+    # batches back that are larger than a pipe too: neither side may block the other
+    def expire(*_: Any) -> None:
+        raise TimeoutError("the loader deadlocked")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(120)
+    try:
+        with ferry.DataLoader(Numbers(), batch_size=20000, num_workers=1, prefetch_factor=4, runtime=rt,
+                              collate_fn=growing_collate, multiprocessing_context="fork") as loader:
+            sizes = [(b.shape[0], int(rt.to_host(b)[0])) for b in loader]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert sizes == [(20000 * (2 + k), 20000 * k) for k in range(5)]
+    assert loader.fallback_batches == 5

@@ -665,7 +665,7 @@ class _Engine:
             batch = state.next_task
             try:
                 self.tasks[worker].send((state.number, batch, indices, slot, ring.slot_bytes, ring.slots))
-            except (BrokenPipeError, OSError):  # it died: its sentinel reports it next
+            except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
                 state.death = (worker, self._death_text(worker, None))
@@ -829,9 +829,12 @@ class _Engine:
             return
         self.closed = True
         self.broken = True
-        for conn in self.tasks:
+        for conn in self.tasks:  # never blocks: a worker that stopped reading is terminated below
             with contextlib.suppress(Exception):
+                os.set_blocking(conn.fileno(), False)
                 conn.send(None)
+            with contextlib.suppress(Exception):
+                conn.close()  # the worker's reader sees the end of the pipe
         deadline = time.monotonic() + _JOIN_SECONDS
         for process in self.procs:
             with contextlib.suppress(Exception):

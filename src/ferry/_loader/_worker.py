@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import random
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from itertools import islice
@@ -160,6 +162,25 @@ def _error(batch: int, worker: int, slot: int | None) -> tuple[Any, ...]:
     return ("error", batch, worker, slot, text, original)
 
 
+def _read_tasks(tasks: Any, inbox: queue.SimpleQueue[Any], parent: int) -> None:
+    """Move tasks from the pipe to ``inbox`` as they come, so that the main process never blocks
+    sending one while this worker blocks sending a large batch back. ``None`` at the end (asked for,
+    the pipe closed, or the main process gone)."""
+    try:
+        while True:
+            if not tasks.poll(0.5):
+                if os.getppid() != parent:
+                    break
+                continue
+            task = tasks.recv()
+            if task is None:
+                break
+            inbox.put(task)
+    except (EOFError, OSError):
+        pass
+    inbox.put(None)
+
+
 def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, batch_size: int | None,
                 drop_last: bool, collate_fn: Any, worker_init_fn: Any, base_seed: int, ring_file: SharedFile,
                 tasks: Any, results: Any, parent: int) -> None:
@@ -176,12 +197,11 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 init_failed = _error(-1, worker_id, None)
         stream: Any = None
         epoch = -1
+        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=_read_tasks, args=(tasks, inbox, parent), name="ferry-loader-tasks",
+                         daemon=True).start()
         while True:
-            if not tasks.poll(0.5):
-                if os.getppid() != parent:  # the main process is gone
-                    return
-                continue
-            task = tasks.recv()
+            task = inbox.get()
             if task is None:
                 return
             task_epoch, batch, indices, slot, slot_bytes, slots = task
