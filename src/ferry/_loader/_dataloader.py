@@ -24,8 +24,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing
-import multiprocessing.connection
 import os
+import select
 import signal
 import sys
 import time
@@ -482,6 +482,8 @@ class _Engine:
             self.ring.size(loader._slot_bytes, self.slots)
         self.local_stream: Any = None
         self.local_epoch = -1
+        self._poller: Any = None
+        self._watched: dict[int, tuple[bool, int]] = {}  # fd -> (is the process's sentinel, worker)
 
     # -- workers -------------------------------------------------------------------------------------
     def start(self, loader: DataLoader) -> None:
@@ -678,26 +680,33 @@ class _Engine:
 
     def _receive(self, state: _EpochState) -> None:
         """Wait for a message from any worker (or a worker's death) and file it."""
-        timeout = 0.001 if self.inflight and self.table.free == 0 else 1.0
-        readers = [c for w, c in enumerate(self.results) if w not in state.gone]
-        sentinels = {self.procs[w].sentinel: w for w in range(self.workers) if w not in state.gone}
-        ready = multiprocessing.connection.wait(readers + list(sentinels), timeout)
+        timeout = 1 if self.inflight and self.table.free == 0 else 1000  # ms
+        poller = self._poller
+        if poller is None:  # one poll object for the workers' lifetime: a wait costs one system call
+            poller = self._poller = select.poll()
+            for worker, (conn, process) in enumerate(zip(self.results, self.procs, strict=True)):
+                poller.register(conn.fileno(), select.POLLIN)
+                poller.register(process.sentinel, select.POLLIN)
+                self._watched[conn.fileno()] = (False, worker)
+                self._watched[process.sentinel] = (True, worker)
         dead = []
-        for item in ready:
-            if item in sentinels:
-                dead.append(sentinels[item])
+        for fd, _ in poller.poll(timeout):
+            ended, worker = self._watched[fd]
+            if ended:
+                dead.append(worker)
+                poller.unregister(fd)
                 continue
             try:
-                message: Any = item.recv()  # type: ignore[call-arg, union-attr]
+                message: Any = self.results[worker].recv()
             except (EOFError, OSError):
-                continue  # its sentinel says why
+                poller.unregister(fd)  # its sentinel says why
+                continue
             self._file(state, message)
         for worker in dead:
-            while self.results[worker].poll():
-                try:
-                    self._file(state, self.results[worker].recv())
-                except (EOFError, OSError):
-                    break
+            conn = self.results[worker]
+            with contextlib.suppress(EOFError, OSError):
+                while conn.poll():
+                    self._file(state, conn.recv())
             self._died(state, worker)
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:

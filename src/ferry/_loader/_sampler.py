@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator, Sized
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -91,13 +92,12 @@ class BatchSampler:
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
 
     def __iter__(self) -> Iterator[list[Any]]:
-        batch: list[Any] = []
-        for index in self.sampler:
-            batch.append(index)
-            if len(batch) == self.batch_size:
-                yield batch
-                batch = []
-        if batch and not self.drop_last:
+        indices = iter(self.sampler)
+        size = self.batch_size
+        while True:
+            batch = list(islice(indices, size))
+            if not batch or (len(batch) < size and self.drop_last):
+                return
             yield batch
 
     def __len__(self) -> int:
