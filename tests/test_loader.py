@@ -542,6 +542,7 @@ def test_ten_spawn_epochs_leave_nothing_behind(rt: ferry.Runtime, leaks: _Baseli
         gc.collect()
         rss.append(int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
     assert rss[-1] - rss[2] < 16 << 20
+    assert loader.fallback_batches == 1  # later epochs' rings were sized before their workers started
     loader.close()
 
 
@@ -621,3 +622,32 @@ def test_large_tasks_and_large_fallback_batches_do_not_deadlock(rt: ferry.Runtim
         signal.signal(signal.SIGALRM, previous)
     assert sizes == [(20000 * (2 + k), 20000 * k) for k in range(5)]
     assert loader.fallback_batches == 5
+
+
+class Odd:
+    """Samples with an empty array and a string, and one with nothing to upload at all."""
+
+    def __init__(self, strings_only: bool) -> None:
+        self.strings_only = strings_only
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int) -> Any:
+        if self.strings_only:
+            return f"s{i}"
+        return np.zeros((0, 3), np.float32), np.array(i, np.uint8), f"s{i}"
+
+
+@pytest.mark.parametrize("strings_only", [False, True])
+def test_empty_arrays_scalars_and_string_only_batches(rt: ferry.Runtime, leaks: _Baseline,
+                                                       strings_only: bool) -> None:
+    with ferry.DataLoader(Odd(strings_only), batch_size=2, num_workers=1, runtime=rt,
+                          multiprocessing_context="fork") as loader:
+        batches = _run(loader, rt)
+    if strings_only:
+        assert batches == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+        return
+    assert [b[0].shape for b in batches] == [(2, 0, 3), (2, 0, 3), (1, 0, 3)]
+    assert [b[1].tolist() for b in batches] == [[0, 1], [2, 3], [4]] and batches[0][1].dtype == np.uint8
+    assert [b[2] for b in batches] == [("s0", "s1"), ("s2", "s3"), ("s4",)]  # in a sequence: a tuple, as PyTorch
