@@ -266,7 +266,9 @@ def test_every_start_method_delivers_through_the_ring(rt: ferry.Runtime, leaks: 
     before = rt.stats()
     with ferry.DataLoader(Squares(24), batch_size=4, num_workers=2, runtime=rt, multiprocessing_context=context,
                           persistent_workers=True) as loader:
-        for _ in range(2):
+        for epoch in range(2):
+            if epoch:
+                time.sleep(1.2)  # idle persistent workers stay (a forkserver worker's parent is not this process)
             seen = []
             for batch in loader:
                 assert rt.stats().registered_bytes == loader.ring_bytes > 0
@@ -651,3 +653,32 @@ def test_empty_arrays_scalars_and_string_only_batches(rt: ferry.Runtime, leaks: 
     assert [b[0].shape for b in batches] == [(2, 0, 3), (2, 0, 3), (1, 0, 3)]
     assert [b[1].tolist() for b in batches] == [[0, 1], [2, 3], [4]] and batches[0][1].dtype == np.uint8
     assert [b[2] for b in batches] == [("s0", "s1"), ("s2", "s3"), ("s4",)]  # in a sequence: a tuple, as PyTorch
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_workers_exit_when_the_main_process_is_killed(tmp_path: Path, context: str) -> None:
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import multiprocessing
+        import ferry
+        from test_loader import Slow
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Slow(), batch_size=2, num_workers=2, multiprocessing_context={context!r},
+                                      runtime=ferry.Runtime("emulated"))
+            it = iter(loader)
+            next(it)
+            print(" ".join(str(p.pid) for p in multiprocessing.active_children() if p.name.startswith("ferry")),
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)

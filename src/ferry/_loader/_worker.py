@@ -162,14 +162,26 @@ def _error(batch: int, worker: int, slot: int | None) -> tuple[Any, ...]:
     return ("error", batch, worker, slot, text, original)
 
 
+def _alive(pid: int) -> bool:
+    """Whether the main process still runs (under forkserver it is not this worker's parent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _read_tasks(tasks: Any, inbox: queue.SimpleQueue[Any], parent: int) -> None:
     """Move tasks from the pipe to ``inbox`` as they come, so that the main process never blocks
     sending one while this worker blocks sending a large batch back. ``None`` at the end (asked for,
     the pipe closed, or the main process gone)."""
+    first_parent = os.getppid()  # the main process, or under forkserver the server: either ends with it
     try:
         while True:
             if not tasks.poll(0.5):
-                if os.getppid() != parent:
+                if os.getppid() != first_parent or not _alive(parent):
                     break
                 continue
             task = tasks.recv()
