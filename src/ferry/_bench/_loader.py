@@ -261,8 +261,8 @@ def _on_gpu(ctx: Any, p: Plan, workload: Workload, torch: Any) -> None:
         row.cpu.valid = None
         if route == "dataloader":
             row.step.note = (row.step.note + "; " if row.step.note else "") + (
-                f"ring {max(row.ring) / MiB:.0f} MiB pinned, after each epoch: "
-                f"{', '.join(f'{r / MiB:.0f}' for r in row.ring)} MiB; "
+                f"ring {max(row.ring) / MiB:.1f} MiB pinned, after each epoch: "
+                f"{', '.join(f'{r / MiB:.1f}' for r in row.ring)} MiB; "
                 f"{ours.fallback_batches} batch(es) not through the ring")
 
 
