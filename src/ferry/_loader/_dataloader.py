@@ -475,7 +475,6 @@ class _Engine:
         self.procs: list[Any] = []
         self.tasks: list[Any] = []
         self.results: list[Any] = []
-        self.stopping = False
         self.seed_generator = loader.generator
         self.base_seed = 0
         if loader._slot_bytes:
