@@ -33,6 +33,7 @@ __all__: list[str] = []
 
 PAGE = mmap.PAGESIZE
 ALIGN = 256  # each leaf of a slot starts on this boundary
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _new_file() -> int:
@@ -158,8 +159,8 @@ class WorkerRing:
 
     def slot(self, slot: int, slot_bytes: int, slots: int) -> memoryview:
         """The writable bytes of ``slot``."""
-        if self._map is None:
-            self._map = mmap.mmap(self.fd, slot_bytes * slots, flags=mmap.MAP_SHARED,
+        if self._map is None:  # page tables filled at once: no page fault while collating, ever
+            self._map = mmap.mmap(self.fd, slot_bytes * slots, flags=mmap.MAP_SHARED | _POPULATE,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self.slot_bytes = slot_bytes
         start = slot * self.slot_bytes
