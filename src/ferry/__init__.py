@@ -20,6 +20,9 @@ from ._files import _npy, _safetensors
 from ._files._common import *  # noqa: F403
 from ._files._npy import *  # noqa: F403
 from ._files._safetensors import *  # noqa: F403
+from ._loader import _dataloader, _worker
+from ._loader._dataloader import *  # noqa: F403
+from ._loader._worker import *  # noqa: F403
 from ._memory import _register
 from ._memory._register import *  # noqa: F403
 from ._pending import *  # noqa: F403
@@ -48,3 +51,5 @@ __all__ += _prefetch.__all__
 __all__ += _files_common.__all__
 __all__ += _safetensors.__all__
 __all__ += _npy.__all__
+__all__ += _dataloader.__all__
+__all__ += _worker.__all__

@@ -16,6 +16,8 @@
 ``gil``          a pure-Python loop's speed beside background transfer loops (``_gil.py``)
 ``files``        checkpoint loading and saving against the peers and the pread/pwrite ceiling (``_files.py``)
 ``trees``        whole state-dict-shaped structures both ways, with the peers (``_trees.py``)
+``loader``       worker processes feeding real training: resident data, PyTorch's DataLoader two ways,
+                 ferry.prefetch over it, ferry.DataLoader (``_loader.py``)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from .. import testing
 from .._runtime import parts_of
-from . import _files, _gil, _pipeline, _trees
+from . import _files, _gil, _loader, _pipeline, _trees
 from ._memcpy import CopyTeam, passes_for
 from ._peers import Case
 from ._protocol import Budget, Result, measure, measure_interleaved, payload, poison
@@ -864,6 +866,7 @@ def case_count(group: str, ctx: Context) -> int:
         "gil": _gil.case_count(ctx),
         "files": _files.case_count(ctx),
         "trees": _trees.case_count(ctx),
+        "loader": _loader.case_count(ctx.rt.backend == "emulated", ctx.quick),
     }
     return counts[group]
 
@@ -883,4 +886,5 @@ GROUPS: dict[str, Callable[[Context], None]] = {
     "gil": _gil.group_gil,
     "files": _files.group_files,
     "trees": _trees.group_trees,
+    "loader": _loader.group_loader,
 }

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._runtime import parts_of
 from . import _files, _trees
+from ._loader import loader_checks
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -170,6 +171,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
     checks += _gil_checks(results)
     checks += _files.checks(results, Check, _find)
     checks += _trees.checks(results, Check)
+    checks += loader_checks(results, Check, _find)
     return checks
 
 

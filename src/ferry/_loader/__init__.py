@@ -1,0 +1,1 @@
+"""``ferry.DataLoader``: worker processes collate batches straight into a process-shared pinned ring."""
