@@ -592,9 +592,56 @@ _HELD_AT_EXIT = """
 """
 
 
+# Python 3.12+ refuses to start a thread once the interpreter exits (its atexit hooks run then): this
+# prelude, registered after ferry's own hook (hooks run last in, first out), makes every Python do so
+_NO_THREADS_AT_EXIT = """
+    import atexit, threading
+
+    def _refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    def _no_threads_from_now_on():
+        threading.Thread.start = _refuse
+
+    atexit.register(_no_threads_from_now_on)
+"""
+
+_RELEASED_AT_EXIT = """
+    import atexit
+
+    def _after_ferry():  # registered before ferry is imported, so it runs after ferry's exit hook
+        stats = rt.stats()
+        print("completed", stats.completed, "of", stats.submitted, "failed", stats.failed, flush=True)
+
+    atexit.register(_after_ferry)
+    import contextlib, threading, time, numpy as np, ferry
+    from ferry import testing
+    rt = ferry.Runtime()
+    hold = contextlib.ExitStack()
+    hold.enter_context(testing.hold(rt))
+    kept = rt.download_pending(rt.empty(1 << 20, np.uint8), rt.pinned(1 << 20))
+    rt.upload_pending(rt.pinned(4096), rt.empty(4096, np.uint8))  # dropped
+    release = threading.Timer(1.0, hold.close)  # the producer finishes a second into the exit
+    release.daemon = True
+    release.start()
+    print(time.monotonic(), flush=True)
+""" + _NO_THREADS_AT_EXIT
+
+
+@pytest.mark.slow
+def test_exit_waits_for_transfers_in_flight_without_starting_a_thread(backend_name: str) -> None:
+    result, ended = _run(_RELEASED_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="60")
+    assert result.returncode == 0, result.stderr
+    started, summary = result.stdout.strip().splitlines()
+    exiting = ended - float(started)
+    assert exiting >= 1.0, f"exit took {exiting:.2f} s: it did not wait for the held copies"
+    assert summary == "completed 2 of 2 failed 0", summary  # the download and the dropped upload
+    assert result.stderr == "", result.stderr  # nothing was left, nothing went wrong, nothing to say
+
+
 @pytest.mark.slow
 def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None:
-    result, ended = _run(_HELD_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0.5")
+    result, ended = _run(_HELD_AT_EXIT + _NO_THREADS_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0.5")
     assert result.returncode == 0, result.stderr
     exiting = ended - float(result.stdout.strip())
     print(f"exit took {exiting:.2f} s with FERRY_EXIT_TIMEOUT=0.5")
@@ -613,6 +660,24 @@ def test_exit_timeout_zero_gives_up_at_once(backend_name: str) -> None:
     assert result.returncode == 0, result.stderr
     assert ended - float(result.stdout.strip()) < 20.0  # not the default 30 s (the producer never finishes)
     assert "2 transfer(s)" in result.stderr
+
+
+def test_a_failure_closing_at_exit_is_reported_not_swallowed(backend_name: str) -> None:
+    code = """
+        import ferry
+        rt = ferry.Runtime()
+
+        def broken(timeout=None):
+            raise OSError("the device went away")
+
+        rt._parts.close = broken  # what a device failure inside close() looks like
+        print("ok")
+    """
+    result, _ = _run(code, backend_name)
+    assert result.returncode == 0, result.stderr
+    assert "ferry: warning: closing a runtime at interpreter exit failed: OSError('the device went away')" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_an_invalid_exit_timeout_is_reported_and_the_default_used(backend_name: str) -> None:

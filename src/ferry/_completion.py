@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from . import _native, _waiting
+from . import _lifecycle, _native, _waiting
 from ._backends._base import Backend, DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
@@ -820,7 +820,9 @@ class Completion:
         A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
         record has one, else False: the watcher is not asked to sleep on a record no one waits for.
         """
-        if _waiting.on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself, so it naps on
+        if _waiting.on_watcher_thread() or _lifecycle.exiting():
+            # a done-callback waits (the watcher cannot wake itself), or the interpreter exits (no thread
+            # may start, so no watcher): nap on
             return self._nap(record, deadline, math.inf) is True
         if deadline is not None and time.monotonic() >= deadline:
             signal = record.signal
