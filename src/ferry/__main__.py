@@ -1,11 +1,14 @@
-"""``python -m ferry info | demo | bench``: what ferry sees, ferry at work, and what each route costs.
+"""``python -m ferry info | demo | bench`` (or ``ferry ...``): what ferry sees, ferry at work, what routes cost.
 
 Every command runs on the emulated device when no GPU is usable and says which
 backend it uses and, when it fell back, why (``--backend`` or ``FERRY_BACKEND``
 choose one explicitly). A usage mistake (a bad option, a bad ``FERRY_BACKEND``,
 a device that does not exist, a payload that cannot fit in memory) gets one
 line on stderr and exit status 2, as argparse does, never a traceback; a closed
-pipe (``python -m ferry info | head -1``) ends the command quietly.
+pipe (``python -m ferry info | head -1``) ends the command quietly. The global
+options (``--backend``, ``--device``) may come before or after the command;
+``--version`` prints the version. Ctrl-C ends a command with exit status 130
+and one line on stderr (``bench``: within a second, with no report written).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from . import BufferMovedError, DeviceUnavailableError, Runtime, routes
+from . import BufferMovedError, DeviceUnavailableError, Runtime, __version__, routes
 
 __all__: list[str] = []
 
-PROG = "python -m ferry"
+PROG = "python -m ferry"  # the name in usage and error lines when run with ``python -m``; see _prog()
 BACKENDS = ("auto", "cuda", "emulated")
 
 _DESCRIPTION = """\
@@ -301,19 +304,33 @@ def cmd_demo(rt: Runtime, mib: int) -> int:
 # -- entry point -----------------------------------------------------------------------------------
 
 
-def _parser() -> _Parser:
+def _prog(argv0: str | None = None) -> str:
+    """How the user ran the command: ``python -m ferry``, or the script's own name (``ferry``)."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    return PROG if name in ("__main__.py", "-m", "-c", "") else name
+
+
+def _global_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """``--backend`` and ``--device``: on the main parser with their defaults, and on each command with
+    ``argparse.SUPPRESS`` (given there, they override; not given, the main parser's value stands)."""
+    parser.add_argument("--backend", default="auto" if default is None else default, choices=BACKENDS,
+                        help="auto (the default): CUDA when a GPU is usable, else the emulated device")
+    parser.add_argument("--device", type=_device_index, default=0 if default is None else default, metavar="N",
+                        help="device index (default 0)")
+
+
+def _parser(prog: str = PROG) -> _Parser:
     from ._bench import DESCRIPTION as BENCH_DESCRIPTION
     from ._bench import add_arguments
 
-    parser = _Parser(prog=PROG, description=_DESCRIPTION, epilog=_EPILOG,
+    parser = _Parser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="auto", choices=BACKENDS,
-                        help="auto (the default): CUDA when a GPU is usable, else the emulated device")
-    parser.add_argument("--device", type=_device_index, default=0, metavar="N", help="device index (default 0)")
+    parser.add_argument("--version", action="version", version=f"ferry {__version__}")
+    _global_options(parser, None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
-    sub.add_parser("info", help="backend, device, driver, PCIe link, pool state, routes",
-                   description="Print the backend (and why it was chosen), the device, driver, PCIe link, "
-                               "pinned pool state and the device-to-device routes.")
+    info = sub.add_parser("info", help="backend, device, driver, PCIe link, pool state, routes",
+                          description="Print the backend (and why it was chosen), the device, driver, PCIe link, "
+                                      "pinned pool state and the device-to-device routes.")
     demo = sub.add_parser("demo", help="uploads, an overlapped download, verification, a table",
                           description="Upload a random payload, download it while host work runs, verify the "
                                       "bytes, drop a handle unwaited, and print what each step cost.")
@@ -322,11 +339,13 @@ def _parser() -> _Parser:
     bench = sub.add_parser("bench", help="every route against the peers: table, JSON, plot",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(bench)
+    for command in (info, demo, bench):
+        _global_options(command, argparse.SUPPRESS)
     return parser
 
 
-def _run(argv: Sequence[str] | None) -> int:
-    parser = _parser()
+def _run(argv: Sequence[str] | None, prog: str = PROG) -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     try:
         requested, asked_by = _requested_backend(args.backend)
@@ -344,10 +363,10 @@ def _run(argv: Sequence[str] | None) -> int:
             if args.command == "bench":
                 from ._bench import run
 
-                return run(rt, args)
+                return run(rt, args, prog)
             return cmd_demo(rt, args.mib)
     except UsageError as exc:
-        parser.exit(2, f"{PROG}{'' if args.command is None else ' ' + args.command}: error: {exc}\n")
+        parser.exit(2, f"{prog}{'' if args.command is None else ' ' + args.command}: error: {exc}\n")
 
 
 def _quiet_stdout() -> None:
@@ -362,16 +381,19 @@ def _quiet_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m ferry`` and of the ``ferry`` script; returns the exit status."""
+    from ._bench import _interrupt
+
+    prog = _prog()
     try:
-        status = _run(argv)
+        status = _run(argv, prog)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
         return status
     except BrokenPipeError:  # the reader went away (| head): stop quietly, like other Unix tools
         _quiet_stdout()
         return 0
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        _interrupt.say(prog)
+        return _interrupt.STATUS
 
 
 if __name__ == "__main__":

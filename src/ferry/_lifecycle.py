@@ -158,10 +158,8 @@ def collected_unclosed(parts: Closable, name: str) -> None:
         return
     thread = threading.Thread(target=close_reporting, args=(parts, "a runtime that was never closed"),
                               name="ferry-close-unclosed", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # "can't create new thread at interpreter shutdown": the exit hook closes them
-        pass
+    with contextlib.suppress(RuntimeError):  # "can't create new thread at interpreter shutdown": the exit hook
+        thread.start()  # closes them
 
 
 def close_reporting(parts: Closable, what: str) -> None:
