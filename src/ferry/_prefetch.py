@@ -65,9 +65,10 @@ import numpy as np
 
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
-from ._errors import FerryError, PrefetchError, RuntimeClosedError, TransferFailedError
+from ._errors import FerryError, PrefetchError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._interop._cai import stream_handle_of
-from ._interop._foreign import torch_current_stream
+from ._interop._foreign import check_torch_has_cuda, torch_current_stream
+from ._interop._host import host_view
 from ._runtime import Runtime, parts_of
 
 __all__ = ["prefetch", "Prefetcher"]
@@ -96,6 +97,8 @@ def _host_array(leaf: Any) -> np.ndarray[Any, Any]:
             return np.from_dlpack(detach())
     if hasattr(leaf, "__array__"):
         return np.asarray(leaf)
+    with contextlib.suppress(TransferSubmitError):  # the buffer protocol (bytearray, array.array, memoryview)
+        return host_view(leaf, "prefetch", "a batch leaf")
     raise TypeError(
         f"a batch leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
         "and tuples, lists and dicts of them are uploaded; str, numbers and None pass through)"
@@ -184,6 +187,8 @@ class Prefetcher:
             if to not in _LIBRARIES:
                 raise ValueError(f"to must be None, one of {_LIBRARIES} or a callable, got {to!r}")
             self._library = _import(to)
+            if to == "torch":
+                check_torch_has_cuda(self._library)
         elif to is not None and not callable(to):
             raise TypeError(f"to must be None, one of {_LIBRARIES} or a callable, got {type(to).__name__}")
         self._sync_source: Iterator[Any] | None = None

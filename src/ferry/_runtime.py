@@ -36,6 +36,7 @@ from ._buffer import BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
 from ._device_array import DeviceArray, new_device_array
 from ._errors import TransferSubmitError
 from ._interop._foreign import DEVICE, expect
+from ._interop._host import host_arg
 from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
@@ -373,6 +374,8 @@ class Runtime:
     ) -> PendingUpload[HostArray, DeviceArray]:
         """Copy a NumPy array (pageable or registered) to the device without blocking.
 
+        A CPU array exporting DLPack or the buffer protocol (a CPU PyTorch tensor) is viewed without a copy.
+
         ``destination`` must have the source's shape and dtype; when ``None`` a
         new device array is allocated. ``wait()`` returns ``(source,
         destination)``. Non-contiguous sources are accepted and copied once.
@@ -401,10 +404,10 @@ class Runtime:
     ) -> PendingDownload[DeviceArray, np.ndarray[Any, Any]]:
         """Copy a device array into a NumPy array without blocking.
 
-        ``out`` must be a writable array of the source's shape and dtype
-        (any layout); when ``None`` a new one is allocated, large ones on
-        resident memory recycled from earlier outputs that were dropped (see
-        ``host_cache_bytes``), so first-touch page faults stay out of the copy.
+        ``out`` must be a writable array (or CPU array, as :meth:`upload` takes) of the source's shape
+        and dtype (any layout); when ``None`` a new one is allocated, large ones on resident memory
+        recycled from earlier outputs that were dropped (see ``host_cache_bytes``), so
+        first-touch page faults stay out of the copy.
         ``wait()`` returns ``(source, out)``. The source is read-leased, as
         for :meth:`download_pending`; ``out`` is flagged read-only while
         pending and holds the bytes once ``wait()`` returns. A failed download
@@ -418,8 +421,8 @@ class Runtime:
         record = self._small.download(self, source, out)  # None: not a small array
         return PendingDownload(self._completion, record or self._parts.host.download(self, source, out))
 
-    def register(self, array: np.ndarray[Any, Any]) -> Registration:
-        """Pin a C-contiguous NumPy array in place for repeated transfers.
+    def register(self, array: Any) -> Registration:
+        """Pin a C-contiguous NumPy array (or CPU array, as :meth:`upload` takes) in place for repeated transfers.
 
         Afterwards :meth:`upload` from it and :meth:`download` into it take the
         pinned route: one DMA, no host copy. Undone by
@@ -428,13 +431,13 @@ class Runtime:
         that are transferred many times.
         """
         self._health.check_open()
-        return self._parts.registrations.register(array)
+        return self._parts.registrations.register(host_arg(array, "register"))
 
     # -- blocking conveniences --------------------------------------------------------------------
     def to_device(self, array: HostArray) -> DeviceArray:
         """Copy a NumPy array to a new device array and wait: ``upload(array).wait()[1]``.
 
-        Like every transfer call it takes a NumPy array (convert other
+        Like :meth:`upload` it takes a NumPy array or a CPU array (convert other
         sequences with ``numpy.asarray`` first) and refuses anything else with
         :class:`~ferry.TransferSubmitError`.
         """
