@@ -174,6 +174,58 @@ def test_a_wait_times_out_then_waits_again(rt: ferry.Runtime) -> None:
     assert _retired(rt)
 
 
+_BAD_TIMEOUTS = [-1, -0.001, float("-inf"), float("nan")]
+
+# every call that takes a timeout, as (name, call(handle, timeout)) on a pending download handle
+_TIMEOUT_TAKERS: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("wait", lambda handle, t: handle.wait(timeout=t)),
+    ("wait, positional", lambda handle, t: handle.wait(t)),
+    ("wait_all", lambda handle, t: ferry.wait_all([handle], timeout=t)),
+    ("as_completed", lambda handle, t: ferry.as_completed([handle], timeout=t)),  # at the call, not at next()
+    ("future().result", lambda handle, t: handle.future().result(timeout=t)),
+    ("future().exception", lambda handle, t: handle.future().exception(timeout=t)),
+]
+
+
+@pytest.mark.parametrize("timeout", _BAD_TIMEOUTS, ids=repr)
+@pytest.mark.parametrize(("name", "call"), _TIMEOUT_TAKERS, ids=[name for name, _ in _TIMEOUT_TAKERS])
+@pytest.mark.parametrize("complete", [False, True], ids=["pending", "complete"])
+def test_a_negative_or_nan_timeout_is_refused_and_changes_nothing(
+        rt: ferry.Runtime, name: str, call: Callable[[Any, Any], Any], timeout: float, complete: bool) -> None:
+    data = np.arange(4096, dtype=np.uint8)
+    release = _held(rt, "download")
+    pending = _download(rt, data)
+    if complete:
+        release()
+    try:
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+            call(pending, timeout)
+    finally:
+        release()
+    _check(pending.wait(timeout=10), data)  # the handle is as it was
+
+
+@pytest.mark.parametrize("timeout", _BAD_TIMEOUTS, ids=repr)
+def test_close_refuses_a_negative_or_nan_timeout_and_stays_open(rt: ferry.Runtime, timeout: float) -> None:
+    data = np.arange(4096, dtype=np.uint8)
+    pending = _download(rt, data)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        rt.close(timeout=timeout)
+    assert not rt.closed
+    _check(pending.wait(), data)
+
+
+@pytest.mark.parametrize("timeout", ["1", True, [1]], ids=repr)
+def test_a_timeout_that_is_not_a_number_is_a_type_error(rt: ferry.Runtime, timeout: Any) -> None:
+    data = np.arange(64, dtype=np.uint8)
+    pending = _download(rt, data)
+    for call in (lambda: pending.wait(timeout=timeout), lambda: ferry.wait_all([pending], timeout=timeout),
+                 lambda: rt.close(timeout=timeout)):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            call()
+    _check(pending.wait(), data)
+
+
 def test_timeout_zero_is_a_poll(rt: ferry.Runtime) -> None:
     data = np.arange(4096, dtype=np.uint8)
     with HeldAtMost(rt, "download") as held:
@@ -797,8 +849,8 @@ def test_timeouts_are_numbers_of_seconds(backend_name: str) -> None:
                 pending.wait(timeout=float("nan"))
             with pytest.raises(ValueError, match="NaN"):
                 rt.close(timeout=float("nan"))
-            with pytest.raises(TimeoutError):
-                pending.wait(timeout=-1)  # a negative timeout is a poll
+            with pytest.raises(ValueError, match="-1"):
+                pending.wait(timeout=-1)  # not a poll: refused (timeout=0 is the poll)
         _check(pending.wait(timeout=float("inf")), data)
         rt.close(timeout=float("inf"))  # no bound
         assert rt.closed

@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from . import _lifecycle, _native, _waiting
+from ._args import timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
@@ -680,6 +681,8 @@ class Completion:
         ``TimeoutError`` after ``timeout`` seconds, and any exception a signal
         handler raises meanwhile, leave the record as it was (but for its time napped).
         """
+        if timeout is not None:
+            timeout_arg(timeout)  # ValueError for a negative or NaN one, before anything changes
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
             shared = record.shared

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import _lifecycle, _native
+from ._args import timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._buffer import PinnedHostBuffer
 from ._completion import Completion
@@ -82,8 +83,7 @@ class Parts:
         """
         health = self.health
         completion = self.completion
-        if timeout is not None and math.isnan(timeout):
-            raise ValueError("timeout must be a number of seconds (or None), not NaN")
+        timeout = timeout_arg(timeout)  # ValueError for a negative or NaN one
         if timeout is not None and math.isinf(timeout):
             timeout = None
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)

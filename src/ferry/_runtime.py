@@ -510,8 +510,8 @@ class Runtime:
     def close(self, timeout: float | None = None) -> None:
         """Wait for everything in flight, release the retirement queue, free what the runtime owns.
 
-        Idempotent. While it waits the runtime stays open (submissions are
-        accepted, and waited for too). ``TimeoutError`` after ``timeout``
+        Idempotent; a negative or NaN ``timeout`` raises ``ValueError``. While it waits the runtime
+        stays open (submissions are accepted, and waited for too). ``TimeoutError`` after ``timeout``
         seconds, or Ctrl-C, leaves it open and unchanged: close() again later.
         Then it closes in one step: a ``wait()`` or future already waiting on a
         transfer gets its result; every other call on the runtime, its buffers

@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._args import timeout_arg
 from ._backends._base import DeviceError
 
 if TYPE_CHECKING:
@@ -103,6 +104,14 @@ class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     def __init__(self, handle: _Pending[Any]) -> None:
         super().__init__()
         self._handle: _Pending[Any] | None = handle  # kept alive until resolved or cancelled
+
+    def result(self, timeout: float | None = None) -> Any:
+        """What ``wait()`` returns, once the transfer completed; a negative or NaN ``timeout`` raises ``ValueError``."""
+        return super().result(timeout_arg(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The transfer's exception, if it failed; a negative or NaN ``timeout`` raises ``ValueError``."""
+        return super().exception(timeout_arg(timeout))
 
     def cancel(self) -> bool:
         """Stop waiting for the result. The copy itself is never cancelled, and no other waiter is."""
@@ -256,12 +265,15 @@ def wait_all(handles: Iterable[Pending[Result]], timeout: float | None = None) -
     TimeoutError
         Some transfers were not complete after ``timeout`` seconds; every
         handle is left as it was (pending handles can be waited later).
+    ValueError
+        ``timeout`` is negative or NaN; nothing changed.
     TransferFailedError
         The first failed transfer, in the order given; the handles after it
         are left unwaited.
     KeyboardInterrupt
         Raised by Ctrl-C while waiting; every handle is left as it was.
     """
+    timeout = timeout_arg(timeout)
     handles = list(handles)
     deadline = _deadline(timeout)
     attended = []
@@ -289,8 +301,13 @@ def as_completed(handles: Iterable[Handle], timeout: float | None = None) -> Ite
     Each handle is yielded once, whatever became of its futures. Raises the
     builtin ``TimeoutError`` if ``timeout`` seconds pass (from the first
     ``next()``) before every transfer completed; the handles not yet yielded
-    are left as they were. Interruptible (Ctrl-C).
+    are left as they were. Interruptible (Ctrl-C). A negative or NaN ``timeout`` raises
+    ``ValueError`` at the call.
     """
+    return _as_completed(handles, timeout_arg(timeout))
+
+
+def _as_completed(handles: Iterable[Handle], timeout: float | None) -> Iterator[Handle]:
     unique = list({id(h): h for h in handles}.values())
     deadline = _deadline(timeout)
     arrived: deque[Handle] = deque()
