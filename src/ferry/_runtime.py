@@ -72,9 +72,10 @@ class Runtime:
         next submission waits for the oldest record.
     pinned_cache_bytes
         Free pinned memory the pool keeps for reuse; beyond it blocks are freed.
-    emulated_bandwidth, emulated_latency
-        The emulated device's modelled copy bandwidth (bytes/s, per copy
-        stream) and per-operation latency (s). Ignored on CUDA.
+    emulated_bandwidth
+        The emulated device's modelled copy bandwidth (bytes/s, per copy stream). Ignored on CUDA.
+    emulated_latency
+        The emulated device's modelled latency of each operation (s). Ignored on CUDA.
     peer_access
         Whether :meth:`copy_pending` may use peer access where the pair
         supports it; ``False`` forces the staged route (to compare them). On
