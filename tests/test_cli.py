@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ferry import DeviceUnavailableError
-from ferry.__main__ import _available_host_bytes
+from ferry.__main__ import OVERLAP_RUNS, _available_host_bytes, _hidden
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -171,9 +171,32 @@ def test_demo_stats_add_up_and_the_dropped_handle_retires() -> None:
     assert stats is not None, result.stdout
     submitted, completed, failed, in_flight, retiring = (int(g) for g in stats.groups())
     assert submitted == completed + failed + in_flight + retiring
-    assert (submitted, completed, in_flight, retiring) == (5, 5, 0, 0)
+    runs = 5 + 2 * OVERLAP_RUNS  # the upload, the guarded download, the first copy, the overlap's, the dropped one
+    assert (submitted, completed, in_flight, retiring) == (runs, runs, 0, 0)
     assert "record freed, nobody waited" in result.stdout
     assert "BufferMovedError" in result.stdout and "MISMATCH" not in result.stdout
+
+
+def test_demo_says_what_its_overlap_figure_means() -> None:
+    result = ferry("demo", "--mib", "4", FERRY_BACKEND="emulated")
+    assert result.returncode == 0, result.stdout + result.stderr
+    hidden = re.search(r"overlapped \(submit, work, wait\) .* (\d+)% of the shorter step hidden", result.stdout)
+    assert hidden is not None, result.stdout
+    assert 0 <= int(hidden.group(1)) <= 100
+    assert "x of max(copy, work)" not in result.stdout  # a ratio that read like a failure on this device
+    assert "as a share of the shorter of copy and work" in result.stdout
+    assert "emulated device: its copies are made by this machine's CPU" in result.stdout
+
+
+@pytest.mark.parametrize(("copy", "work", "overlapped", "hidden"), [
+    (1.0, 2.0, 2.0, 1.0),  # the copy ran entirely behind the work
+    (1.0, 2.0, 3.0, 0.0),  # nothing hidden: serial
+    (1.0, 2.0, 2.5, 0.5),
+    (2.0, 1.0, 3.5, 0.0),  # slower than serial: shown as nothing hidden
+    (2.0, 1.0, 1.5, 1.0),  # faster than the longer step (noise): shown as all hidden
+])
+def test_the_demo_s_hidden_share(copy: float, work: float, overlapped: float, hidden: float) -> None:
+    assert _hidden(copy, work, overlapped) == pytest.approx(hidden)
 
 
 @pytest.mark.parametrize("command", [[], ["info"], ["demo"], ["bench"]])
