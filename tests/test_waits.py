@@ -856,3 +856,21 @@ def test_timeouts_are_numbers_of_seconds(backend_name: str) -> None:
         assert rt.closed
     finally:
         rt.close()
+
+
+def test_a_prefetch_source_whose_close_fails_is_reported_and_the_runtime_still_closed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def source() -> Iterator[np.ndarray[Any, Any]]:
+        try:
+            while True:
+                yield np.arange(16, dtype=np.float32)
+        finally:
+            raise OSError("the file went away")  # a source whose clean-up fails
+
+    prefetcher = ferry.prefetch(source())
+    batches = iter(prefetcher)
+    next(batches)
+    prefetcher.close()
+    assert "ferry: warning: closing the batches' source failed: OSError('the file went away')" \
+        in capsys.readouterr().err
+    assert prefetcher._rt.closed
