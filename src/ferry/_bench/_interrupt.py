@@ -81,6 +81,9 @@ def _stop_now() -> None:
         for path in list(_state.temporary):
             with contextlib.suppress(OSError):
                 path.unlink()
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if sys.stderr.isatty():  # a progress bar hid the cursor: show it again
+                sys.stderr.write("\x1b[?25h")
         say(_state.prog)
         os._exit(STATUS)
 
