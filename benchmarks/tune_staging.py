@@ -1,6 +1,6 @@
 """Sweep the staging parameters on a GPU: lanes x slot size x slots per lane, and the
 direct/staged crossover. Prints one line per configuration; the defaults in
-ferry.StagingConfig come from these figures (docs/benchmarks.md).
+ferry.StagingConfig were chosen from these figures on an H200.
 
     PYTHONPATH=src python3 benchmarks/tune_staging.py [--quick | --mid | --slots | --chunks]
 

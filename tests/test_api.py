@@ -6,6 +6,7 @@ import importlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -39,63 +40,175 @@ def _private_modules() -> list[str]:
     return names
 
 
-def _runtime_imports(module_name: str) -> set[str]:
-    """The ferry modules ``module_name`` imports at run time (not under TYPE_CHECKING)."""
+def _ferry_modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package by its ``__init__.py``)."""
+    base = ROOT / "src"
+    found = {}
+    for path in sorted((base / "ferry").rglob("*.py")):
+        parts = path.relative_to(base).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(module_name: str, path: Path, modules: Collection[str]) -> dict[str, int]:
+    """The ferry modules ``module_name`` imports (each with the line of one such import): at module
+    level, under ``TYPE_CHECKING`` and inside functions alike. A name imported from a module is an
+    edge to that module (to the submodule, when the name is one); imports of other packages (the
+    optional peers: torch, cupy, jax) are not ferry's edges."""
     import ast
 
-    path = ROOT / "src" / Path(*module_name.split(".")).with_suffix(".py")
-    tree = ast.parse(path.read_text())
-    package = module_name.rsplit(".", 1)[0]
-    found: set[str] = set()
+    package = module_name if path.name == "__init__.py" else module_name.rsplit(".", 1)[0]
 
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.ImportFrom) and child.level:
+    def owner(dotted: str) -> str | None:  # the ferry module that ``dotted`` names, or lies in
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[: len(parts) - child.level + 1])
-                target = f"{base}.{child.module}" if child.module else base
-                found.add(target)
-                for alias in child.names:
-                    found.add(f"{target}.{alias.name}")
-            visit(child)
-
-    visit(tree)
-    return {name for name in found if name.startswith("ferry.")}
-
-
-# Private modules that sit above the facade: they drive a Runtime through its public surface
-# (as ferry.testing and the benchmarks do), and nothing imports them but ferry/__init__.py.
-ABOVE_THE_FACADE = {"ferry._runtime", "ferry._prefetch"}
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            targets = [f"{source}.{alias.name}" for alias in node.names]
+        for target in targets:
+            module = owner(target)
+            if module is not None and module != module_name:
+                found.setdefault(module, node.lineno)
+    return found
 
 
-def test_nothing_below_the_facade_imports_it_at_run_time() -> None:
-    modules = _private_modules()
-    for module_name in modules:
-        if module_name in ABOVE_THE_FACADE:
-            continue
-        for above in ABOVE_THE_FACADE - {"ferry._runtime"}:
-            assert above not in _runtime_imports(module_name), (module_name, above)
-        assert "ferry._runtime" not in _runtime_imports(module_name), module_name
+def _import_graph() -> dict[str, dict[str, int]]:
+    modules = _ferry_modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
-def test_the_module_graph_has_no_cycle() -> None:
-    modules = set(_private_modules())
-    graph = {m: {t for t in _runtime_imports(m) if t in modules and t != m} for m in modules}
-    done: set[str] = set()
+def _circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
 
-    def walk(node: str, path: list[str]) -> None:
-        if node in path:
-            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(node):], node]))
-        if node in done:
-            return
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
         for nxt in graph[node]:
-            walk(nxt, [*path, node])
-        done.add(node)
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
 
-    for module_name in sorted(modules):
-        walk(module_name, [])
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_the_import_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    path = tmp_path / "_x.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import numpy\n"
+        "from .. import _native\n"  # a package's module, by name
+        "from ._base import helper\n"  # a name from a module
+        "import ferry._errors\n"  # absolute
+        "if TYPE_CHECKING:\n"
+        "    from .._parts import Parts\n"
+        "def late():\n"
+        "    import torch\n"  # an optional peer: not ferry's
+        "    from .._lifecycle import make_backend\n"
+        "    from ._x import late\n"  # itself
+    )
+    modules = {"ferry", "ferry._native", "ferry._routes", "ferry._routes._base", "ferry._routes._x", "ferry._errors",
+               "ferry._parts", "ferry._lifecycle"}
+    assert _imports("ferry._routes._x", path, modules) == {
+        "ferry._native": 3, "ferry._routes._base": 4, "ferry._errors": 5, "ferry._parts": 7, "ferry._lifecycle": 10,
+    }
+
+
+def test_the_circle_finder_finds_circles() -> None:
+    graph: dict[str, dict[str, int]] = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}, "e": {"d": 1}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_the_module_graph_has_no_circle() -> None:
+    graph = _import_graph()
+    circles = _circles(graph)
+    detail = [
+        " <-> ".join(c) + ": " + ", ".join(f"{m}:{graph[m][t]} -> {t}" for m in c for t in sorted(graph[m]) if t in c)
+        for c in circles
+    ]
+    assert circles == [], "import circles (TYPE_CHECKING and function-local imports count):\n" + "\n".join(detail)
+
+
+# The rooms, lowest first. A module imports only from its own room or the rooms below (at run time,
+# under TYPE_CHECKING and inside functions alike); inside a room the graph has no circle (above).
+# Where two rooms need each other, the lower one states what it needs as a protocol.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("ferry._errors", "ferry._state", "ferry._structure"),  # ``_structure``: nested containers, no ferry import
+    ("ferry._native", "ferry._backends"),  # the compiled layer and the device seam
+    ("ferry._lifecycle", "ferry._args", "ferry._retire"),
+    ("ferry._interop._dlpack", "ferry._interop._cai", "ferry._memory"),  # memory, and how it is exported
+    ("ferry._buffer", "ferry._device_array"),  # the owned objects
+    ("ferry._records", "ferry._watcher", "ferry._completion"),  # records, their signals, completion
+    ("ferry._pending", "ferry._waiting", "ferry._interop"),  # handles and waits; foreign arrays in transfers
+    ("ferry._routes",),
+    ("ferry._parts", "ferry._stats"),
+    ("ferry._runtime", "ferry._prefetch", "ferry._trees", "ferry._files", "ferry._loader"),  # the facade, and
+    # what drives a runtime through it (whole structures, checkpoint files, the data loader)
+    ("ferry", "ferry.testing", "ferry.__main__", "ferry._bench"),  # above it: the public surface and tools
+)
+
+
+def _layer(module_name: str) -> int:
+    """The room of ``module_name``: the layer of its longest listed prefix."""
+    best, rank = "", -1
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            inside = module_name.startswith(name + ".") and name != "ferry"  # the package itself: by name
+            if (module_name == name or inside) and len(name) > len(best):
+                best, rank = name, i
+    assert rank >= 0, f"{module_name} is in no room: place it in LAYERS (tests/test_api.py)"
+    return rank
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    graph = _import_graph()
+    for module_name in graph:
+        _layer(module_name)  # every module is in a room
+    with pytest.raises(AssertionError, match="in no room"):
+        _layer("ferry._nowhere")
+    upward = [
+        f"{m}:{line} -> {t}" for m, targets in sorted(graph.items()) for t, line in sorted(targets.items())
+        if _layer(t) > _layer(m)
+    ]
+    assert upward == [], "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_nothing_below_the_facade_imports_it() -> None:
+    facade = _layer("ferry._runtime")
+    graph = _import_graph()
+    for module_name, targets in graph.items():
+        if _layer(module_name) < facade:
+            assert not {t for t in targets if _layer(t) >= facade}, module_name
 
 
 def test_the_contract_names_exist() -> None:

@@ -100,6 +100,32 @@ def test_device_copy_refusals_change_nothing(pair: tuple[ferry.Runtime, ferry.Ru
     assert src.state == "owned" and dst.state == "owned"
 
 
+def test_a_copy_between_backends_is_refused_and_changes_nothing(
+    pair: tuple[ferry.Runtime, ferry.Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry._runtime import parts_of
+
+    a, b = pair
+    src, dst = a.empty(64, np.uint8), b.empty(64, np.uint8)
+    monkeypatch.setattr(parts_of(a).backend, "name", "other")  # as if the source were on another backend
+    with pytest.raises(ferry.TransferSubmitError, match=f"from a other device to a {b.backend} device"):
+        b.copy_pending(src, dst)
+    assert src.state == "owned" and dst.state == "owned"
+
+
+@pytest.mark.cuda
+def test_a_copy_from_the_emulated_device_to_a_gpu_is_refused() -> None:
+    gpu, emulated = ferry.Runtime("cuda"), ferry.Runtime("emulated")
+    try:
+        src, dst = emulated.empty(64, np.uint8), gpu.empty(64, np.uint8)
+        with pytest.raises(ferry.TransferSubmitError, match="from a emulated device to a cuda device"):
+            gpu.copy_pending(src, dst)
+        assert src.state == "owned" and dst.state == "owned"
+    finally:
+        gpu.close()
+        emulated.close()
+
+
 def test_a_failed_device_copy_abandons_both_sides(emulated_pair: tuple[ferry.Runtime, ferry.Runtime]) -> None:
     a, b = emulated_pair
     src, dst = a.to_device(np.arange(1000)), b.empty(1000, np.int64)

@@ -15,6 +15,11 @@ from . import _buffer, _device_array, _errors, _pending, _prefetch, _runtime, _s
 from ._buffer import *  # noqa: F403
 from ._device_array import *  # noqa: F403
 from ._errors import *  # noqa: F403
+from ._files import _common as _files_common
+from ._files import _npy, _safetensors
+from ._files._common import *  # noqa: F403
+from ._files._npy import *  # noqa: F403
+from ._files._safetensors import *  # noqa: F403
 from ._memory import _register
 from ._memory._register import *  # noqa: F403
 from ._pending import *  # noqa: F403
@@ -40,3 +45,6 @@ __all__ += _register.__all__
 __all__ += _waiting.__all__
 __all__ += _peer.__all__
 __all__ += _prefetch.__all__
+__all__ += _files_common.__all__
+__all__ += _safetensors.__all__
+__all__ += _npy.__all__

@@ -348,7 +348,7 @@ def _parser(prog: str = PROG) -> _Parser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ferry {__version__}")
     _global_options(parser, None)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench,load}")
     info = sub.add_parser("info", help="backend, device, driver, PCIe link, pool state, routes",
                           description="Print the backend (and why it was chosen), the device, driver, PCIe link, "
                                       "pinned pool state and the device-to-device routes.")
@@ -360,7 +360,11 @@ def _parser(prog: str = PROG) -> _Parser:
     bench = sub.add_parser("bench", help="every route against the peers: table, JSON, plot",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(bench)
-    for command in (info, demo, bench):
+    from ._files import _cli as files_cli
+
+    load = sub.add_parser("load", help=files_cli.HELP, description=files_cli.DESCRIPTION)
+    files_cli.add_arguments(load)
+    for command in (info, demo, bench, load):
         _global_options(command, argparse.SUPPRESS)
     return parser
 
@@ -385,6 +389,10 @@ def _run(argv: Sequence[str] | None, prog: str = PROG) -> int:
                 from ._bench import run
 
                 return run(rt, args, prog)
+            if args.command == "load":
+                from ._files._cli import cmd_load
+
+                return cmd_load(rt, args)
             return cmd_demo(rt, args.mib)
     except UsageError as exc:
         parser.exit(2, f"{prog}{'' if args.command is None else ' ' + args.command}: error: {exc}\n")

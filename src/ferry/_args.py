@@ -1,4 +1,4 @@
-"""Argument checks shared by the facade: sizes, shapes, timeouts, and allocation errors."""
+"""Argument checks shared by the facade: a runtime's options, sizes, shapes, timeouts, and allocation errors."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ __all__: list[str] = []
 
 MAX_BYTES = 1 << 48  # larger requests are refused up front (no device has this much)
 _OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def check_runtime_args(device: Any, retirement_capacity: int, device_pool_limit: int | None) -> None:
+    """Refuse a ``Runtime``'s bad options with ``ValueError`` (or ``TypeError``) before anything is made."""
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
+        raise ValueError(f"device must be a non-negative int, got {device!r}")
+    if retirement_capacity < 1:
+        raise ValueError("retirement capacity must be >= 1")
+    if device_pool_limit is not None and size_arg(device_pool_limit, "device_pool_limit") < 0:
+        raise ValueError("device_pool_limit must be >= 0 (or None: keep everything)")
 
 
 def size_arg(value: Any, name: str) -> int:

@@ -24,7 +24,7 @@ then *spins* on it for about as long as the copy should take (50 us plus
 0.1 ms per MiB, at most 10 ms, once per record: the time
 ``cuEventSynchronize``'s default spin would burn anyway, so a copy that
 completes on time is noticed as soon as it is today), and then *sleeps* on
-the record's :class:`~ferry._waiting.Signal`, which the runtime's watcher sets
+the record's :class:`~ferry._records.Signal`, which the runtime's watcher sets
 once the device says the copy is done (its thread sleeps on a blocking-sync
 event: no CPU). The sleep is a lock wait in slices of 50 ms, so a timeout is
 honoured and a ``KeyboardInterrupt`` reaches the main thread at once. A staged
@@ -39,8 +39,9 @@ unresolved futures attending the record; :meth:`Completion.close` settles a
 live record that has waiters (they return its result) and releases one that
 has none (a later ``wait()`` raises ``RuntimeClosedError``).
 
-Handles and the watcher reach completion only through
-:class:`CompletionPort`; nothing here imports the runtime facade.
+Handles reach completion only through :class:`CompletionPort`, the watcher
+through the protocol ``_watcher.py`` states; nothing here imports the handles
+or the runtime facade. The records themselves are ``_records.py``'s.
 """
 
 from __future__ import annotations
@@ -50,26 +51,29 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from . import _lifecycle, _native, _waiting
+from . import _lifecycle, _native
 from ._args import timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._interop._cai import stream_handle_of
+from ._records import Batch, Job, Run, Segment, SharedEvent, Signal, failed_error, new_record
+from ._records import Extras as Extras  # noqa: PLC0414  (re-exported: the routes import it from here)
+from ._records import Record as Record  # noqa: PLC0414
 from ._retire import RetirementQueue
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED
+from ._watcher import Handle, TransferFuture, Watcher, on_watcher_thread
 
 if TYPE_CHECKING:
     from ._lifecycle import Health
     from ._memory._device import DeviceMemory
     from ._memory._pinned import PinnedPool
-    from ._pending import _Pending
-    from ._waiting import Signal, TransferFuture, Watcher
 
 __all__: list[str] = []
 
+_engine = _native.load()
 _H = TypeVar("_H")  # a handle type
 
 SPIN_BASE = 50e-6  # s: what any copy may take on an idle link before a wait stops spinning
@@ -98,64 +102,6 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-class Record:
-    """What one submitted transfer holds until its completion is proven.
-
-    ``moved`` objects are in flight; ``leased`` device arrays are read-leased;
-    ``result`` is what ``wait()`` returns. The pinned routes need nothing
-    else; everything the other routes add lives in ``extra``. A record
-    submitted inside ``rt.batch()`` has ``batch`` (its open :class:`Segment`)
-    until the segment is flushed, then ``shared`` (the segment's
-    :class:`SharedEvent`, also its ``event``).
-    """
-
-    __slots__ = (
-        "batch", "claimed", "done", "error", "event", "extra", "leased", "moved", "napped", "nbytes", "result",
-        "seq", "settled", "shared", "signal", "spun", "stream", "waiters",
-    )
-
-    def __init__(
-        self,
-        seq: int,
-        event: Any,
-        stream: Any,
-        moved: tuple[Any, ...],
-        leased: tuple[Any, ...],
-        result: tuple[Any, ...],
-        nbytes: int,
-    ) -> None:
-        self.seq = seq
-        self.event = event
-        self.stream = stream
-        self.moved = moved
-        self.leased = leased
-        self.result = result
-        self.nbytes = nbytes
-        self.done = False  # the copy is proven complete
-        self.error: DeviceError | None = None
-        self.extra: Extras | None = None
-        self.settled = False  # published, objects owned again (by a wait() or the watcher for a future)
-        self.claimed = False  # a wait() returned the result: at most once
-        self.waiters = 0  # wait() calls and unresolved futures attending the record
-        self.spun = False  # a wait spun its full budget on it: later waits sleep at once
-        self.napped: float = 0  # s: how long waits napped on it (at most NAP_WINDOW over all of them)
-        self.signal: Signal | None = None  # created by the first wait that sleeps, or a future
-        self.batch: Segment | None = None  # the open batch segment it waits in (no copy enqueued yet)
-        self.shared: SharedEvent | None = None  # its flushed segment's event
-
-    def __repr__(self) -> str:
-        status = "failed" if self.error else "done" if self.done else "pending"
-        return f"<transfer record #{self.seq} {self.nbytes} bytes {status}>"
-
-
-_engine = _native.load()
-new_record: Callable[[int, Any, Any, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], int], Record] = (
-    cast(Any, _engine).new_record if _engine is not None else Record
-)
-"""Make a :class:`Record`: the compiled twin where the extension runs (an allocation instead of a Python
-``__init__`` per transfer: same fields, same defaults), else the class above."""
-
-
 class Counts:
     """A completion's counters (the compiled ``Fast`` has the same three, read and written in C)."""
 
@@ -165,139 +111,6 @@ class Counts:
         self.seq = 0  # the last record's sequence number
         self.submitted = 0
         self.completed = 0  # settled or retired
-
-
-class Job(Protocol):
-    """A transfer whose completion worker threads prove (staged routes): no event of its own."""
-
-    error: DeviceError | None
-
-    def is_done(self) -> bool:
-        """Whether every part of the job finished (its DMAs complete). Never blocks."""
-        ...
-
-    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
-        """Block until done or ``timeout`` seconds passed; return whether it is done.
-
-        ``poll=False``: sleep at once (a background waiter); a job that may poll before it
-        sleeps (the compiled engine's, on a roomy machine) does not."""
-        ...
-
-
-class Extras:
-    """What the routes beyond the pinned one add to a record.
-
-    ``finish`` publishes on success (a download's copy-out from pinned
-    memory); ``progress`` (a segmented download's) copies out the parts
-    whose DMA completed while a waiter waits, without the runtime's lock.
-    ``cleanups`` run once when the record leaves flight, with ``failed``
-    telling how: a route gives pool blocks back (or abandons them),
-    restores the caller's array flags, ends registration uses, releases
-    consumed DLPack capsules. ``job`` is a staged job whose workers prove
-    completion (the record then has no event). ``handed`` is the destination
-    an upload handed off before completing.
-    """
-
-    __slots__ = ("cleanups", "export_stream", "finish", "handed", "job", "order_after", "progress", "ready_to_order")
-
-    own_event = False  # True in a subclass whose records are proven by their own event alone (wait() inline)
-
-    def release(self, failed: bool) -> None:
-        """What an ``own_event`` subclass does when its record leaves flight (its ``cleanups`` in one call)."""
-        raise NotImplementedError
-
-    def __init__(self) -> None:
-        self.finish: Callable[[], None] | None = None
-        # a segmented download's: publish the parts that landed, waiting for each until a deadline
-        self.progress: Callable[[float | None], None] | None = None
-        self.cleanups: list[Callable[[bool], None]] = []
-        self.job: Job | None = None
-        self.handed: Any = None
-        self.order_after: Callable[[Any], None] | None = None  # a job's: make a stream wait for all of it
-        self.export_stream: Any = None  # a job's: the stream an export names once it waited for the job
-        # a job's: sleep, without the runtime's lock, until order_after would not wait on the host
-        self.ready_to_order: Callable[[], None] | None = None
-
-
-class SharedEvent:
-    """One event recorded for several records; back to the pool after the last one."""
-
-    __slots__ = ("done", "event", "users")
-
-    def __init__(self, event: Any, users: int) -> None:
-        self.event = event
-        self.users = users
-        self.done = False  # proven complete once: the other records need not ask again
-
-
-class Run:
-    """Consecutive copies of one kind in a segment, no destination twice: one device batch at the flush."""
-
-    __slots__ = ("copy", "dsts", "seen", "sizes", "srcs")
-
-    def __init__(self, copy: Callable[[int, int, int, Any, Any], None]) -> None:
-        self.copy = copy
-        self.dsts: list[int] = []
-        self.srcs: list[int] = []
-        self.sizes: list[int] = []
-        self.seen: set[int] = set()
-
-
-class Segment:
-    """One copy stream's open part of a batch: its records and their copies (in runs), not yet enqueued."""
-
-    __slots__ = ("batch", "key", "last", "records", "runs", "stream")
-
-    def __init__(self, batch: Batch, stream: Any) -> None:
-        self.batch = batch
-        self.key = id(stream)
-        self.stream = stream
-        self.records: list[Record] = []
-        self.runs: list[Run] = []
-        self.last: Run | None = None
-
-    def new_run(self, copy: Callable[[int, int, int, Any, Any], None]) -> Run:
-        """Start a run (another kind of copy, or a destination this run already writes)."""
-        run = self.last = Run(copy)
-        self.runs.append(run)
-        return run
-
-
-class Batch:
-    """Transfers submitted inside ``with rt.batch():`` on one thread.
-
-    A submission inside the block does its checks and moves ownership at
-    once, but its copy is not enqueued yet: each copy stream's records and
-    copies wait in a *segment*. A segment is *flushed* when the block exits,
-    or earlier when one of its records is polled, waited or handed off, or
-    when a submission finds it holding :data:`SEGMENT_COPIES` copies (so the
-    device works on the first copies while the caller submits the rest): its
-    copies are enqueued together (``Backend.copy_batch``: one
-    ``cuMemcpyBatchAsync`` per run of same-direction copies on CUDA) and one
-    event is recorded behind them, shared by the segment's records; later
-    submissions start a new segment. The copies start then, not at submission.
-    A shared event proves completion of every copy enqueued before it on that
-    stream, which is all its records. Copies of one segment may run in any
-    order among themselves: ferry's ownership rules keep two pending copies
-    from touching the same bytes where one writes (a destination is in flight
-    until waited), and a destination address that repeats in a segment (two
-    views of foreign memory) starts a new device batch, which is ordered
-    after the previous one.
-    """
-
-    __slots__ = ("depth", "segments")
-
-    def __init__(self) -> None:
-        self.segments: dict[int, Segment] = {}
-        self.depth = 0
-
-
-def failed_error(record: Record) -> TransferFailedError:
-    """The error ``is_ready``/``wait`` raise for a failed record."""
-    return TransferFailedError(
-        f"the transfer of {record.nbytes} bytes failed on the device ({record.error}); "
-        "nothing was published and its buffers are abandoned"
-    )
 
 
 class CompletionPort(Protocol):
@@ -335,11 +148,11 @@ class CompletionPort(Protocol):
         """A handle was dropped unwaited: retire its record. Never blocks."""
         ...
 
-    def watch(self, handle: _Pending[Any]) -> TransferFuture:
+    def watch(self, handle: Handle) -> TransferFuture:
         """A new future the watcher resolves with ``handle``'s result."""
         ...
 
-    def hand_off(self, handle: _Pending[Any], stream: Any) -> Any:
+    def hand_off(self, handle: Handle, stream: Any) -> Any:
         """Give an upload's destination to GPU work before the copy is known complete."""
         ...
 
@@ -823,7 +636,7 @@ class Completion:
         A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
         record has one, else False: the watcher is not asked to sleep on a record no one waits for.
         """
-        if _waiting.on_watcher_thread() or _lifecycle.exiting():
+        if on_watcher_thread() or _lifecycle.exiting():
             # a done-callback waits (the watcher cannot wake itself), or the interpreter exits (no thread
             # may start, so no watcher): nap on
             return self._nap(record, deadline, math.inf) is True
@@ -981,8 +794,6 @@ class Completion:
         signal = record.signal
         if signal is not None:
             return signal
-        from ._waiting import Signal, Watcher
-
         with self.lock:
             signal = record.signal
             if signal is None:
@@ -1153,7 +964,7 @@ class Completion:
                 array._leases -= 1
 
     # -- hand-off and futures -----------------------------------------------------------------------
-    def hand_off(self, handle: _Pending[Any], stream: Any) -> Any:
+    def hand_off(self, handle: Handle, stream: Any) -> Any:
         """See :meth:`ferry.PendingUpload.hand_off`."""
         extra = handle._record.extra
         if extra is not None and extra.ready_to_order is not None and not handle._record.done:
@@ -1216,14 +1027,12 @@ class Completion:
         elif record.event is not None:
             self.backend.stream_wait_event(stream, record.event)
 
-    def watch(self, handle: _Pending[Any]) -> TransferFuture:
+    def watch(self, handle: Handle) -> TransferFuture:
         """A new future for ``handle``, resolved by the watcher (created on first use).
 
         The future attends the record (``waiters``) until it is resolved or
         cancelled; its resolution settles the record and sets its result.
         """
-        from ._waiting import TransferFuture
-
         self.health.check_open()
         record = handle._record
         with self.lock:

@@ -29,7 +29,7 @@ import numpy as np
 
 from ._backends._base import DeviceError
 from ._errors import BufferMovedError
-from ._interop._cai import export_cai
+from ._interop._cai import CAI_VERSION
 from ._interop._dlpack import export_capsule
 from ._state import ABANDONED, CLOSED, IN_FLIGHT, OWNED, READ_LEASED, State
 
@@ -276,3 +276,28 @@ def new_device_array(
     array = DeviceArray(owner, memory, ptr, shape, dtype, nbytes, _token=_FACTORY)
     memory.arrays.add(array)
     return array
+
+
+def export_cai(array: DeviceArray) -> dict[str, Any]:
+    """The CUDA Array Interface (version 3) of a ferry array that is owned or read-leased."""
+    state = array.state
+    if state not in (OWNED, READ_LEASED):
+        raise BufferMovedError(f"cannot export a device array that is {state}")
+    stream = None
+    ready = array._ready
+    if ready is not None and not ready.done:
+        extra = ready.extra
+        named = extra.export_stream if extra is not None and extra.job is not None else ready.stream
+        if named is not None:
+            stream = array._memory.backend.stream_handle(named)
+    array._memory.note_unknown(array._ptr)  # the consumer may use any stream: free after the device idled
+    descr = array.dtype.descr if array.dtype.names else [("", array.dtype.str)]
+    return {
+        "shape": array.shape,
+        "typestr": array.dtype.str,
+        "descr": descr,
+        "data": (array._ptr, state is READ_LEASED),
+        "strides": None,
+        "version": CAI_VERSION,
+        "stream": stream,
+    }

@@ -23,19 +23,23 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from . import _lifecycle, _native
-from ._args import timeout_arg
+from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg, timeout_arg
 from ._backends._base import Backend, DeviceError
-from ._buffer import PinnedHostBuffer
+from ._buffer import PinnedHostBuffer, check_dtype, new_buffer
 from ._completion import Completion
+from ._device_array import DeviceArray, new_device_array
 from ._lifecycle import Health
 from ._memory._device import DeviceMemory
 from ._memory._hostcache import HostCache
 from ._memory._pinned import PinnedPool
 from ._memory._register import Registrations
+from ._pending import PendingDownload, PendingUpload
 from ._routes._host import HostRoutes
 from ._routes._peer import PeerRoute, Side
-from ._routes._staged import StagingConfig
+from ._routes._staged import StagingConfig, default_staging, engine_status, engine_threads_status
 
 __all__: list[str] = []
 
@@ -54,7 +58,7 @@ class Parts:
         self.registrations = Registrations(backend, health, self.lock)
         self.host_cache = HostCache(options["host_cache_bytes"])
         self.buffers: weakref.WeakSet[PinnedHostBuffer] = weakref.WeakSet()
-        self.staging: StagingConfig = options["staging"].resolved()
+        self.staging: StagingConfig = (options["staging"] or default_staging()).resolved()
         self.h2d = backend.stream_create()
         self.d2h = backend.stream_create()
         self.host = HostRoutes(self.completion, self.pool, self.registrations, self.host_cache, self.staging,
@@ -64,6 +68,100 @@ class Parts:
         self.side_streams: list[Any] = []  # made by ferry.testing.side_stream
         self.side = Side(backend, self.d2h, self.lock, self.completion)
 
+    def compiled_entries(self, runtime: Any, facade: Any) -> dict[str, Any]:
+        """The methods of ``runtime`` (a ``facade``) to replace by compiled entries, by name.
+
+        Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
+        and ``download_pending`` become compiled entries: the same checks and submission in one C
+        call, which hands whatever is not the common case to ``facade``'s methods (a subclass that
+        overrides either keeps both as Python methods). Where NumPy's shape fields are verified too,
+        ``upload`` does the same for the small pageable route's common case. Elsewhere: none.
+        """
+        fast = self.completion.fast
+        cls = type(runtime)
+        if (
+            fast is None
+            or type(self.lock) is not getattr(_native.load(), "RLock", None)
+            or cls.upload_pending is not facade.upload_pending
+            or cls.download_pending is not facade.download_pending
+            or not _native.slot_layout()
+        ):
+            return {}
+        fast.bind_entries(facade.upload_pending, facade.download_pending, PendingUpload, PendingDownload,
+                          self.h2d, self.d2h, self.backend)
+        small = cls.upload is facade.upload and _native.array_shape_layout()  # the small pageable upload too
+        if small:
+            fast.bind_small(self.host.small, np.ndarray, facade.upload)
+        # bound to the runtime as a method is (kept alone, they keep it alive: a cycle through its
+        # __dict__, so a dropped runtime is closed by the cyclic garbage collector)
+        up, down, upload = fast.entries(runtime)
+        entries = {"upload_pending": up, "download_pending": down}
+        if upload is not None:
+            entries["upload"] = upload
+        return entries
+
+    # -- what the facade's calls do beyond a check (see Runtime for each contract) ------------------
+    def info(self) -> dict[str, Any]:
+        """``Runtime.info()``: the backend's description and the pools' and engines' state."""
+        self.health.check_open()
+        info = dict(self.backend.info())
+        info["pinned_pool_bytes"] = self.pool.held_bytes
+        info["pinned_free_bytes"] = self.pool.free_bytes
+        info["staging_engine"] = status = engine_status(self.staging)
+        info["staging_threads"] = engine_threads_status(self.staging, status)
+        info["device_pool"] = self.memory.kind
+        return info
+
+    def pinned(self, owner: object, nbytes: int) -> PinnedHostBuffer:
+        """``Runtime.pinned(nbytes)``: an owned pinned buffer of ``owner`` from the pool."""
+        nbytes = size_arg(nbytes, "nbytes")
+        if nbytes < 1:
+            raise ValueError(f"a pinned buffer needs nbytes >= 1, got {nbytes}")
+        self.health.check_open()
+        with self.lock:
+            self.completion.maintain()
+        try:
+            block = self.pool.acquire(nbytes)
+        except DeviceError as exc:
+            self.health.note(exc)
+            raise alloc_error("pinned host", nbytes, exc) from exc
+        except (MemoryError, ValueError) as exc:
+            raise MemoryError(f"pinned host allocation of {nbytes} bytes failed: {exc}") from exc
+        buffer = new_buffer(owner, self.pool, block, nbytes)
+        self.buffers.add(buffer)
+        return buffer
+
+    def empty(self, owner: object, shape: Any, dtype: Any) -> DeviceArray:
+        """``Runtime.empty(shape, dtype)``: an owned device array of ``owner`` from the device pool."""
+        self.health.check_open()
+        dt = check_dtype(dtype)
+        dims = shape_arg(shape)
+        nbytes = math.prod(dims) * dt.itemsize
+        if nbytes > MAX_BYTES:
+            raise ValueError(f"{nbytes} bytes is larger than any device")
+        with self.lock:
+            if self.completion.maintenance_due():
+                self.completion.maintain()
+            ptr = self.memory.alloc(nbytes)  # MemoryError, or FerryError
+        return new_device_array(owner, self.memory, ptr, dims, dt, nbytes)
+
+    def poll(self) -> None:
+        """``Runtime.poll()``: release what dropped handles held once their copies completed."""
+        self.health.check_open()
+        completion = self.completion
+        with self.lock:
+            completion.maintain()
+        if completion.cross_returns:
+            completion.flush_cross()
+
+    def trim(self, keep_bytes: int) -> None:
+        """``Runtime.trim(keep_bytes)``: give the device pool's unused memory back."""
+        self.health.check_open()
+        with self.lock:
+            self.completion.maintain()
+            self.memory.trim(size_arg(keep_bytes, "keep_bytes"))
+
+    # -- closing --------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self, deadline: float | None) -> Iterator[None]:
         """The lock, taken by ``deadline`` (at least 0.1 s of patience) or ``TimeoutError``."""

@@ -23,8 +23,9 @@ from . import _native
 from ._errors import FerryError
 
 if TYPE_CHECKING:
-    from ._completion import CompletionPort, Record
+    from ._completion import CompletionPort
     from ._device_array import DeviceArray  # noqa: F401
+    from ._records import Record
 
 __all__ = ["Pending", "PendingUpload", "PendingDownload", "PendingCopy"]
 

@@ -11,7 +11,7 @@ The pinned fast path stays inline here: :meth:`Runtime.upload_pending` and
 and enqueue at once; everything else goes to its route's module. Where the
 extension runs, a runtime replaces both, and :meth:`Runtime.upload`, by
 compiled entries that do the same common case in one C call and call these
-methods for everything else (``_bind_compiled_entries``).
+methods for everything else (``Parts.compiled_entries``).
 
 Every refusal happens before anything is enqueued and raises
 :class:`~ferry.TransferSubmitError` with every argument left as it was.
@@ -20,8 +20,6 @@ Every refusal happens before anything is enqueued and raises
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import weakref
 from collections.abc import Iterator
 from sys import getrefcount
@@ -29,21 +27,20 @@ from typing import Any
 
 import numpy as np
 
-from . import _lifecycle, _native
-from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg
-from ._backends._base import Backend, DeviceError
-from ._buffer import BASE_REFS, PinnedHostBuffer, check_dtype, new_buffer
-from ._device_array import DeviceArray, new_device_array
-from ._errors import TransferSubmitError
-from ._interop._foreign import DEVICE, expect
+from . import _lifecycle
+from ._args import check_runtime_args
+from ._backends._base import Backend
+from ._buffer import BASE_REFS, PinnedHostBuffer
+from ._device_array import DeviceArray
 from ._interop._host import host_arg
 from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
 from ._pending import HostArray, PendingCopy, PendingDownload, PendingUpload
-from ._routes._peer import copy_between
+from ._routes import _file
+from ._routes._peer import check_copy, copy_between
 from ._routes._pinned import submit_pinned
-from ._routes._staged import StagingConfig, engine_status, engine_threads_status
+from ._routes._staged import StagingConfig
 from ._state import OWNED
 from ._stats import RuntimeStats, snapshot
 
@@ -116,62 +113,25 @@ class Runtime:
         host_cache_bytes: int = 2 << 30,
         device_pool_limit: int | None = None,
     ) -> None:
-        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
-            raise ValueError(f"device must be a non-negative int, got {device!r}")
-        if retirement_capacity < 1:
-            raise ValueError("retirement capacity must be >= 1")
-        if device_pool_limit is not None and size_arg(device_pool_limit, "device_pool_limit") < 0:
-            raise ValueError("device_pool_limit must be >= 0 (or None: keep everything)")
+        check_runtime_args(device, retirement_capacity, device_pool_limit)
         chosen = _lifecycle.make_backend(backend, int(device), emulated_bandwidth, emulated_latency, peer_access)
-        options = {
-            "retirement_capacity": retirement_capacity, "pinned_cache_bytes": pinned_cache_bytes,
-            "peer_access": peer_access, "staging": staging or _default_staging(),
-            "host_cache_bytes": host_cache_bytes, "device_pool_limit": device_pool_limit,
-        }
-        parts = self._parts = Parts(chosen, Health(), options)
+        parts = self._parts = Parts(chosen, Health(), {
+            "retirement_capacity": retirement_capacity, "pinned_cache_bytes": pinned_cache_bytes, "staging": staging,
+            "peer_access": peer_access, "host_cache_bytes": host_cache_bytes, "device_pool_limit": device_pool_limit,
+        })
         # the hot path reads these directly
         self._backend: Backend = chosen
         self._health = parts.health
         self._lock = parts.lock
         self._completion = parts.completion
-        self._pool = parts.pool
-        self._memory = parts.memory
         self._h2d = parts.h2d
         self._d2h = parts.d2h
         self._small = parts.host.small  # small NumPy arrays: tried first by upload() and download()
-        self._bind_compiled_entries()
+        for name, entry in parts.compiled_entries(self, Runtime).items():
+            setattr(self, name, entry)  # the common cases in one C call each, where the extension runs
         _lifecycle.register(parts)
         finalizer = weakref.finalize(self, _lifecycle.collected_unclosed, parts, repr(self))
         finalizer.atexit = False  # at exit the lifecycle closes every open runtime, quietly
-
-    def _bind_compiled_entries(self) -> None:
-        """Where the extension runs (its lock, its Fast, the verified slot layout), ``upload_pending``
-        and ``download_pending`` become this runtime's compiled entries: the same checks and submission
-        in one C call, which hands whatever is not the common case to the methods below (a subclass
-        that overrides either keeps both as Python methods). Where NumPy's shape fields are verified
-        too, ``upload`` does the same for the small pageable route's common case."""
-        fast = self._completion.fast
-        cls = type(self)
-        if (
-            fast is None
-            or type(self._lock) is not getattr(_native.load(), "RLock", None)
-            or cls.upload_pending is not Runtime.upload_pending
-            or cls.download_pending is not Runtime.download_pending
-            or not _native.slot_layout()
-        ):
-            return
-        fast.bind_entries(Runtime.upload_pending, Runtime.download_pending, PendingUpload, PendingDownload,
-                          self._h2d, self._d2h, self._backend)
-        small = cls.upload is Runtime.upload and _native.array_shape_layout()  # the small pageable upload too
-        if small:
-            fast.bind_small(self._small, np.ndarray, Runtime.upload)
-        # bound to this runtime as a method is (kept alone, they keep it alive: a cycle through this
-        # __dict__, so a dropped runtime is closed by the cyclic garbage collector)
-        up, down, upload = fast.entries(self)
-        self.upload_pending = up  # type: ignore[method-assign]
-        self.download_pending = down  # type: ignore[method-assign]
-        if upload is not None:
-            self.upload = upload  # type: ignore[method-assign]
 
     # -- identity -------------------------------------------------------------------------
     @property
@@ -191,14 +151,7 @@ class Runtime:
 
     def info(self) -> dict[str, Any]:
         """Backend, device name, driver, link and pool state, as a dict."""
-        self._health.check_open()
-        info = dict(self._backend.info())
-        info["pinned_pool_bytes"] = self._pool.held_bytes
-        info["pinned_free_bytes"] = self._pool.free_bytes
-        info["staging_engine"] = status = engine_status(self._parts.staging)
-        info["staging_threads"] = engine_threads_status(self._parts.staging, status)
-        info["device_pool"] = self._memory.kind
-        return info
+        return self._parts.info()
 
     def __repr__(self) -> str:
         state = "closed" if self._health.closed else "open"
@@ -233,22 +186,7 @@ class Runtime:
         FerryError
             The device refused the allocation for another reason.
         """
-        nbytes = size_arg(nbytes, "nbytes")
-        if nbytes < 1:
-            raise ValueError(f"a pinned buffer needs nbytes >= 1, got {nbytes}")
-        self._health.check_open()
-        with self._lock:
-            self._completion.maintain()
-        try:
-            block = self._pool.acquire(nbytes)
-        except DeviceError as exc:
-            self._health.note(exc)
-            raise alloc_error("pinned host", nbytes, exc) from exc
-        except (MemoryError, ValueError) as exc:
-            raise MemoryError(f"pinned host allocation of {nbytes} bytes failed: {exc}") from exc
-        buffer = new_buffer(self, self._pool, block, nbytes)
-        self._parts.buffers.add(buffer)
-        return buffer
+        return self._parts.pinned(self, nbytes)
 
     def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> DeviceArray:
         """An uninitialized C-contiguous device array, owned by the caller.
@@ -259,17 +197,7 @@ class Runtime:
         ``close()`` or when the array is collected (at the runtime's next
         call), after every stream that may still use it (docs/memory.md).
         """
-        self._health.check_open()
-        dt = check_dtype(dtype)
-        dims = shape_arg(shape)
-        nbytes = math.prod(dims) * dt.itemsize
-        if nbytes > MAX_BYTES:
-            raise ValueError(f"{nbytes} bytes is larger than any device")
-        with self._lock:
-            if self._completion.maintenance_due():
-                self._completion.maintain()
-            ptr = self._memory.alloc(nbytes)  # MemoryError, or FerryError
-        return new_device_array(self, self._memory, ptr, dims, dt, nbytes)
+        return self._parts.empty(self, shape, dtype)
 
     # -- pinned submissions -------------------------------------------------------------------------
     def upload_pending(
@@ -451,6 +379,30 @@ class Runtime:
         result = self.download(array).wait()[1]
         return result
 
+    # -- files ------------------------------------------------------------------------------------
+    def upload_file(
+        self, file: Any, destination: DeviceArray, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingUpload[Any, DeviceArray]:
+        """Read ``destination.nbytes`` bytes of ``file`` (a path or an open binary file) at ``offset``
+        into ``destination`` without blocking; ``wait()`` returns ``(file, destination)``.
+
+        Reads go straight into pinned slots (``pread``, no mmap), several at once, each slot's DMA
+        issued as its read completes; ``direct`` picks ``O_DIRECT`` (``None``: the page cache unless
+        the range is not cached; docs/checkpoints.md). The destination moves into the transfer. A read
+        that fails or ends early (a truncated file) fails the transfer with an error naming the file
+        and the byte offset. Raises :class:`~ferry.TransferSubmitError`, nothing changed, for a file
+        that cannot be opened or is too short, or an argument refused as for :meth:`upload_pending`.
+        """
+        return _file.upload_file(self, self._parts, file, destination, offset, direct)
+
+    def download_file(
+        self, source: DeviceArray, file: Any, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingDownload[DeviceArray, Any]:
+        """Write ``source``'s bytes into ``file`` (a path, created if missing, or an open binary file) at
+        ``offset`` without blocking; ``wait()`` returns ``(source, file)``. The source is read-leased
+        as for :meth:`download_pending`; the file is never truncated. A failed write fails the transfer."""
+        return _file.download_file(self, self._parts, source, file, offset, direct)
+
     # -- several devices ----------------------------------------------------------------------
     def copy_pending(self, source: DeviceArray, destination: DeviceArray) -> PendingCopy:
         """Copy ``source.nbytes`` bytes from ``source`` into ``destination``, which belongs to this runtime.
@@ -470,30 +422,14 @@ class Runtime:
         TransferSubmitError
             Nothing was enqueued; both arrays are unchanged.
         """
-        expect(source, DeviceArray, "copy_pending", "source", DEVICE)
-        expect(destination, DeviceArray, "copy_pending", "destination", DEVICE)
-        if destination._runtime is not self:
-            raise TransferSubmitError(
-                "copy_pending is submitted to the destination's runtime: call it on that runtime"
-            )
-        other = source._runtime
-        if not isinstance(other, Runtime):
-            raise TransferSubmitError("the source does not belong to a ferry runtime")
-        if other.backend != self.backend:
-            raise TransferSubmitError(f"cannot copy from a {other.backend} device to a {self.backend} device")
-        record = copy_between(self, self._parts, other, other._parts, source, destination)
-        return PendingCopy(self._completion, record)
+        other = check_copy(self, source, destination, Runtime)
+        return PendingCopy(self._completion, copy_between(self, self._parts, other, other._parts, source, destination))
 
     # -- stats and lifetime ---------------------------------------------------------------------------
     def poll(self) -> None:
         """Release what dropped handles held once their copies completed. Never blocks
         (unless the retirement queue is over its bound)."""
-        self._health.check_open()
-        completion = self._completion
-        with self._lock:
-            completion.maintain()
-        if completion.cross_returns:
-            completion.flush_cross()
+        self._parts.poll()
 
     def stats(self) -> RuntimeStats:
         """A consistent snapshot of the runtime's counters (works after close too)."""
@@ -503,10 +439,7 @@ class Runtime:
     def trim(self, keep_bytes: int = 0) -> None:
         """Give the device pool's unused memory back to the device (``cuMemPoolTrimTo``), keeping at
         most ``keep_bytes`` reserved. Memory in use, or whose free waits for work still running, stays."""
-        self._health.check_open()
-        with self._lock:
-            self._completion.maintain()
-            self._memory.trim(size_arg(keep_bytes, "keep_bytes"))
+        self._parts.trim(keep_bytes)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for everything in flight, release the retirement queue, free what the runtime owns.
@@ -522,7 +455,3 @@ class Runtime:
         """
         self._parts.close(timeout)
 
-
-def _default_staging() -> StagingConfig:
-    lanes = max(2, min(StagingConfig.lanes, (os.cpu_count() or 2)))
-    return StagingConfig(lanes=lanes)

@@ -14,6 +14,7 @@
 ``peer``         device to device, peer against staged (two devices or more)
 ``pipeline``     a training-style input pipeline with real device work (``_pipeline.py``)
 ``gil``          a pure-Python loop's speed beside background transfer loops (``_gil.py``)
+``files``        checkpoint loading and saving against the peers and the pread/pwrite ceiling (``_files.py``)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from .. import testing
 from .._runtime import parts_of
-from . import _gil, _pipeline
+from . import _files, _gil, _pipeline
 from ._memcpy import CopyTeam, passes_for
 from ._peers import Case
 from ._protocol import Budget, Result, measure, measure_interleaved, payload, poison
@@ -860,6 +861,7 @@ def case_count(group: str, ctx: Context) -> int:
         "handoff": 1,
         "pipeline": _pipeline.case_count(ctx.rt.backend == "emulated", ctx.quick),
         "gil": _gil.case_count(ctx),
+        "files": _files.case_count(ctx),
     }
     return counts[group]
 
@@ -877,4 +879,5 @@ GROUPS: dict[str, Callable[[Context], None]] = {
     "peer": group_peer,
     "pipeline": _pipeline.group_pipeline,
     "gil": _gil.group_gil,
+    "files": _files.group_files,
 }

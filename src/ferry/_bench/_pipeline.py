@@ -124,8 +124,8 @@ def plan(emulated: bool, quick: bool) -> Plan:
         return Plan([Config(8 * MiB, 8e-3), Config(8 * MiB, 1e-3)], steps=6, warmup=3, repeats=2)
     configs = [Config(n * MiB, w) for n in (8, 32) for w in (8e-3, 1e-3)]
     # 40 timed steps and five runs in either mode: a late stamp or a stall moves a 20-step run's sample
-    # twice as much, and the machine's noise comes in bursts over consecutive rounds (docs/benchmarks.md,
-    # twelfth session), which a median of three runs does not outvote
+    # twice as much, and the machine's noise comes in bursts over consecutive rounds (on the
+    # H200 VMs), which a median of three runs does not outvote
     return Plan(configs, steps=40, warmup=3 if quick else 4, repeats=5)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._runtime import parts_of
+from . import _files
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -167,6 +168,7 @@ def compute_checks(results: list[Result]) -> list[Check]:
     checks += _ceiling_checks(results)
     checks += _pipeline_checks(results)
     checks += _gil_checks(results)
+    checks += _files.checks(results, Check, _find)
     return checks
 
 
@@ -185,7 +187,7 @@ def time_ratio_check(
 
 
 def _small_checks(results: list[Result]) -> list[Check]:
-    """Issue 16: many small uploads against the raw driver's loop with one event per copy (ferry's
+    """Many small uploads against the raw driver's loop with one event per copy (ferry's
     own loop within 1.5x, inside ``rt.batch()`` faster), and the pageable route from 16 B to 64 KiB
     within 1.1x of the driver's own pageable copy at every size measured, each way."""
     checks: list[Check] = []

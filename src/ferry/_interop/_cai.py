@@ -25,15 +25,12 @@ device has been idle (see ``_memory/_device.py``), unless
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._errors import BufferMovedError, TransferSubmitError
-from .._state import CLOSED, OWNED, READ_LEASED, State
-
-if TYPE_CHECKING:
-    from .._device_array import DeviceArray
+from .._state import CLOSED, OWNED, State
 
 __all__: list[str] = []
 
@@ -167,28 +164,3 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
-
-
-def export_cai(array: DeviceArray) -> dict[str, Any]:
-    """The CUDA Array Interface (version 3) of a ferry array that is owned or read-leased."""
-    state = array.state
-    if state not in (OWNED, READ_LEASED):
-        raise BufferMovedError(f"cannot export a device array that is {state}")
-    stream = None
-    ready = array._ready
-    if ready is not None and not ready.done:
-        extra = ready.extra
-        named = extra.export_stream if extra is not None and extra.job is not None else ready.stream
-        if named is not None:
-            stream = array._memory.backend.stream_handle(named)
-    array._memory.note_unknown(array._ptr)  # the consumer may use any stream: free after the device idled
-    descr = array.dtype.descr if array.dtype.names else [("", array.dtype.str)]
-    return {
-        "shape": array.shape,
-        "typestr": array.dtype.str,
-        "descr": descr,
-        "data": (array._ptr, state is READ_LEASED),
-        "strides": None,
-        "version": CAI_VERSION,
-        "stream": stream,
-    }

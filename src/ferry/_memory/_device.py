@@ -73,14 +73,14 @@ import contextlib
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._args import alloc_error
 from .._backends._base import Backend, DeviceError
 from .._interop._cai import stream_handle_of
+from .._state import OWNED, State
 
 if TYPE_CHECKING:
-    from .._device_array import DeviceArray
     from .._lifecycle import Health
 
 __all__: list[str] = []
@@ -90,6 +90,29 @@ _LEGACY = 1  # CU_STREAM_LEGACY; the NULL stream (0) is the same one
 REAP_LOOKAHEAD = 4  # awaiting frees still running an allocation looks at before it stops
 OOM_WAIT = 5.0  # s: what an allocation that found the device full waits for other libraries' consumers
 _UNKNOWN_HANDLES = (2, -1)  # the per-thread default stream is another stream on every thread; -1 names none
+
+
+class Allocation(Protocol):
+    """What device memory sees of an array it allocated (a ``DeviceArray``, which sits above it)."""
+
+    @property
+    def _ptr(self) -> int:
+        """The device address."""
+        ...
+
+    @property
+    def _nbytes(self) -> int:
+        """The bytes allocated."""
+        ...
+
+    @property
+    def _state(self) -> State:
+        """The array's ownership state."""
+        ...
+
+    def _release_for_close(self) -> None:
+        """Mark an owned array closed: its memory is freed with the runtime's."""
+        ...
 
 
 class _Users:
@@ -112,7 +135,7 @@ class DeviceMemory:
         self.device = int(backend.device)
         self.bytes = 0  # allocated through this runtime for arrays alive (or dying) and not freed
         self.deferred: list[tuple[int, int]] = []  # (address, nbytes) of collected arrays
-        self.arrays: weakref.WeakSet[DeviceArray] = weakref.WeakSet()
+        self.arrays: weakref.WeakSet[Allocation] = weakref.WeakSet()
         self.users: dict[int, _Users] = {}  # address -> streams that may use it beyond ferry
         self.pool_limit = pool_limit
         self.pool: Any = None
@@ -403,8 +426,6 @@ class DeviceMemory:
 
         Abandoned arrays stay allocated: the device may still touch them.
         """
-        from .._state import OWNED
-
         usable = self.health.device_usable
         # At interpreter exit (atexit runs after the main thread stopped) nothing waits for another
         # library's kernels: memory with unknown users is left to the driver, which reclaims it with

@@ -37,7 +37,7 @@ import contextlib
 import os
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from .._backends._base import Backend
-    from ._staged import StagingConfig
 
 __all__: list[str] = []
 
@@ -196,10 +195,43 @@ class NativeJob:
                 done_with(joined)
 
 
+class LaneConfig(Protocol):
+    """What the compiled lanes read of a :class:`~ferry.StagingConfig` (``_staged.py``, which picks the engine)."""
+
+    @property
+    def lanes(self) -> int:
+        """Lanes per direction."""
+        ...
+
+    @property
+    def slots_per_lane(self) -> int:
+        """Pinned slots per lane."""
+        ...
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot."""
+        ...
+
+    @property
+    def min_chunk_bytes(self) -> int:
+        """The smallest chunk."""
+        ...
+
+    @property
+    def cooperative_max_bytes(self) -> int:
+        """The largest cooperative upload."""
+        ...
+
+    def lane_helper_count(self) -> int:
+        """The idle lanes that help a cooperative job's lead copy."""
+        ...
+
+
 class NativeEngine:
     """The compiled lanes of one direction behind the staging-engine interface of ``_staged.py``."""
 
-    def __init__(self, module: ModuleType, backend: Backend, config: StagingConfig, direction: str) -> None:
+    def __init__(self, module: ModuleType, backend: Backend, config: LaneConfig, direction: str) -> None:
         self.backend = backend
         self.direction = direction
         self.cuda = backend.name == "cuda"

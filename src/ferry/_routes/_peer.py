@@ -25,20 +25,23 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .._backends._base import Backend, DeviceError
 from .._completion import Extras
+from .._device_array import DeviceArray
 from .._errors import RuntimeClosedError, TransferSubmitError
-from .._interop._foreign import order_before
+from .._interop._foreign import DEVICE, expect, order_before
 from .._state import IN_FLIGHT
 
 if TYPE_CHECKING:
     from .._completion import Completion, Record
+    from .._lifecycle import Health
     from .._memory._pinned import PinnedPool
-    from .._parts import Parts
 
 __all__ = ["Route", "routes"]
+
+_R = TypeVar("_R")  # the facade's type (the runtime, which sits above)
 
 
 @dataclass(frozen=True)
@@ -269,10 +272,60 @@ def _then_record(backend: Backend, copy: Any) -> Any:
     return run
 
 
+class Party(Protocol):
+    """One runtime's parts as a device-to-device copy sees them (``_parts.Parts``, which sits above)."""
+
+    @property
+    def lock(self) -> Any:
+        """The runtime's lock."""
+        ...
+
+    @property
+    def health(self) -> Health:
+        """Whether the runtime is open."""
+        ...
+
+    @property
+    def backend(self) -> Backend:
+        """The runtime's device."""
+        ...
+
+    @property
+    def completion(self) -> Completion:
+        """The runtime's completion part."""
+        ...
+
+    @property
+    def peer(self) -> PeerRoute:
+        """The route of copies into the runtime's device."""
+        ...
+
+    @property
+    def side(self) -> Side:
+        """The runtime as the source of a copy."""
+        ...
+
+
+def check_copy(owner: object, source: Any, destination: Any, facade: type[_R]) -> _R:
+    """The source's runtime (a ``facade``), once ``destination <- source`` is a copy that ``owner`` takes
+    (see ``copy_pending``); raises ``TransferSubmitError`` otherwise."""
+    expect(source, DeviceArray, "copy_pending", "source", DEVICE)
+    expect(destination, DeviceArray, "copy_pending", "destination", DEVICE)
+    if destination._runtime is not owner:
+        raise TransferSubmitError("copy_pending is submitted to the destination's runtime: call it on that runtime")
+    other = source._runtime
+    if not isinstance(other, facade):
+        raise TransferSubmitError("the source does not belong to a ferry runtime")
+    return other
+
+
 def copy_between(
-    owner: object, parts: Parts, source_owner: object, source_parts: Parts, source: Any, destination: Any
+    owner: object, parts: Party, source_owner: object, source_parts: Party, source: Any, destination: Any
 ) -> Record:
     """Check and submit ``destination <- source`` under both runtimes' locks (see ``copy_pending``)."""
+    theirs, ours = source_parts.backend.name, parts.backend.name
+    if theirs != ours:
+        raise TransferSubmitError(f"cannot copy from a {theirs} device to a {ours} device")
     same = source_parts is parts
     locks = [parts.lock] if same else sorted([parts.lock, source_parts.lock], key=id)
     with contextlib.ExitStack() as stack:

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .._backends._base import DeviceError
+from ._native import NativeEngine, engine_threads
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -189,8 +190,6 @@ class StagingConfig:
         """The idle lanes that help a cooperative job's lead copy (``lane_helpers``, ``-1`` resolved)."""
         if self.lane_helpers >= 0:
             return self.lane_helpers
-        from ._native import engine_threads
-
         roomy, _ = engine_threads(self.lanes)
         return min(self.lanes - 1, DEFAULT_LANE_HELPERS) if roomy else 0
 
@@ -204,6 +203,13 @@ class StagingConfig:
     def pinned_bytes(self) -> int:
         """Pinned memory one direction's lanes hold."""
         return self.slot_bytes * self.slots_per_lane * self.lanes
+
+
+def default_staging() -> StagingConfig:
+    """A runtime's config when none is given: the defaults, with no more lanes than this machine's CPUs
+    (at least 2)."""
+    lanes = max(2, min(StagingConfig.lanes, (os.cpu_count() or 2)))
+    return StagingConfig(lanes=lanes)
 
 
 # -- chunk plans ------------------------------------------------------------------------------------
@@ -557,8 +563,6 @@ def engine_threads_status(config: StagingConfig, status: str) -> str:
     )
     if status != "native":
         return f"{config.lanes} Python lanes per direction; {direct}, copied by the calling thread"
-    from ._native import engine_threads
-
     driver_thread, wait_spin_us = engine_threads(config.lanes)  # what an engine made now would run
     detail = "one driver thread makes their enqueues" if driver_thread else "each calls the driver"
     waits = (
@@ -608,8 +612,6 @@ class StagedRoute:
             backend = self.completion.backend
             module = native_module(self.config)
             if module is not None:
-                from ._native import NativeEngine
-
                 engine = NativeEngine(module, backend, self.config, direction)
             else:
                 engine = StagingEngine(backend, self.pool, self.config, direction)

@@ -2,11 +2,11 @@
 ferry ``DeviceArray``, split into the submitting call and ``wait()``; then the costliest functions
 of 2,000 small downloads from a tensor under cProfile. Needs a GPU and PyTorch.
 
-    PYTHONPATH=src python3 benchmarks/probe_foreign.py [--profile 30]
+    PYTHONPATH=src python3 benchmarks/probe_foreign_download.py [--profile 30]
 
 A PyTorch tensor is submitted two ways, in turns: ferry's own ordering (``__dlpack__(stream=-1)``
 and an event on PyTorch's current stream) and PyTorch's (``__dlpack__(stream=<ferry's stream>)``,
-the path before the twelfth session, with ferry's getter of PyTorch's stream switched off).
+ferry's getter of PyTorch's stream switched off).
 """
 
 from __future__ import annotations

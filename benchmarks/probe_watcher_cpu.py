@@ -1,6 +1,6 @@
 """CPU used by the completion watcher while 100 transfers are pending for a second.
 
-    PYTHONPATH=src python3 benchmarks/probe_watcher.py [--backend cuda|emulated]
+    PYTHONPATH=src python3 benchmarks/probe_watcher_cpu.py [--backend cuda|emulated]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Pageable staging through the native engine, on a GPU, against the machine's memcpy ceilings.
 
-    PYTHONPATH=src python3 benchmarks/probe_native.py                 # the default shape
-    PYTHONPATH=src python3 benchmarks/probe_native.py --sweep         # several engine shapes
-    PYTHONPATH=src python3 benchmarks/probe_native.py --lanes 16 --slot-mib 4 --spin-us 50 --json out.json
+    PYTHONPATH=src python3 benchmarks/probe_staging_engine.py                 # the default shape
+    PYTHONPATH=src python3 benchmarks/probe_staging_engine.py --sweep         # several engine shapes
+    PYTHONPATH=src python3 benchmarks/probe_staging_engine.py --lanes 16 --slot-mib 4 --spin-us 50 --json out.json
 
 Builds nothing: the extension must already be built in place (``pip install -e .``
 or ``python setup.py build_ext --inplace``). Drives ``ferry._native._engine`` in
@@ -18,13 +18,6 @@ clock. Rows:
   (``cuMemcpyHtoD`` / ``cuMemcpyDtoH``, synchronous), the figure to beat at 1 MiB;
 - ``memcpy 1T`` / ``memcpy NT``: host memcpy on one thread and on ``--threads``
   threads (``ctypes.memmove`` releases the GIL), the ceiling of any staged route.
-
-Measured on the H200 VM (2026-11-30, three runs, median of 7-11; noisy: +-15% between runs of one
-shape). 12 lanes x 3 slots x 4 MiB, serialized enqueues: 1 MiB 6-7 GB/s each way (driver pageable
-8-11), 8 MiB 15-17 h2d / 15-20 d2h (25-30 h2d with 8 jobs queued), 64 MiB 33-36 / 33-35,
-256 MiB 44-46 / 37-42, downloads into fresh outputs 17-27. The timelines show where 8 MiB goes:
-lanes start within ~50 us, host copies end by 100-250 us, the last DMA is enqueued ~100 us later
-(the driver's enqueue calls are ~10 us per chunk, serialized) and completion comes ~250 us after that.
 
 Every size is verified: a download must equal the uploaded bytes, a strided
 (transposed) upload must land in C order; a mismatch exits with status 1.
@@ -53,7 +46,7 @@ MiB = 1 << 20
 
 
 def fail(message: str, status: int) -> None:
-    print(f"probe_native: {message}", file=sys.stderr)
+    print(f"probe_staging_engine: {message}", file=sys.stderr)
     sys.exit(status)
 
 
@@ -490,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("sizes must be > 0")
 
     gpu: Gpu | EmulatedGpu = EmulatedGpu() if args.emulated else Gpu()
-    print(f"# probe_native on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
+    print(f"# probe_staging_engine on {gpu.name}, pid {os.getpid()}, cpus {os.cpu_count()}")
     rows: dict[str, Any] = {"device": gpu.name, "baselines": baselines(gpu, args), "engine": []}
     first = Shape(
         args.lanes,

@@ -1,7 +1,7 @@
 """How late a ferry wait returns after a download queued behind device work, against PyTorch's
 spinning ``event.synchronize()``, on a GPU with PyTorch.
 
-    PYTHONPATH=src python3 benchmarks/probe_wake.py [--ms 0,0.5,1,2,5,20] [--trials 30]
+    PYTHONPATH=src python3 benchmarks/probe_wake_latency.py [--ms 0,0.5,1,2,5,20] [--trials 30]
         [--cases small,direct,staged] [--nap-off]
 
 Each trial queues ``D`` ms of device work on PyTorch's current stream (``torch.cuda._sleep``,

@@ -5,8 +5,8 @@ ferry's critical-path cost (its work before the copy is enqueued and after the c
 noticed) on a CPU machine; on a GPU it measures the real thing::
 
     gcc -O2 -shared -fPIC -o /tmp/fake/libcuda.so.1 benchmarks/fake_cuda.c -ldl
-    LD_LIBRARY_PATH=/tmp/fake FAKECUDA_LATENCY_NS=5000 PYTHONPATH=src python3 benchmarks/probe_latency.py
-    PYTHONPATH=src python3 benchmarks/probe_latency.py          # on a GPU
+    LD_LIBRARY_PATH=/tmp/fake FAKECUDA_LATENCY_NS=5000 PYTHONPATH=src python3 benchmarks/probe_small_latency.py
+    PYTHONPATH=src python3 benchmarks/probe_small_latency.py          # on a GPU
 
 Each round times a block of each case in turn, so a host that changes speed affects all alike.
 """

@@ -1,6 +1,6 @@
 """What one host-side call of the pipeline costs the calling thread, each measured alone.
 
-    PYTHONPATH=src python3 benchmarks/probe_host_costs.py [--mib 8] [--reps 200]
+    PYTHONPATH=src python3 benchmarks/probe_pipeline_host_costs.py [--mib 8] [--reps 200]
 
 Needs a GPU and PyTorch. Each row: median wall time and median thread CPU time of the call,
 over ``--reps`` calls, with the device idle and every earlier transfer complete (so a wait row is

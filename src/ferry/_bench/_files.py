@@ -1,0 +1,590 @@
+"""The ``files`` group: checkpoint loading and saving, against the peers and the machine's own ceiling.
+
+It writes a safetensors checkpoint shaped like a 1.5B-parameter decoder
+(fp16, hidden 1536, 28 layers, a 151936-token vocabulary: about 3.1 GB in
+340 tensors; 8 layers in ``--quick``, a toy on the emulated device), then in
+one run:
+
+* ``ceiling``: parallel ``preadv`` of the whole file into pinned 16 MiB
+  buffers on 12 threads, no GPU (warm; cold through the page cache and with
+  ``O_DIRECT``, the faster being the cold ceiling); parallel ``pwritev`` of as
+  many bytes from pinned buffers (saving's ceiling);
+* ``ferry``: :func:`ferry.load_safetensors` (warm, cold) and
+  :func:`ferry.save_safetensors` of the loaded tensors;
+* ``torch``: ``safetensors.torch.load_file(device="cuda")`` and ``save_file``
+  of the same tensors on the GPU;
+* ``fastsafetensors`` (``nogds=True``) where it is installed;
+* ``raw``: the raw driver's pageable copies from the ``mmap``'ed file.
+
+Cold means the page cache dropped before each run (``/proc/sys/vm/drop_caches``
+where it is writable, after ``os.sync()``); where it is not, cold runs read
+with ``O_DIRECT`` (ferry's ``direct=True``, the ceiling's ``O_DIRECT`` reads)
+and the note says so. Every contender's result is compared, tensor by tensor,
+with the file's bytes (a saved file's tensors with the original's), outside
+the timed region. The host memory a ferry load adds beyond the runtime's
+pinned pool is measured too (peak resident set, ``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._files._safetensors import read_safetensors_header
+from .._routes._file import ALIGN
+from ._protocol import Result
+
+__all__: list[str] = []
+
+GROUP = "files"
+MiB, GiB = 1 << 20, 1 << 30
+CEILING_THREADS = 12
+CEILING_BUFFER = 16 * MiB
+
+
+# -- the checkpoint -----------------------------------------------------------------------------------
+def decoder_shapes(layers: int, hidden: int, intermediate: int, vocab: int, kv: int) -> dict[str, tuple[int, ...]]:
+    """A decoder's tensors (Qwen2-style names and shapes)."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def checkpoint_shapes(emulated: bool, quick: bool) -> dict[str, tuple[int, ...]]:
+    """The bench's checkpoint: the 1.5B decoder (28 layers), 8 layers in quick runs, a toy on the emulated
+    device."""
+    if emulated:
+        return decoder_shapes(2, 64, 128, 1000, 16)
+    return decoder_shapes(8 if quick else 28, 1536, 8960, 151936, 256)
+
+
+def write_checkpoint(path: str, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> int:
+    """Write random fp16 bytes in safetensors layout (no dependency); return the payload's bytes."""
+    header: dict[str, Any] = {}
+    at = 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        block = rng.integers(0, 1 << 16, size=8 * MiB // 2, dtype=np.uint16)
+        left = at
+        k = 0
+        while left:
+            n = min(left, block.nbytes)
+            f.write((block + k).tobytes()[:n])  # a different pattern per block: misplaced bytes show
+            left -= n
+            k += 1
+    return at
+
+
+def _folder() -> str:
+    """A scratch folder on a disk: ``FERRY_BENCH_DIR``, else the current directory (a tmpfs ``/tmp`` has no
+    cold reads and refuses ``O_DIRECT``), else the temporary directory."""
+    for base in [b for b in (os.environ.get("FERRY_BENCH_DIR"), os.getcwd()) if b]:
+        try:
+            return tempfile.mkdtemp(prefix="ferry-bench-files-", dir=base)
+        except OSError:
+            continue
+    return tempfile.mkdtemp(prefix="ferry-bench-files-")
+
+
+def filesystem_of(path: str) -> str:
+    """The filesystem type and device holding ``path`` (from /proc/mounts), or "an unknown filesystem"."""
+    best = ("", "an unknown filesystem")
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) >= len(best[0]):
+                best = (parts[1], f"{parts[2]} ({parts[0]})")
+    return best[1]
+
+
+# -- cold ------------------------------------------------------------------------------------------------
+def can_drop_caches() -> bool:
+    """Whether this process may drop the page cache."""
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    """Write back dirty pages and drop the page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+# -- the machine's ceiling ---------------------------------------------------------------------------
+class Ceiling:
+    """Parallel ``preadv``/``pwritev`` between a file and pinned buffers, no GPU (the machine's own limit)."""
+
+    def __init__(self, rt: Any, threads: int = CEILING_THREADS, buffer: int = CEILING_BUFFER) -> None:
+        self.buffers = [rt.pinned(buffer + ALIGN) for _ in range(threads)]
+        self.views = []
+        for b in self.buffers:
+            base = b.as_array(np.uint8)
+            skip = -int(base.ctypes.data) % ALIGN
+            self.views.append(memoryview(base[skip:skip + buffer]))
+        self.buffer = buffer
+
+    def run(self, path: str, start: int, end: int, *, write: bool = False, direct: bool = False) -> int:
+        """Read (or write) ``[start, end)`` of ``path`` in buffer-sized pieces on the threads; return bytes."""
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        fd = os.open(path, flags | (getattr(os, "O_DIRECT", 0) if direct else 0), 0o644)
+        lock = threading.Lock()
+        nxt = [start // ALIGN * ALIGN if direct else start]
+        moved = [0]
+        errors: list[BaseException] = []
+
+        def worker(view: memoryview) -> None:
+            try:
+                while True:
+                    with lock:
+                        at = nxt[0]
+                        if at >= end:
+                            return
+                        nxt[0] = at + self.buffer
+                    n = min(self.buffer, end - at)
+                    if direct:
+                        n = -(-n // ALIGN) * ALIGN
+                    done = (os.pwritev if write else os.preadv)(fd, [view[:n]], at)
+                    with lock:
+                        moved[0] += done
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(v,)) for v in self.views]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        os.close(fd)
+        if errors:
+            raise errors[0]
+        return moved[0]
+
+    def close(self) -> None:
+        self.views.clear()
+        for b in self.buffers:
+            b.close()
+
+
+# -- verification -------------------------------------------------------------------------------------
+class Reference:
+    """The checkpoint file's tensors as byte views (``np.memmap``), for verifying results."""
+
+    def __init__(self, path: str) -> None:
+        header, start, _ = read_safetensors_header(path)
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        self.spans = {k: (start + v["data_offsets"][0], start + v["data_offsets"][1])
+                      for k, v in header.items() if k != "__metadata__"}
+        self.start = start
+
+    def bytes_of(self, name: str) -> np.ndarray[Any, Any]:
+        a, b = self.spans[name]
+        return self.map[a:b]
+
+    def same(self, name: str, host: np.ndarray[Any, Any]) -> bool:
+        return bool(np.array_equal(np.ascontiguousarray(host).view(np.uint8).reshape(-1), self.bytes_of(name)))
+
+
+def verify_device_arrays(rt: Any, ref: Reference, loaded: dict[str, Any]) -> bool:
+    return sorted(loaded) == sorted(ref.spans) and all(ref.same(k, rt.to_host(v)) for k, v in loaded.items())
+
+
+def verify_torch(torch: Any, ref: Reference, loaded: dict[str, Any]) -> bool:
+    if sorted(loaded) != sorted(ref.spans):
+        return False
+    return all(v.is_cuda and ref.same(k, v.contiguous().view(torch.uint8).cpu().numpy()) for k, v in loaded.items())
+
+
+def verify_file(ref: Reference, path: str) -> bool:
+    other = Reference(path)
+    same = sorted(other.spans) == sorted(ref.spans) and all(
+        np.array_equal(other.bytes_of(k), ref.bytes_of(k)) for k in ref.spans)
+    del other
+    return same
+
+
+# -- timing ----------------------------------------------------------------------------------------------
+def timed(op: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None,
+          after: Callable[[Any], Any] | None = None) -> list[float]:
+    """``reps`` wall-clock samples of ``op`` (``before`` untimed ahead of each, ``after`` on its result)."""
+    samples = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        out = op()
+        samples.append(time.perf_counter() - t0)
+        if after is not None:
+            after(out)
+        del out
+    return samples
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes, or (0, 0) where /proc does not say."""
+    found = {}
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) * 1024
+    return found.get("VmRSS", 0), found.get("VmHWM", 0)
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+    except OSError:
+        return False
+    return True
+
+
+# -- the group -----------------------------------------------------------------------------------------
+def case_count(ctx: Any) -> int:
+    """How many rows the group records (the progress bar's total)."""
+    has = {name: int(name in ctx.peers) for name in ("raw", "torch")}
+    fast = int(has["torch"] and _fastsafetensors() is not None)
+    return 8 + has["raw"] + 3 * has["torch"] + fast
+
+
+def _fastsafetensors() -> Any:
+    try:
+        return importlib.import_module("fastsafetensors")
+    except ImportError:
+        return None
+
+
+def group_files(ctx: Any) -> None:
+    """Run the group (see the module docstring)."""
+    import ferry
+
+    rt = ctx.rt
+    emulated = rt.backend == "emulated"
+    shapes = checkpoint_shapes(emulated, ctx.quick)
+    reps = 2 if ctx.quick or emulated else 3
+    cold_reps = 1 if ctx.quick or emulated else 2
+    folder = _folder()
+    path = os.path.join(folder, "model.safetensors")
+    saved = os.path.join(folder, "saved.safetensors")
+    nbytes = write_checkpoint(path, shapes)
+    size = os.path.getsize(path)
+    config = f"{len(shapes)} tensors, {nbytes / GiB:.2f} GiB fp16, on {filesystem_of(folder)}"
+    dropping = can_drop_caches() and not emulated  # (a toy run leaves the machine's cache alone)
+    cold_how = "page cache dropped before each run" if dropping else "O_DIRECT (the page cache cannot be dropped here)"
+    ref = Reference(path)
+    ceiling = Ceiling(rt)
+
+    def record(impl: str, route: str, direction: str, samples: list[float], valid: bool | None,
+               note: str = "", n: int = nbytes) -> None:
+        ctx.results.append(Result(GROUP, impl, route, direction, n, samples=samples, valid=valid, note=note,
+                                  config=config))
+
+    def run(impl: str, route: str, direction: str, fn: Callable[[], None]) -> None:
+        ctx.progress(f"{GROUP}: {impl} {route} {direction}")
+        try:
+            fn()
+        except Exception as exc:
+            record(impl, route, direction, [], False, f"error: {exc!r}")
+
+    def cold_before() -> None:
+        if dropping:
+            drop_caches()
+
+    def warm_up() -> None:
+        with open(path, "rb") as f:
+            while f.read(64 * MiB):
+                pass
+
+    try:
+        # the machine's ceiling, warm then cold
+        def ceiling_warm() -> None:
+            warm_up()
+            got = ceiling.run(path, 0, size)
+            record("ceiling", "pread", "warm", timed(lambda: ceiling.run(path, 0, size), reps), got >= size,
+                   f"{CEILING_THREADS} threads, preadv into pinned {CEILING_BUFFER >> 20} MiB buffers", size)
+
+        def ceiling_cold() -> None:
+            moved: list[int] = []
+            samples = timed(lambda: ceiling.run(path, 0, size, direct=not dropping), cold_reps, cold_before,
+                            after=moved.append)
+            record("ceiling", "pread", "cold", samples, all(n >= size for n in moved), cold_how, size)
+
+        def ceiling_cold_direct() -> None:
+            moved: list[int] = []
+            samples = timed(lambda: ceiling.run(path, 0, size, direct=True), cold_reps, cold_before,
+                            after=moved.append)
+            record("ceiling", "pread_direct", "cold", samples, all(n >= size for n in moved),
+                   f"O_DIRECT; {cold_how}", size)
+
+        run("ceiling", "pread", "warm", ceiling_warm)
+        run("ceiling", "pread", "cold", ceiling_cold)
+        run("ceiling", "pread_direct", "cold", ceiling_cold_direct)
+
+        # ferry, warm then cold
+        def ferry_warm() -> None:
+            warm_up()
+            loaded = ferry.load_safetensors(path, runtime=rt)
+            valid = verify_device_arrays(rt, ref, loaded)
+            del loaded
+            record("ferry", "load_safetensors", "warm",
+                   timed(lambda: ferry.load_safetensors(path, runtime=rt), reps, after=lambda out: out.clear()),
+                   valid)
+
+        def ferry_cold() -> None:
+            direct = None if dropping else True
+            checked: list[bool] = []
+
+            def check(out: dict[str, Any]) -> None:
+                checked.append(verify_device_arrays(rt, ref, out))
+                out.clear()
+
+            samples = timed(lambda: ferry.load_safetensors(path, runtime=rt, direct=direct), cold_reps, cold_before,
+                            after=check)
+            record("ferry", "load_safetensors", "cold", samples, all(checked), cold_how)
+
+        def ferry_memory() -> None:
+            warm_up()
+            pool = rt.stats().pinned_pool_bytes
+            rss, _ = _rss()
+            if not _reset_peak():
+                record("ferry", "host_memory", "host", [], None, "no /proc/self/clear_refs: not measured")
+                return
+            loaded = ferry.load_safetensors(path, runtime=rt)
+            _, peak = _rss()
+            grown = max(0, rt.stats().pinned_pool_bytes - pool)
+            extra = peak - rss - grown - (nbytes if emulated else 0)  # the emulated device's memory is the host's
+            del loaded
+            ctx.results.append(Result(GROUP, "ferry", "host_memory", "host", max(0, extra), samples=[0.0],
+                                      valid=None, note=f"peak RSS above the start, less the pinned pool's growth "
+                                      f"({grown >> 20} MiB): {max(0, extra) / MiB:.0f} MiB", config=config))
+
+        run("ferry", "load_safetensors", "warm", ferry_warm)
+        run("ferry", "load_safetensors", "cold", ferry_cold)
+        run("ferry", "host_memory", "host", ferry_memory)
+
+        # saving: the pwrite ceiling, then ferry
+        def ceiling_write() -> None:
+            target = os.path.join(folder, "ceiling.bin")
+
+            def once() -> None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target)
+                ceiling.run(target, 0, size, write=True)
+
+            once()
+            valid = os.path.getsize(target) >= size
+            record("ceiling", "pwrite", "save", timed(once, reps), valid,
+                   f"{CEILING_THREADS} threads, pwritev from pinned buffers", size)
+            os.unlink(target)
+
+        def ferry_save() -> None:
+            loaded = ferry.load_safetensors(path, runtime=rt)
+
+            def once() -> None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(saved)
+                ferry.save_safetensors(loaded, saved, runtime=rt)
+
+            once()
+            valid = verify_file(ref, saved)
+            record("ferry", "save_safetensors", "save", timed(once, reps), valid)
+            loaded.clear()
+            os.unlink(saved)
+
+        run("ceiling", "pwrite", "save", ceiling_write)
+        run("ferry", "save_safetensors", "save", ferry_save)
+
+        if "torch" in ctx.peers:
+            _torch_rows(ctx, path, saved, ref, reps, cold_reps, dropping, cold_how, warm_up, record, run)
+        if "raw" in ctx.peers:
+            run("raw", "pageable_mmap", "warm", lambda: _raw_row(ctx, path, ref, reps, warm_up, record))
+    finally:
+        ceiling.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold_reps: int, dropping: bool,
+                cold_how: str, warm_up: Callable[[], None], record: Callable[..., None],
+                run: Callable[[str, str, str, Callable[[], None]], None]) -> None:
+    import torch
+
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        return
+
+    def warm() -> None:
+        warm_up()
+        loaded = load_file(path, device="cuda")
+        valid = verify_torch(torch, ref, loaded)
+        del loaded
+
+        def once() -> Any:
+            out = load_file(path, device="cuda")
+            torch.cuda.synchronize()
+            return out
+
+        record("torch", "safetensors.load_file", "warm", timed(once, reps), valid)
+
+    def cold() -> None:
+        if not dropping:
+            record("torch", "safetensors.load_file", "cold", [], None, "the page cache cannot be dropped here")
+            return
+
+        def once() -> Any:
+            out = load_file(path, device="cuda")
+            torch.cuda.synchronize()
+            return out
+
+        checked: list[bool] = []
+        samples = timed(once, cold_reps, drop_caches, after=lambda out: checked.append(verify_torch(torch, ref, out)))
+        record("torch", "safetensors.load_file", "cold", samples, all(checked), cold_how)
+
+    def save() -> None:
+        tensors = load_file(path, device="cuda")
+
+        def once() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(saved)
+            save_file(tensors, saved)
+
+        once()
+        valid = verify_file(ref, saved)
+        record("torch", "safetensors.save_file", "save", timed(once, reps), valid)
+        tensors.clear()
+        os.unlink(saved)
+
+    run("torch", "safetensors.load_file", "warm", warm)
+    run("torch", "safetensors.load_file", "cold", cold)
+    run("torch", "safetensors.save_file", "save", save)
+    fast = _fastsafetensors()
+    if fast is not None:
+        run("fastsafetensors", "nogds", "warm", lambda: _fast_row(fast, torch, path, ref, reps, warm_up, record))
+
+
+def _fast_row(fast: Any, torch: Any, path: str, ref: Reference, reps: int, warm_up: Callable[[], None],
+              record: Callable[..., None]) -> None:
+    def once() -> dict[str, Any]:
+        opener = getattr(fast, "fastsafe_open", None)
+        if opener is not None:
+            with opener(filenames=[path], nogds=True, device="cuda:0") as f:
+                out = {k: f.get_tensor(k).clone() for k in ref.spans}  # its buffer is freed on exit
+        else:
+            loader = fast.SafeTensorsFileLoader(fast.SingleGroup(), "cuda:0", nogds=True)
+            loader.add_filenames({0: [path]})
+            buffers = loader.copy_files_to_device()
+            out = {k: buffers.get_tensor(k).clone() for k in ref.spans}
+            buffers.close()
+            loader.close()
+        torch.cuda.synchronize()
+        return out
+
+    warm_up()
+    loaded = once()
+    valid = verify_torch(torch, ref, loaded)
+    del loaded
+    record("fastsafetensors", "nogds", "warm", timed(once, reps), valid,
+           "nogds=True, tensors cloned out of its buffer (one device copy more)")
+
+
+def _raw_row(ctx: Any, path: str, ref: Reference, reps: int, warm_up: Callable[[], None],
+             record: Callable[..., None]) -> None:
+    raw = ctx.peers["raw"]
+    d = raw.d
+    spans = sorted(ref.spans.values())
+    total = spans[-1][1] - spans[0][0]
+    dev = raw.device(total)
+    base = int(ref.map.ctypes.data)
+
+    def once() -> None:
+        stream = raw.streams[0]
+        for a, b in spans:
+            (err,) = d.cuMemcpyHtoDAsync(dev + (a - spans[0][0]), base + a, b - a, stream)
+            if err:
+                raise RuntimeError(f"cuMemcpyHtoDAsync: {err}")
+        (err,) = d.cuStreamSynchronize(stream)
+        if err:
+            raise RuntimeError(f"cuStreamSynchronize: {err}")
+
+    warm_up()
+    once()
+    back = np.empty(total, np.uint8)
+    (err,) = d.cuMemcpyDtoH(int(back.ctypes.data), dev, total)
+    valid = not err and bool(np.array_equal(back, ref.map[spans[0][0]:spans[-1][1]]))
+    del back
+    record("raw", "pageable_mmap", "warm", timed(once, reps), valid, "cuMemcpyHtoDAsync per tensor from np.memmap")
+
+
+# -- checks ------------------------------------------------------------------------------------------------
+def checks(results: list[Result], check: Callable[..., Any], find: Callable[..., Result | None]) -> list[Any]:
+    """The targets of checkpoint loading and saving, as ``check(name, measured, target, passed)`` rows."""
+    out: list[Any] = []
+    rows = [r for r in results if r.group == GROUP]
+    if not rows:
+        return out
+
+    def ratio(name: str, a: Result | None, b: Result | None, minimum: float) -> None:
+        if a is None or b is None:
+            out.append(check(name, "not measured", f">= {minimum:g}x", None))
+            return
+        value = a.gbps / b.gbps
+        out.append(check(name, f"{a.gbps:.2f} / {b.gbps:.2f} GB/s = {value:.3f}", f">= {minimum:g}x",
+                         value >= minimum))
+
+    def at_least(name: str, r: Result | None, minimum: float) -> None:
+        measured = "not measured" if r is None else f"{r.gbps:.1f} GB/s"
+        out.append(check(name, measured, f">= {minimum:g} GB/s", None if r is None else r.gbps >= minimum))
+
+    def row(impl: str, route: str, direction: str) -> Result | None:
+        return find(rows, impl=impl, route=route, direction=direction)
+
+    warm = row("ferry", "load_safetensors", "warm")
+    ratio("checkpoint load, warm, vs the parallel pread ceiling", warm, row("ceiling", "pread", "warm"), 0.9)
+    at_least("checkpoint load, warm", warm, 40)
+    ratio("checkpoint load, warm, vs safetensors load_file(device='cuda')", warm,
+          row("torch", "safetensors.load_file", "warm"), 6)
+    colds = [r for r in (row("ceiling", "pread", "cold"), row("ceiling", "pread_direct", "cold")) if r is not None]
+    ratio("checkpoint load, cold, vs the parallel pread ceiling (cold, the faster of buffered and O_DIRECT)",
+          row("ferry", "load_safetensors", "cold"), max(colds, key=lambda r: r.gbps) if colds else None, 0.9)
+    save = row("ferry", "save_safetensors", "save")
+    ratio("checkpoint save vs the parallel pwrite ceiling", save, row("ceiling", "pwrite", "save"), 0.9)
+    ratio("checkpoint save vs safetensors save_file (tensors on the GPU)", save,
+          row("torch", "safetensors.save_file", "save"), 4)
+    memory = next((r for r in rows if r.route == "host_memory" and r.samples), None)
+    out.append(check("host memory during a load, above the pools",
+                     "not measured" if memory is None else f"{memory.nbytes / MiB:.0f} MiB", "< 1024 MiB",
+                     None if memory is None else memory.nbytes < GiB))
+    return out

@@ -1,0 +1,1 @@
+"""Checkpoint formats on the file route: safetensors and ``.npy``."""

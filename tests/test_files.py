@@ -1,0 +1,264 @@
+"""Files to the device and back: rt.upload_file / rt.download_file, and their contract."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import testing
+from ferry._routes import _file
+
+
+def _payload(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, np.ndarray[Any, Any]]:
+    data = _payload(3 * (1 << 20) + 4321)
+    path = tmp_path / "data.bin"
+    data.tofile(path)
+    return path, data
+
+
+@pytest.mark.parametrize("direct", [None, False, True])
+def test_upload_file_reads_the_bytes_at_the_offset(
+    rt: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], direct: bool | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path, data = data_file
+    monkeypatch.setattr(_file, "SLOT_BYTES", 256 << 10)  # several chunks, several readers
+    used: list[bool] = []
+    real = _file.fill_slot
+
+    def watching(opened: Any, flag: list[bool], chunk: Any, ptr: int) -> None:
+        used.append(flag[0] and opened.direct_fd >= 0)
+        real(opened, flag, chunk, ptr)
+
+    monkeypatch.setattr(_file, "fill_slot", watching)
+    offset = 4097  # not aligned: O_DIRECT reads the aligned span around it
+    dest = rt.empty(data.size - offset - 11, np.uint8)
+    handle = rt.upload_file(path, dest, offset=offset, direct=direct)
+    assert dest.state == "in_flight"
+    file, back = handle.wait()
+    assert file == path and back is dest and dest.state == "owned"
+    assert np.array_equal(rt.to_host(dest), data[offset:offset + dest.nbytes])
+    assert len(used) > 5
+    probe = _file.OpenFile(path, write=False)
+    takes_direct = probe.open_direct(write=False)
+    probe.close()
+    if direct is True and takes_direct:
+        assert any(used)  # this filesystem takes O_DIRECT: the reads used it
+    if not direct:
+        assert not any(used)
+
+
+def test_upload_file_takes_an_open_file_and_survives_its_closing(
+    rt: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]]
+) -> None:
+    path, data = data_file
+    dest = rt.empty((data.size // 4,), np.float32)
+    with open(path, "rb") as f:
+        handle = rt.upload_file(f, dest)
+    handle.wait()  # the transfer reads through its own descriptor
+    assert np.array_equal(rt.to_host(dest).view(np.uint8), data[: dest.nbytes])
+
+
+def test_many_chunks_and_readers_cover_the_file_once(
+    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = data_file
+    monkeypatch.setattr(_file, "SLOT_BYTES", 64 << 10)
+    reads: list[tuple[int, int]] = []
+    threads: set[str] = set()
+    real = _file.fill_slot
+
+    def counting(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
+        reads.append((chunk.start, chunk.need))
+        threads.add(threading.current_thread().name)
+        time.sleep(0.002)  # a slow disk: the other readers claim chunks meanwhile
+        real(opened, direct, chunk, ptr)
+
+    monkeypatch.setattr(_file, "fill_slot", counting)
+    dest = emu.empty(data.size, np.uint8)
+    handle = emu.upload_file(str(path), dest)
+    handle.wait()
+    assert np.array_equal(emu.to_host(dest), data)
+    assert len(reads) > 40 and len(threads) >= 2
+    starts = sorted(reads)
+    covered = sum(n for _, n in starts)
+    assert covered == data.size  # every byte read once
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(starts))
+
+
+def test_plan_coalesces_neighbours_and_aligns_chunks() -> None:
+    pieces = [_file.Piece(100, 10, 1000, "a"), _file.Piece(110, 5000, 2000, "b"), _file.Piece(10 << 20, 8, 3000, "c")]
+    plan = _file.plan_pieces(pieces, 1 << 20)
+    assert plan.nbytes == 5018
+    first, second = plan.chunks
+    assert first.start == 0 and first.length % _file.ALIGN == 0 and first.need == 5110
+    assert first.dmas == [(100, 1000, 10, "a"), (110, 2000, 5000, "b")]
+    assert second.start == (10 << 20) and second.dmas == [(0, 3000, 8, "c")]
+    with pytest.raises(ValueError, match="overlap"):
+        _file.plan_pieces([_file.Piece(0, 10, 0, "x"), _file.Piece(5, 10, 0, "y")])
+
+
+def test_download_file_writes_at_the_offset_and_keeps_the_rest(rt: ferry.Runtime, tmp_path: Path) -> None:
+    data = _payload(2 * (1 << 20) + 77, seed=1)
+    source = rt.to_device(data)
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"x" * 10)
+    handle = rt.download_file(source, path, offset=5)
+    assert source.state == "read_leased"
+    back, file = handle.wait()
+    assert back is source and file == path and source.state == "owned"
+    raw = path.read_bytes()
+    assert raw[:5] == b"xxxxx" and len(raw) == 5 + data.size
+    assert np.array_equal(np.frombuffer(raw[5:], np.uint8), data)
+
+
+def test_download_file_direct_round_trips(emu: ferry.Runtime, tmp_path: Path) -> None:
+    data = _payload((1 << 20) + 4096 * 3 + 5, seed=2)
+    source = emu.to_device(data)
+    path = tmp_path / "direct.bin"
+    emu.download_file(source, path, direct=True).wait()
+    assert np.array_equal(np.fromfile(path, np.uint8), data)
+
+
+def test_refused_submissions_change_nothing(emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]],
+                                            tmp_path: Path) -> None:
+    path, data = data_file
+    dest = emu.empty(data.size + 1, np.uint8)
+    before = emu.stats()
+    with pytest.raises(ferry.TransferSubmitError, match=r"holds \d+ bytes"):
+        emu.upload_file(path, dest)
+    with pytest.raises(ferry.TransferSubmitError, match="cannot open"):
+        emu.upload_file(tmp_path / "missing.bin", dest)
+    with pytest.raises(ferry.TransferSubmitError, match="offset"):
+        emu.upload_file(path, dest, offset=-1)
+    with pytest.raises(ferry.TransferSubmitError, match="direct"):
+        emu.upload_file(path, dest, direct="yes")  # type: ignore[arg-type]
+    with pytest.raises(ferry.TransferSubmitError, match="DeviceArray"):
+        emu.upload_file(path, np.zeros(4, np.uint8))  # type: ignore[arg-type]
+    with pytest.raises(ferry.TransferSubmitError, match="not a regular file"):
+        emu.upload_file(tmp_path, dest)
+    with open(path, "ab") as f, pytest.raises(ferry.TransferSubmitError, match="not open for reading"):
+        emu.upload_file(f, dest)
+    assert dest.state == "owned"
+    small = emu.empty(16, np.uint8)
+    pending = emu.upload_file(path, small)
+    with pytest.raises(ferry.TransferSubmitError, match="in_flight"):
+        emu.upload_file(path, small)
+    pending.wait()
+    after = emu.stats()
+    assert after.failed == before.failed and after.abandoned == 0
+    assert np.array_equal(emu.to_host(small), data[:16])
+
+
+def test_a_file_truncated_during_the_transfer_fails_it_naming_file_and_offset(
+    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = data_file
+    real = _file.fill_slot
+    calls = []
+
+    def truncating(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
+        calls.append(chunk.start)
+        if len(calls) == 1:
+            os.truncate(path, 1 << 20)
+        real(opened, direct, chunk, ptr)
+
+    monkeypatch.setattr(_file, "fill_slot", truncating)
+    monkeypatch.setattr(_file, "SLOT_BYTES", 256 << 10)
+    dest = emu.empty(data.size, np.uint8)
+    handle = emu.upload_file(path, dest)
+    with pytest.raises(ferry.TransferFailedError, match=r"data\.bin.* at byte \d+.*ended"):
+        handle.wait()
+    assert dest.state == "abandoned"
+    stats = emu.stats()
+    assert stats.failed == 1
+    assert stats.abandoned_bytes == dest.nbytes  # the slots were proven idle: back to the pool
+    assert stats.pinned_free_bytes == stats.pinned_pool_bytes - stats.staging_pinned_bytes
+
+
+def test_a_failed_dma_abandons_the_readers_slots(emu: ferry.Runtime,
+                                                 data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    path, data = data_file
+    dest = emu.empty(data.size, np.uint8)
+    testing.fail_next_copy(emu)
+    handle = emu.upload_file(path, dest)
+    with pytest.raises(ferry.TransferFailedError):
+        handle.wait()
+    assert dest.state == "abandoned"
+    assert emu.stats().abandoned_bytes > dest.nbytes  # the destination and at least one slot
+    # the runtime stays usable
+    again = emu.empty(100, np.uint8)
+    emu.upload_file(path, again).wait()
+    assert np.array_equal(emu.to_host(again), data[:100])
+
+
+def test_a_dropped_handle_retires_and_nothing_leaks(emu: ferry.Runtime,
+                                                    data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    path, data = data_file
+    for _ in range(3):
+        emu.upload_file(path, emu.empty(data.size, np.uint8))
+    gc.collect()
+    emu.close()
+    stats = emu.stats()
+    assert stats.in_flight == 0 and stats.retiring == 0 and stats.failed == 0
+
+
+def test_direct_none_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                             data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    path, _ = data_file
+    opened = _file.OpenFile(path, write=False)
+    try:
+        monkeypatch.setenv("FERRY_FILE_DIRECT", "1")
+        assert _file.choose_direct(opened, None, (0, 10)) is True
+        monkeypatch.setenv("FERRY_FILE_DIRECT", "0")
+        assert _file.choose_direct(opened, None, (0, 1 << 40)) is False
+        assert _file.choose_direct(opened, True, (0, 10)) is True
+        monkeypatch.delenv("FERRY_FILE_DIRECT")
+        assert _file.choose_direct(opened, None, (0, 10)) is False  # small: the page cache
+        fraction = _file.resident_fraction(opened.fd, 0, opened.size)
+        assert fraction is None or 0.0 <= fraction <= 1.0
+    finally:
+        opened.close()
+
+
+def test_a_refused_o_direct_falls_back_to_buffered_reads(
+    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, data = data_file
+    monkeypatch.setattr(_file.OpenFile, "open_direct", lambda self, *, write: False)
+    dest = emu.empty(data.size, np.uint8)
+    emu.upload_file(path, dest, direct=True).wait()
+    assert np.array_equal(emu.to_host(dest), data)
+
+
+def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    source = emu.empty(16, np.uint8)
+    pending = emu.upload(np.zeros(16, np.uint8), source)
+    target = tmp_path / "new.bin"
+    with pytest.raises(ferry.TransferSubmitError, match="in_flight"):
+        emu.download_file(source, target)
+    pending.wait()
+    assert not target.exists()
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise MemoryError("no pinned memory left")
+
+    monkeypatch.setattr(_file.FileJob, "__init__", refuse)
+    with pytest.raises(ferry.TransferSubmitError, match="no pinned memory"):
+        emu.download_file(source, target)
+    assert not target.exists() and source.state == "owned"
