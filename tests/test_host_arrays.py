@@ -3,7 +3,7 @@
 An object exporting DLPack on the CPU (as a CPU PyTorch tensor does) and one exporting only the
 buffer protocol stand in for the libraries, so these run without PyTorch; the PyTorch tests skip
 without it. Also: a device array refuses NumPy's conversion, and ``to="torch"`` on a CPU-only
-PyTorch says so.
+PyTorch says so. Each runs on the emulated device and, where one is usable, on a GPU (``rt``).
 """
 
 from __future__ import annotations
@@ -55,12 +55,6 @@ def _buffer_only(nbytes: int) -> Any:
 
 def _bytes_of(obj: Any) -> bytes:
     return bytes(obj.memory if isinstance(obj, BufferOnly) else obj)
-
-
-@pytest.fixture
-def rt() -> Any:
-    with ferry.Runtime("emulated") as runtime:
-        yield runtime
 
 
 SIZES = [64, 1 << 20]  # the small route's size, and a staged one
