@@ -686,7 +686,7 @@ def test_exit_waits_for_transfers_in_flight_without_starting_a_thread(backend_na
     assert result.returncode == 0, result.stderr
     started, summary = result.stdout.strip().splitlines()
     exiting = ended - float(started)
-    assert exiting >= 1.0, f"exit took {exiting:.2f} s: it did not wait for the held copies"
+    assert exiting >= 0.9, f"exit took {exiting:.2f} s: it did not wait for the held copies (let go after 1 s)"
     assert summary == "completed 2 of 2 failed 0", summary  # the download and the dropped upload
     assert result.stderr == "", result.stderr  # nothing was left, nothing went wrong, nothing to say
 
