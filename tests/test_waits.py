@@ -174,6 +174,58 @@ def test_a_wait_times_out_then_waits_again(rt: ferry.Runtime) -> None:
     assert _retired(rt)
 
 
+_BAD_TIMEOUTS = [-1, -0.001, float("-inf"), float("nan")]
+
+# every call that takes a timeout, as (name, call(handle, timeout)) on a pending download handle
+_TIMEOUT_TAKERS: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("wait", lambda handle, t: handle.wait(timeout=t)),
+    ("wait, positional", lambda handle, t: handle.wait(t)),
+    ("wait_all", lambda handle, t: ferry.wait_all([handle], timeout=t)),
+    ("as_completed", lambda handle, t: ferry.as_completed([handle], timeout=t)),  # at the call, not at next()
+    ("future().result", lambda handle, t: handle.future().result(timeout=t)),
+    ("future().exception", lambda handle, t: handle.future().exception(timeout=t)),
+]
+
+
+@pytest.mark.parametrize("timeout", _BAD_TIMEOUTS, ids=repr)
+@pytest.mark.parametrize(("name", "call"), _TIMEOUT_TAKERS, ids=[name for name, _ in _TIMEOUT_TAKERS])
+@pytest.mark.parametrize("complete", [False, True], ids=["pending", "complete"])
+def test_a_negative_or_nan_timeout_is_refused_and_changes_nothing(
+        rt: ferry.Runtime, name: str, call: Callable[[Any, Any], Any], timeout: float, complete: bool) -> None:
+    data = np.arange(4096, dtype=np.uint8)
+    release = _held(rt, "download")
+    pending = _download(rt, data)
+    if complete:
+        release()
+    try:
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+            call(pending, timeout)
+    finally:
+        release()
+    _check(pending.wait(timeout=10), data)  # the handle is as it was
+
+
+@pytest.mark.parametrize("timeout", _BAD_TIMEOUTS, ids=repr)
+def test_close_refuses_a_negative_or_nan_timeout_and_stays_open(rt: ferry.Runtime, timeout: float) -> None:
+    data = np.arange(4096, dtype=np.uint8)
+    pending = _download(rt, data)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        rt.close(timeout=timeout)
+    assert not rt.closed
+    _check(pending.wait(), data)
+
+
+@pytest.mark.parametrize("timeout", ["1", True, [1]], ids=repr)
+def test_a_timeout_that_is_not_a_number_is_a_type_error(rt: ferry.Runtime, timeout: Any) -> None:
+    data = np.arange(64, dtype=np.uint8)
+    pending = _download(rt, data)
+    for call in (lambda: pending.wait(timeout=timeout), lambda: ferry.wait_all([pending], timeout=timeout),
+                 lambda: rt.close(timeout=timeout)):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+            call()
+    _check(pending.wait(), data)
+
+
 def test_timeout_zero_is_a_poll(rt: ferry.Runtime) -> None:
     data = np.arange(4096, dtype=np.uint8)
     with HeldAtMost(rt, "download") as held:
@@ -592,9 +644,56 @@ _HELD_AT_EXIT = """
 """
 
 
+# Python 3.12+ refuses to start a thread once the interpreter exits (its atexit hooks run then): this
+# prelude, registered after ferry's own hook (hooks run last in, first out), makes every Python do so
+_NO_THREADS_AT_EXIT = """
+    import atexit, threading
+
+    def _refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    def _no_threads_from_now_on():
+        threading.Thread.start = _refuse
+
+    atexit.register(_no_threads_from_now_on)
+"""
+
+_RELEASED_AT_EXIT = """
+    import atexit
+
+    def _after_ferry():  # registered before ferry is imported, so it runs after ferry's exit hook
+        stats = rt.stats()
+        print("completed", stats.completed, "of", stats.submitted, "failed", stats.failed, flush=True)
+
+    atexit.register(_after_ferry)
+    import contextlib, threading, time, numpy as np, ferry
+    from ferry import testing
+    rt = ferry.Runtime()
+    hold = contextlib.ExitStack()
+    hold.enter_context(testing.hold(rt))
+    kept = rt.download_pending(rt.empty(1 << 20, np.uint8), rt.pinned(1 << 20))
+    rt.upload_pending(rt.pinned(4096), rt.empty(4096, np.uint8))  # dropped
+    release = threading.Timer(1.0, hold.close)  # the producer finishes a second into the exit
+    release.daemon = True
+    release.start()
+    print(time.monotonic(), flush=True)
+""" + _NO_THREADS_AT_EXIT
+
+
+@pytest.mark.slow
+def test_exit_waits_for_transfers_in_flight_without_starting_a_thread(backend_name: str) -> None:
+    result, ended = _run(_RELEASED_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="60")
+    assert result.returncode == 0, result.stderr
+    started, summary = result.stdout.strip().splitlines()
+    exiting = ended - float(started)
+    assert exiting >= 0.9, f"exit took {exiting:.2f} s: it did not wait for the held copies (let go after 1 s)"
+    assert summary == "completed 2 of 2 failed 0", summary  # the download and the dropped upload
+    assert result.stderr == "", result.stderr  # nothing was left, nothing went wrong, nothing to say
+
+
 @pytest.mark.slow
 def test_exit_with_a_held_stream_is_bounded_and_warns(backend_name: str) -> None:
-    result, ended = _run(_HELD_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0.5")
+    result, ended = _run(_HELD_AT_EXIT + _NO_THREADS_AT_EXIT, backend_name, FERRY_EXIT_TIMEOUT="0.5")
     assert result.returncode == 0, result.stderr
     exiting = ended - float(result.stdout.strip())
     print(f"exit took {exiting:.2f} s with FERRY_EXIT_TIMEOUT=0.5")
@@ -613,6 +712,24 @@ def test_exit_timeout_zero_gives_up_at_once(backend_name: str) -> None:
     assert result.returncode == 0, result.stderr
     assert ended - float(result.stdout.strip()) < 20.0  # not the default 30 s (the producer never finishes)
     assert "2 transfer(s)" in result.stderr
+
+
+def test_a_failure_closing_at_exit_is_reported_not_swallowed(backend_name: str) -> None:
+    code = """
+        import ferry
+        rt = ferry.Runtime()
+
+        def broken(timeout=None):
+            raise OSError("the device went away")
+
+        rt._parts.close = broken  # what a device failure inside close() looks like
+        print("ok")
+    """
+    result, _ = _run(code, backend_name)
+    assert result.returncode == 0, result.stderr
+    assert "ferry: warning: closing a runtime at interpreter exit failed: OSError('the device went away')" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_an_invalid_exit_timeout_is_reported_and_the_default_used(backend_name: str) -> None:
@@ -732,10 +849,28 @@ def test_timeouts_are_numbers_of_seconds(backend_name: str) -> None:
                 pending.wait(timeout=float("nan"))
             with pytest.raises(ValueError, match="NaN"):
                 rt.close(timeout=float("nan"))
-            with pytest.raises(TimeoutError):
-                pending.wait(timeout=-1)  # a negative timeout is a poll
+            with pytest.raises(ValueError, match="-1"):
+                pending.wait(timeout=-1)  # not a poll: refused (timeout=0 is the poll)
         _check(pending.wait(timeout=float("inf")), data)
         rt.close(timeout=float("inf"))  # no bound
         assert rt.closed
     finally:
         rt.close()
+
+
+def test_a_prefetch_source_whose_close_fails_is_reported_and_the_runtime_still_closed(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def source() -> Iterator[np.ndarray[Any, Any]]:
+        try:
+            while True:
+                yield np.arange(16, dtype=np.float32)
+        finally:
+            raise OSError("the file went away")  # a source whose clean-up fails
+
+    prefetcher = ferry.prefetch(source())
+    batches = iter(prefetcher)
+    next(batches)
+    prefetcher.close()
+    assert "ferry: warning: closing the batches' source failed: OSError('the file went away')" \
+        in capsys.readouterr().err
+    assert prefetcher._rt.closed

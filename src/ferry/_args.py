@@ -1,7 +1,9 @@
-"""Argument checks shared by the facade: a runtime's options, sizes, shapes, and allocation errors."""
+"""Argument checks shared by the facade: a runtime's options, sizes, shapes, timeouts, and allocation errors."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,23 @@ def shape_arg(shape: Any) -> tuple[int, ...]:
     if any(d < 0 for d in dims):
         raise ValueError(f"negative dimension in shape {dims}")
     return dims
+
+
+def timeout_arg(timeout: Any) -> float | None:
+    """A wait's bound: ``None`` (no bound) or a number of seconds >= 0 (``inf``: no bound either).
+
+    Every call that takes a ``timeout`` checks it here before it waits or changes anything:
+    ``ValueError`` for a negative or NaN one, ``TypeError`` for what is not a number.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds (or None: no bound), got {type(timeout).__name__}")
+    value = float(timeout)
+    if math.isnan(value) or value < 0:
+        shown = "NaN" if math.isnan(value) else repr(timeout)
+        raise ValueError(f"timeout must be a number of seconds >= 0 (or None: no bound), not {shown}")
+    return value
 
 
 def alloc_error(what: str, nbytes: int, exc: DeviceError) -> Exception:

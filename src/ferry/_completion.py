@@ -53,7 +53,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from . import _native
+from . import _lifecycle, _native
+from ._args import timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
@@ -493,6 +494,8 @@ class Completion:
         ``TimeoutError`` after ``timeout`` seconds, and any exception a signal
         handler raises meanwhile, leave the record as it was (but for its time napped).
         """
+        if timeout is not None:
+            timeout_arg(timeout)  # ValueError for a negative or NaN one, before anything changes
         record.waiters += 1  # no eval-breaker check between the load and the store: atomic under the GIL
         try:
             shared = record.shared
@@ -633,7 +636,9 @@ class Completion:
         A deadline already passed (a poll, or a timeout spent spinning) answers from the signal if the
         record has one, else False: the watcher is not asked to sleep on a record no one waits for.
         """
-        if on_watcher_thread():  # a done-callback waits: the watcher cannot wake itself, so it naps on
+        if on_watcher_thread() or _lifecycle.exiting():
+            # a done-callback waits (the watcher cannot wake itself), or the interpreter exits (no thread
+            # may start, so no watcher): nap on
             return self._nap(record, deadline, math.inf) is True
         if deadline is not None and time.monotonic() >= deadline:
             signal = record.signal

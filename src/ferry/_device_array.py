@@ -141,6 +141,11 @@ class DeviceArray(ArrayFields):
         """
         return export_cai(self)
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """Refused: NumPy cannot read device memory. Raises ``TypeError`` naming the calls that copy to the host."""
+        raise TypeError("a DeviceArray is in device memory, which NumPy cannot read: copy it to the host with "
+                        "rt.to_host(array) or rt.download(array)")
+
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(kDLCUDA, device)``."""
         return (2, self.device)

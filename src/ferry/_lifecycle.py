@@ -144,20 +144,41 @@ def unregister(parts: Closable) -> None:
 def collected_unclosed(parts: Closable, name: str) -> None:
     """The facade of ``parts`` was collected while open: warn, then close them off-thread.
 
-    Runs from a finalizer: it never blocks and never raises.
+    Runs from a finalizer: it never blocks and never raises. While the
+    interpreter exits no thread is started: the parts are still registered, and
+    the exit hook closes them (or says why it could not).
     """
     if parts.health.closed or parts.health.forked:
         return
-    with contextlib.suppress(Exception):
+    try:
         warnings.warn(f"{name} was never closed; closing it now (use `with ferry.Runtime() as rt:`)",
                       ResourceWarning, stacklevel=2)
-    thread = threading.Thread(target=_close_quietly, args=(parts,), name="ferry-close-unclosed", daemon=True)
-    thread.start()
+    except Warning as exc:  # the warning filter made it an error: a finalizer cannot raise it, so print it
+        _stderr(f"ferry: {type(exc).__name__}: {exc}\n")
+    if _exiting:
+        return
+    thread = threading.Thread(target=close_reporting, args=(parts, "a runtime that was never closed"),
+                              name="ferry-close-unclosed", daemon=True)
+    with contextlib.suppress(RuntimeError):  # "can't create new thread at interpreter shutdown": the exit hook
+        thread.start()  # closes them
 
 
-def _close_quietly(parts: Closable) -> None:
-    with contextlib.suppress(Exception):
+def close_reporting(parts: Closable, what: str) -> None:
+    """Close ``parts`` where nobody can catch an error (a background thread): an error is printed on stderr."""
+    try:
         parts.close()
+    except Exception as exc:
+        report(f"closing {what} failed: {exc!r}")
+
+
+def report(message: str) -> None:
+    """One warning line on stderr, where raising cannot reach anyone (a finalizer, a thread, exit)."""
+    _stderr(f"ferry: warning: {message}\n")
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting (the exit hook runs): no thread may be started any more."""
+    return _exiting
 
 
 def _after_fork_in_child() -> None:
@@ -167,6 +188,7 @@ def _after_fork_in_child() -> None:
 
 
 EXIT_TIMEOUT = 30.0  # s: the default of FERRY_EXIT_TIMEOUT
+_exiting = False  # set by the exit hook: from then on nothing may start a thread (Python 3.12+ refuses)
 _left_at_exit: list[Closable] = []  # kept alive to the end: nothing in them is ever freed
 
 
@@ -187,12 +209,17 @@ def exit_timeout() -> float | None:
 
 
 def _stderr(text: str) -> None:
-    with contextlib.suppress(Exception):
-        sys.stderr.write(text)
-        sys.stderr.flush()
+    stream = sys.stderr
+    if stream is None:  # no stderr (pythonw, or closed by the program): nowhere to say it
+        return
+    with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr: nowhere to say it
+        stream.write(text)
+        stream.flush()
 
 
 def _close_all_at_exit() -> None:
+    global _exiting
+    _exiting = True  # the waits below nap instead of starting a watcher thread
     with _lock:
         open_now = list(_open.values())
     if not open_now:
@@ -211,8 +238,10 @@ def _close_all_at_exit() -> None:
             left.extend(open_now[i:])
             waited = "until Ctrl-C"
             break
-        except Exception:  # interpreter exit must not fail
-            pass
+        except Exception as exc:  # a device or internal failure: say so, and leave what is open to the OS
+            report(f"closing a runtime at interpreter exit failed: {exc!r}")
+            if not parts.health.closed:
+                left.append(parts)
     if left:
         give_up(left, waited)
 
@@ -221,8 +250,10 @@ def give_up(left: list[Closable], waited: str) -> None:
     """Leave ``left`` as they are for the OS to reclaim, and say so on stderr."""
     lines = []
     for parts in left:
-        with contextlib.suppress(Exception):
+        try:
             lines.append(f"  {parts.describe_in_flight()}\n")
+        except Exception as exc:  # the warning is still given, without this runtime's figures
+            lines.append(f"  a runtime whose transfers could not be counted ({exc!r})\n")
         parts.health.mark_exited()
         _left_at_exit.append(parts)
         unregister(parts)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _lifecycle, _native
-from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg
+from ._args import MAX_BYTES, alloc_error, shape_arg, size_arg, timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._buffer import PinnedHostBuffer, check_dtype, new_buffer
 from ._completion import Completion
@@ -181,8 +181,7 @@ class Parts:
         """
         health = self.health
         completion = self.completion
-        if timeout is not None and math.isnan(timeout):
-            raise ValueError("timeout must be a number of seconds (or None), not NaN")
+        timeout = timeout_arg(timeout)  # ValueError for a negative or NaN one
         if timeout is not None and math.isinf(timeout):
             timeout = None
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)

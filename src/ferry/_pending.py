@@ -135,6 +135,8 @@ class Pending(_Handle, Generic[Result]):
             ------
             TimeoutError
                 ``timeout`` seconds passed first (the builtin exception).
+            ValueError
+                ``timeout`` is negative or NaN; nothing changed.
             TransferFailedError
                 The device reported a failure: nothing is published, the objects
                 stay abandoned forever.

@@ -63,11 +63,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _lifecycle
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, PrefetchError, RuntimeClosedError, TransferFailedError
 from ._interop._cai import stream_handle_of
-from ._interop._foreign import torch_current_stream
+from ._interop._foreign import check_torch_has_cuda, torch_current_stream
 from ._runtime import Runtime, parts_of
 from ._structure import Builder, take_apart
 
@@ -119,6 +120,8 @@ class Prefetcher:
             if to not in _LIBRARIES:
                 raise ValueError(f"to must be None, one of {_LIBRARIES} or a callable, got {to!r}")
             self._library = _import(to)
+            if to == "torch":
+                check_torch_has_cuda(self._library)
         elif to is not None and not callable(to):
             raise TypeError(f"to must be None, one of {_LIBRARIES} or a callable, got {type(to).__name__}")
         self._sync_source: Iterator[Any] | None = None
@@ -239,8 +242,10 @@ class Prefetcher:
         self._sync_source = self._async_source = None
         closer = getattr(source, "close", None)
         if closer is not None:
-            with contextlib.suppress(Exception):
+            try:
                 closer()
+            except Exception as exc:  # the source's own error: said, and the runtime still closed
+                _lifecycle.report(f"closing the batches' source failed: {exc!r}")
         if self._owns:
             self._rt.close()
 
@@ -248,14 +253,18 @@ class Prefetcher:
         # never blocks: a runtime prefetch created is closed on a background thread
         if getattr(self, "_closed", True) or sys.is_finalizing():
             return
-        with contextlib.suppress(Exception):
+        try:
             self._queue.clear()
             self._unconfirmed.clear()
             self._release_marks()
             self._closed = True
-            if self._owns:
-                threading.Thread(target=_close_quietly, args=(self._rt,), name="ferry-prefetch-close",
-                                 daemon=True).start()
+            if self._owns and not _lifecycle.exiting():  # exiting: the exit hook closes the runtime
+                thread = threading.Thread(target=_close_quietly, args=(self._rt,), name="ferry-prefetch-close",
+                                          daemon=True)
+                with contextlib.suppress(RuntimeError):  # "can't create new thread at interpreter shutdown"
+                    thread.start()
+        except Exception as exc:  # a finalizer never raises: say it
+            _lifecycle.report(f"dropping a prefetcher failed: {exc!r}")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._queue)} in flight"
@@ -539,8 +548,10 @@ class _EndError(Exception):
 
 
 def _close_quietly(runtime: Runtime) -> None:
-    with contextlib.suppress(Exception):
+    try:
         runtime.close()
+    except Exception as exc:  # on a background thread: nobody to raise to
+        _lifecycle.report(f"closing the runtime of a dropped prefetcher failed: {exc!r}")
 
 
 def _import(name: str) -> Any:

@@ -32,6 +32,7 @@ from ._args import check_runtime_args
 from ._backends._base import Backend
 from ._buffer import BASE_REFS, PinnedHostBuffer
 from ._device_array import DeviceArray
+from ._interop._host import host_arg
 from ._lifecycle import Health
 from ._memory._register import Registration
 from ._parts import Parts
@@ -68,9 +69,10 @@ class Runtime:
         next submission waits for the oldest record.
     pinned_cache_bytes
         Free pinned memory the pool keeps for reuse; beyond it blocks are freed.
-    emulated_bandwidth, emulated_latency
-        The emulated device's modelled copy bandwidth (bytes/s, per copy
-        stream) and per-operation latency (s). Ignored on CUDA.
+    emulated_bandwidth
+        The emulated device's modelled copy bandwidth (bytes/s, per copy stream). Ignored on CUDA.
+    emulated_latency
+        The emulated device's modelled latency of each operation (s). Ignored on CUDA.
     peer_access
         Whether :meth:`copy_pending` may use peer access where the pair
         supports it; ``False`` forces the staged route (to compare them). On
@@ -301,6 +303,8 @@ class Runtime:
     ) -> PendingUpload[HostArray, DeviceArray]:
         """Copy a NumPy array (pageable or registered) to the device without blocking.
 
+        A CPU array exporting DLPack or the buffer protocol (a CPU PyTorch tensor) is viewed without a copy.
+
         ``destination`` must have the source's shape and dtype; when ``None`` a
         new device array is allocated. ``wait()`` returns ``(source,
         destination)``. Non-contiguous sources are accepted and copied once.
@@ -329,10 +333,10 @@ class Runtime:
     ) -> PendingDownload[DeviceArray, np.ndarray[Any, Any]]:
         """Copy a device array into a NumPy array without blocking.
 
-        ``out`` must be a writable array of the source's shape and dtype
-        (any layout); when ``None`` a new one is allocated, large ones on
-        resident memory recycled from earlier outputs that were dropped (see
-        ``host_cache_bytes``), so first-touch page faults stay out of the copy.
+        ``out`` must be a writable array (or CPU array, as :meth:`upload` takes) of the source's shape
+        and dtype (any layout); when ``None`` a new one is allocated, large ones on resident memory
+        recycled from earlier outputs that were dropped (see ``host_cache_bytes``), so
+        first-touch page faults stay out of the copy.
         ``wait()`` returns ``(source, out)``. The source is read-leased, as
         for :meth:`download_pending`; ``out`` is flagged read-only while
         pending and holds the bytes once ``wait()`` returns. A failed download
@@ -365,8 +369,8 @@ class Runtime:
         """
         return _trees.download_tree(self, tree, out, pinned)
 
-    def register(self, array: np.ndarray[Any, Any]) -> Registration:
-        """Pin a C-contiguous NumPy array in place for repeated transfers.
+    def register(self, array: Any) -> Registration:
+        """Pin a C-contiguous NumPy array (or CPU array, as :meth:`upload` takes) in place for repeated transfers.
 
         Afterwards :meth:`upload` from it and :meth:`download` into it take the
         pinned route: one DMA, no host copy. Undone by
@@ -375,13 +379,13 @@ class Runtime:
         that are transferred many times.
         """
         self._health.check_open()
-        return self._parts.registrations.register(array)
+        return self._parts.registrations.register(host_arg(array, "register"))
 
     # -- blocking conveniences --------------------------------------------------------------------
     def to_device(self, array: HostArray) -> DeviceArray:
         """Copy a NumPy array to a new device array and wait: ``upload(array).wait()[1]``.
 
-        Like every transfer call it takes a NumPy array (convert other
+        Like :meth:`upload` it takes a NumPy array or a CPU array (convert other
         sequences with ``numpy.asarray`` first) and refuses anything else with
         :class:`~ferry.TransferSubmitError`.
         """
@@ -459,8 +463,8 @@ class Runtime:
     def close(self, timeout: float | None = None) -> None:
         """Wait for everything in flight, release the retirement queue, free what the runtime owns.
 
-        Idempotent. While it waits the runtime stays open (submissions are
-        accepted, and waited for too). ``TimeoutError`` after ``timeout``
+        Idempotent; a negative or NaN ``timeout`` raises ``ValueError``. While it waits the runtime
+        stays open (submissions are accepted, and waited for too). ``TimeoutError`` after ``timeout``
         seconds, or Ctrl-C, leaves it open and unchanged: close() again later.
         Then it closes in one step: a ``wait()`` or future already waiting on a
         transfer gets its result; every other call on the runtime, its buffers

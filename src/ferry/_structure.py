@@ -16,10 +16,14 @@ this one walk; each passes its own leaf function.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from ._errors import TransferSubmitError
+from ._interop._host import host_view
 
 __all__: list[str] = []
 
@@ -54,6 +58,8 @@ def host_array(leaf: Any) -> np.ndarray[Any, Any]:
             return np.from_dlpack(detach())
     if hasattr(leaf, "__array__"):
         return np.asarray(leaf)
+    with contextlib.suppress(TransferSubmitError):  # the buffer protocol (bytearray, array.array, memoryview)
+        return host_view(leaf, "prefetch", "a batch leaf")
     raise TypeError(
         f"a leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
         "and tuples, lists and dicts of them are moved; str, numbers and None pass through)"

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._args import timeout_arg
+
 if TYPE_CHECKING:
     from ._pending import Pending
 
@@ -50,12 +52,15 @@ def wait_all(handles: Iterable[Pending[Result]], timeout: float | None = None) -
     TimeoutError
         Some transfers were not complete after ``timeout`` seconds; every
         handle is left as it was (pending handles can be waited later).
+    ValueError
+        ``timeout`` is negative or NaN; nothing changed.
     TransferFailedError
         The first failed transfer, in the order given; the handles after it
         are left unwaited.
     KeyboardInterrupt
         Raised by Ctrl-C while waiting; every handle is left as it was.
     """
+    timeout = timeout_arg(timeout)
     handles = list(handles)
     deadline = _deadline(timeout)
     attended = []
@@ -83,8 +88,13 @@ def as_completed(handles: Iterable[Handle], timeout: float | None = None) -> Ite
     Each handle is yielded once, whatever became of its futures. Raises the
     builtin ``TimeoutError`` if ``timeout`` seconds pass (from the first
     ``next()``) before every transfer completed; the handles not yet yielded
-    are left as they were. Interruptible (Ctrl-C).
+    are left as they were. Interruptible (Ctrl-C). A negative or NaN ``timeout`` raises
+    ``ValueError`` at the call.
     """
+    return _as_completed(handles, timeout_arg(timeout))
+
+
+def _as_completed(handles: Iterable[Handle], timeout: float | None) -> Iterator[Handle]:
     unique = list({id(h): h for h in handles}.values())
     deadline = _deadline(timeout)
     arrived: deque[Handle] = deque()

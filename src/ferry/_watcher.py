@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from ._args import timeout_arg
 from ._backends._base import Backend, DeviceError
 from ._records import Record
 
@@ -104,6 +105,14 @@ class TransferFuture(concurrent.futures.Future):  # type: ignore[type-arg]
     def __init__(self, handle: Handle) -> None:
         super().__init__()
         self._handle: Handle | None = handle  # kept alive until resolved or cancelled
+
+    def result(self, timeout: float | None = None) -> Any:
+        """What ``wait()`` returns, once the transfer completed; a negative or NaN ``timeout`` raises ``ValueError``."""
+        return super().result(timeout_arg(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The transfer's exception, if it failed; a negative or NaN ``timeout`` raises ``ValueError``."""
+        return super().exception(timeout_arg(timeout))
 
     def cancel(self) -> bool:
         """Stop waiting for the result. The copy itself is never cancelled, and no other waiter is."""

@@ -11,7 +11,9 @@ count and the time left (rich, from the ``bench`` extra), or one line per case.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import textwrap
 import time
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import _interrupt
 from ._groups import GROUPS, Context, case_count
 from ._peers import load_peers
 from ._protocol import Budget, Result, host_drift, host_speed
@@ -158,24 +161,41 @@ def _progress(total: int) -> Iterator[_Lines | _Bar]:
         yield _Bar(bar, bar.add_task("starting", total=total))
 
 
-def run(rt: Any, args: argparse.Namespace) -> int:
-    """Run the selected groups on ``rt`` and write the report."""
+def run(rt: Any, args: argparse.Namespace, prog: str = "python -m ferry") -> int:
+    """Run the selected groups on ``rt`` and write the report.
+
+    Ctrl-C stops the run within a second (see ``_interrupt``): ``KeyboardInterrupt`` is raised and
+    no report is printed or written, not even in part."""
+    with _interrupt.guarded(prog):
+        return _run(rt, args)
+
+
+def _run(rt: Any, args: argparse.Namespace) -> int:
     selected = _groups(args.groups).split(",")
     seconds = args.seconds if args.seconds is not None else (0.05 if args.quick else 0.4)
     peers, missing = load_peers(rt)
+    _interrupt.check()
     budget = Budget(seconds=seconds, min_reps=3 if args.quick else 5)
     meta = metadata(rt, peers, missing, args)
     ctx = Context(rt, peers, budget, args.quick, lambda label: None)
     counts = [case_count(name, ctx) for name in selected]
     speed_before = host_speed()
     with _progress(sum(counts)) as progress:
-        ctx.progress = progress
+
+        def step(label: str) -> None:  # a safe point before each case
+            _interrupt.check()
+            progress(label)
+
+        ctx.progress = step
         done = 0
         for name, count in zip(selected, counts, strict=True):
             try:
                 GROUPS[name](ctx)
             except Exception as exc:
+                if _interrupt.interrupted():
+                    raise KeyboardInterrupt from exc  # a clean-up failed after Ctrl-C: stop, record nothing
                 ctx.results.append(Result(name, "ferry", "-", "-", 0, valid=False, note=f"group failed: {exc!r}"))
+            _interrupt.check()
             done += count
             progress.settle(done)
     speed_after = host_speed()
@@ -185,22 +205,51 @@ def run(rt: Any, args: argparse.Namespace) -> int:
     drift = host_drift(speed_before, speed_after)
     if drift is not None:
         meta["host_warning"] = drift
-        print(f"warning: {drift}", file=sys.stderr)
     checks = compute_checks(ctx.results)
     report = markdown(meta, ctx.results, checks)
-    print(report)
-    if not args.no_files:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.md").write_text(report)
-        write_json(out / "bench.json", meta, ctx.results, checks)
-        why_not = plot(out / "bench.png", meta, ctx.results)
-        written = [out / "bench.md", out / "bench.json"] + ([out / "bench.png"] if why_not is None else [])
-        print(f"written: {', '.join(str(p) for p in written)}", file=sys.stderr)
-        if why_not is not None:
-            print(f"no plot: {why_not}", file=sys.stderr)
+    _interrupt.check()
+    if args.no_files:
+        with _interrupt.publishing():
+            _say_drift(drift)
+            sys.stdout.write(report + "\n")
+            sys.stdout.flush()
+    else:
+        _publish(Path(args.out), report, meta, ctx.results, checks, drift)
     invalid = [r for r in ctx.results if r.valid is False]
     if invalid:
         print(f"{len(invalid)} case(s) failed validation", file=sys.stderr)
         return 1
     return 0
+
+
+def _say_drift(drift: str | None) -> None:
+    if drift is not None:
+        print(f"warning: {drift}", file=sys.stderr)
+
+
+def _publish(out: Path, report: str, meta: dict[str, Any], results: list[Result], checks: Any,
+             drift: str | None) -> None:
+    """Write the files under temporary names, then print the report and rename them into place in one
+    step: an interrupt leaves either the whole report or none of it (and no temporary file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = [out / "bench.md", out / "bench.json", out / "bench.png"]
+    md, js, png = (_interrupt.temporary(p) for p in names)
+    try:
+        md.write_text(report)
+        write_json(js, meta, results, checks)
+        why_not = plot(png, meta, results)
+        with _interrupt.publishing():
+            _say_drift(drift)
+            sys.stdout.write(report + "\n")
+            sys.stdout.flush()
+            written = names if why_not is None else names[:2]
+            for final in written:
+                os.replace(_interrupt.temporary(final), final)
+            if why_not is not None:
+                with contextlib.suppress(FileNotFoundError):  # an old plot would not match this report
+                    names[2].unlink()
+    finally:
+        _interrupt.discard_temporary()
+    print(f"written: {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if why_not is not None:
+        print(f"no plot: {why_not}", file=sys.stderr)

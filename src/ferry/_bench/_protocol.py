@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _interrupt
+
 __all__: list[str] = []
 
 POISON = 0xA5
@@ -74,6 +76,7 @@ def measure(
 ) -> list[float]:
     """Time ``op`` repeatedly; ``setup`` (untimed) runs before each repeat."""
     for _ in range(budget.warmup):
+        _interrupt.check()
         if setup is not None:
             setup()
         op()
@@ -81,6 +84,7 @@ def measure(
     deadline = time.perf_counter() + budget.seconds
     clock = time.perf_counter
     while len(samples) < budget.max_reps and (len(samples) < budget.min_reps or clock() < deadline):
+        _interrupt.check()  # a safe point: nothing of this case is in flight between repeats
         if setup is not None:
             setup()
         start = clock()

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._backends._base import Backend
 from .._device_array import DeviceArray
-from .._errors import TransferSubmitError
+from .._errors import FerryError, TransferSubmitError
 from ._cai import Foreign, foreign_from, foreign_from_dlpack, interface_of
 
 if TYPE_CHECKING:
@@ -76,6 +76,18 @@ def torch_stream(obj: Any, index: int) -> int | None:
         return torch_current_stream(torch, index)
     except Exception:  # PyTorch could not say: its own __dlpack__ orders the copy
         return None
+
+
+def check_torch_has_cuda(torch: Any) -> None:
+    """Raise :class:`~ferry.FerryError` if ``torch`` is a CPU-only build of PyTorch: it cannot take
+    device arrays (its CUDA calls fail with "Torch not compiled with CUDA enabled")."""
+    version = getattr(torch, "version", None)
+    if version is not None and getattr(version, "cuda", "") is None and getattr(version, "hip", None) is None:
+        raise FerryError(
+            f"to='torch' needs PyTorch built with CUDA, and this PyTorch ({getattr(version, '__version__', '?')}) "
+            "is a CPU-only build (torch.version.cuda is None): install a CUDA build of PyTorch, or take "
+            "ferry.DeviceArray batches with to=None"
+        )
 
 
 def torch_current_stream(torch: Any, index: int) -> int:

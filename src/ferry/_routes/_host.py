@@ -23,6 +23,7 @@ from .._backends._base import DeviceError
 from .._completion import Extras
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import device_side, give_back, order_before, release_import
+from .._interop._host import host_out, host_view
 from .._memory._leaves import PinnedLeaves
 from .._state import IN_FLIGHT, OWNED
 from ._base import HostCopy, HostLeases, array_ptr
@@ -81,11 +82,7 @@ class HostRoutes:
     ) -> Record:
         """See :meth:`ferry.Runtime.upload`; ``empty`` allocates a missing destination."""
         health = self.completion.health
-        if not isinstance(source, np.ndarray):
-            raise TransferSubmitError(
-                f"upload: source must be a NumPy array, got {type(source).__name__}; "
-                "pinned buffers go through upload_pending"
-            )
+        handed, source = source, host_view(source, "upload", "source")  # a CPU array of another library: a view
         check_copyable(source, "upload")
         created = destination is None
         if created:
@@ -100,7 +97,7 @@ class HostRoutes:
                                      write=True, stream=self.h2d)
                 try:
                     check_match(source, device, "destination")
-                    record = self.submit(True, source, device, destination)
+                    record = self.submit(True, source, device, destination, handed)
                 except BaseException:
                     give_back(device)
                     raise
@@ -117,8 +114,9 @@ class HostRoutes:
         with self.lock:
             if health.refusal is not None:
                 raise RuntimeClosedError(health.refusal)
-            if out is not None and not isinstance(out, np.ndarray):
-                raise TransferSubmitError(f"download: out must be a NumPy array, got {type(out).__name__}")
+            handed = out
+            if out is not None:
+                out = host_out(out, "download")  # a CPU array of another library: a view
             device = device_side(source, owner, self.completion.backend, "download", "source", write=False,
                                  stream=self.d2h)
             try:
@@ -131,15 +129,16 @@ class HostRoutes:
                         raise TransferSubmitError(
                             "download: out is read-only (or the output of another pending download)"
                         )
-                record = self.submit(False, out, device, source)
+                record = self.submit(False, out, device, source, out if handed is None else handed)
             except BaseException:
                 give_back(device)
                 raise
             device._leases += 1
         return record
 
-    def submit(self, upload: bool, host: np.ndarray[Any, Any], device: Any, original: Any) -> Record:
-        """Pick the route for a checked copy and enqueue it. Lock held."""
+    def submit(self, upload: bool, host: np.ndarray[Any, Any], device: Any, original: Any, handed: Any) -> Record:
+        """Pick the route for a checked copy and enqueue it; ``wait()`` hands back ``handed`` (the host
+        array as it was handed in: ``host`` or the object ``host`` views). Lock held."""
         completion = self.completion
         backend = completion.backend
         if completion.maintenance_due():
@@ -149,7 +148,7 @@ class HostRoutes:
             stream=self.h2d if upload else self.d2h,
             copy=backend.htod_record if upload else backend.dtoh_record,
             moved=(device,) if upload else (), leased=() if upload else (device,),
-            result=(host, original) if upload else (original, host), extra=Extras(),
+            result=(handed, original) if upload else (original, handed), extra=Extras(),
         )
         nbytes, config = host.nbytes, self.config
         registration: Any = None  # a Registration, or a pinned leaf's block: the registered route's one DMA
