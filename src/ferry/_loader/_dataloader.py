@@ -87,10 +87,11 @@ class DataLoader:
         batch, and ``collate_fn``, if given, is applied to it alone).
     shuffle
         A new random order every epoch (map-style only).
-    sampler, batch_sampler
-        An iterable of indices, or of lists of indices (PyTorch's samplers
-        work as they are). ``batch_sampler`` excludes ``batch_size``,
-        ``shuffle``, ``sampler`` and ``drop_last``.
+    sampler
+        An iterable of indices (PyTorch's samplers work as they are).
+    batch_sampler
+        An iterable of lists of indices, one list a batch; it excludes
+        ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``.
     num_workers
         Worker processes; 0 loads in the main process (still into the ring).
     collate_fn
@@ -121,11 +122,16 @@ class DataLoader:
     runtime
         The runtime to upload through; ``None`` creates one on the first
         iteration and closes it with :meth:`close`.
-    to, depth, stream
+    to
         As for :func:`ferry.prefetch`: the leaves' type (``None``:
         :class:`~ferry.DeviceArray`, or ``"torch"``, ``"cupy"``, ``"jax"``,
-        a callable), the batches uploading ahead of the consumer, and the
-        consumer's stream (default: the current stream of ``to``'s library).
+        a callable).
+    depth
+        As for :func:`ferry.prefetch`: the batches uploading ahead of the
+        consumer.
+    stream
+        As for :func:`ferry.prefetch`: the consumer's stream (default: the
+        current stream of ``to``'s library).
 
     Guarantees
     ----------
