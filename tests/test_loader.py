@@ -297,6 +297,49 @@ def test_dlpack_cpu_tensors_and_unbatched_samples(rt: ferry.Runtime, leaks: _Bas
     np.testing.assert_array_equal(unbatched[2]["x"], np.full((3, 4), 2, np.float32))
 
 
+class _CpuDevice:
+    type = "cpu"
+
+
+class TorchLikeTensor:
+    """Stands for a CPU PyTorch tensor in a worker forked from a process that used CUDA: its
+    ``__dlpack_device__`` asks whether it is pinned, which initializes CUDA there, and raises."""
+
+    __module__ = "torch"
+    device = _CpuDevice()
+
+    def __init__(self, value: int) -> None:
+        self.array = np.full((2, 3), value, np.float32)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        raise RuntimeError("CUDA error: initialization error")
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDA error: initialization error")
+
+    def detach(self) -> TorchLikeTensor:
+        return self
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        return self.array
+
+
+class TorchLikeSamples:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": TorchLikeTensor(index)}
+
+
+def test_cpu_torch_tensors_collate_without_asking_their_dlpack_device(rt: ferry.Runtime, leaks: _Baseline) -> None:
+    with ferry.DataLoader(TorchLikeSamples(), batch_size=2, num_workers=1, runtime=rt,
+                          multiprocessing_context="fork") as loader:
+        batches = _run(loader, rt)
+    assert [b["x"].shape for b in batches] == [(2, 2, 3), (2, 2, 3)]
+    np.testing.assert_array_equal(batches[1]["x"][:, 0, 0], [2, 3])
+
+
 def test_a_collate_fn_returns_fresh_arrays_that_are_copied_into_the_slot(rt: ferry.Runtime, leaks: _Baseline) -> None:
     with ferry.DataLoader(Squares(10), batch_size=5, num_workers=2, runtime=rt, collate_fn=sum_collate,
                           multiprocessing_context="fork") as loader:

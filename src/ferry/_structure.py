@@ -40,10 +40,30 @@ Builder = Callable[[list[Any]], Any]
 Path = tuple[Any, ...]
 
 
+def torch_cpu_view(leaf: Any) -> np.ndarray[Any, Any] | None:
+    """A CPU PyTorch tensor's NumPy view (no copy), or ``None`` for anything else.
+
+    Asked without ``__dlpack_device__``: PyTorch's asks whether the tensor is
+    pinned, which initializes CUDA, and in a worker forked from a process that
+    used CUDA that raises. Dtypes NumPy lacks (bfloat16) give ``None`` too.
+    """
+    if type(leaf).__module__.partition(".")[0] != "torch":
+        return None
+    if getattr(getattr(leaf, "device", None), "type", None) != "cpu":
+        return None
+    try:
+        return leaf.detach().numpy()  # type: ignore[no-any-return]
+    except (TypeError, RuntimeError):
+        return None
+
+
 def host_array(leaf: Any) -> np.ndarray[Any, Any]:
     """The NumPy array of a host leaf (no copy); TypeError for anything else."""
     if isinstance(leaf, np.ndarray):
         return leaf
+    view = torch_cpu_view(leaf)
+    if view is not None:
+        return view
     device = getattr(leaf, "__dlpack_device__", None)
     if device is not None:
         where = tuple(device())

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._memory._ring import ALIGN, round_up
+from .._structure import torch_cpu_view
 
 __all__: list[str] = []
 
@@ -28,6 +29,9 @@ def _host_array(leaf: Any) -> np.ndarray[Any, Any]:
     ``__array__``; TypeError for anything else (the rules of :func:`ferry.prefetch`)."""
     if isinstance(leaf, np.ndarray):
         return leaf
+    view = torch_cpu_view(leaf)  # never __dlpack_device__ of a torch tensor in a worker: it initializes CUDA
+    if view is not None:
+        return view
     device = getattr(leaf, "__dlpack_device__", None)
     if device is not None:
         where = tuple(device())
