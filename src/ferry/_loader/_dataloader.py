@@ -84,8 +84,8 @@ def _timeout(value: Any, workers: int) -> float:
 class DataLoader:
     """Batches of a dataset on the device, loaded by worker processes straight into pinned memory.
 
-    The arguments up to ``generator`` mean what they mean for
-    ``torch.utils.data.DataLoader`` (so switching is a one-line change);
+    The arguments up to ``in_order`` are ``torch.utils.data.DataLoader``'s
+    and mean what they mean there (so switching is a one-line change);
     PyTorch is not needed. The rest are :func:`ferry.prefetch`'s.
 
     Parameters
@@ -100,10 +100,13 @@ class DataLoader:
         batch, and ``collate_fn``, if given, is applied to it alone).
     shuffle
         A new random order every epoch (map-style only).
-    sampler, batch_sampler
-        An iterable of indices, or of lists of indices (PyTorch's samplers
-        work as they are). ``batch_sampler`` excludes ``batch_size``,
-        ``shuffle``, ``sampler`` and ``drop_last``.
+    sampler
+        An iterable of indices (PyTorch's samplers work as they are);
+        excludes ``shuffle``.
+    batch_sampler
+        An iterable of lists of indices, one list per batch (PyTorch's
+        work as they are); excludes ``batch_size``, ``shuffle``, ``sampler``
+        and ``drop_last``.
     num_workers
         Worker processes; 0 loads in the main process (still into the ring).
     collate_fn
@@ -131,9 +134,11 @@ class DataLoader:
         order and the workers' base seed. ``None``: PyTorch's default
         generator when PyTorch is loaded (its exact order), else NumPy's
         global one.
-    pin_memory, pin_memory_device
+    pin_memory
         Accepted and ignored: every batch is already collated into pinned
         memory, so there is nothing to pin.
+    pin_memory_device
+        Accepted and ignored, as ``pin_memory``.
     timeout
         Seconds to wait for each batch from the workers (0: no bound). A
         batch not delivered in time raises :class:`~ferry.LoaderWorkerError`
@@ -145,11 +150,16 @@ class DataLoader:
     runtime
         The runtime to upload through; ``None`` creates one on the first
         iteration and closes it with :meth:`close`.
-    to, depth, stream
+    to
         As for :func:`ferry.prefetch`: the leaves' type (``None``:
         :class:`~ferry.DeviceArray`, or ``"torch"``, ``"cupy"``, ``"jax"``,
-        a callable), the batches uploading ahead of the consumer, and the
-        consumer's stream (default: the current stream of ``to``'s library).
+        a callable).
+    depth
+        As for :func:`ferry.prefetch`: the batches uploading ahead of the
+        consumer.
+    stream
+        As for :func:`ferry.prefetch`: the consumer's stream (default: the
+        current stream of ``to``'s library).
 
     Guarantees
     ----------
