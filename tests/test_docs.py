@@ -1,5 +1,5 @@
 """The documentation site: ``mkdocs build --strict`` passes (when the ``docs`` extra is
-installed, as in CI), every page the issue asks for is in the nav, and the API
+installed, as in CI), every page is in the nav, and the API
 reference documents every public name, with no Sphinx role left showing."""
 
 from __future__ import annotations
