@@ -188,7 +188,8 @@ class DataLoader:
         When iterating: a worker raised while loading a batch (the batch's
         index, the worker's id and its traceback text are attached; the
         worker's exception is the cause, when it pickles), or a worker died
-        (noticed at once, through its process sentinel). The iteration ends.
+        (noticed at once, through its process sentinel), or a batch was not
+        delivered within ``timeout``. The iteration ends.
     ValueError, TypeError
         At construction, for arguments ``torch.utils.data.DataLoader`` refuses.
     """
