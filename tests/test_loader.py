@@ -462,6 +462,19 @@ def test_pytorchs_remaining_arguments_are_accepted_as_pytorch_spells_them(rt: fe
         ferry.DataLoader(Squares(6), in_order=False)
 
 
+def test_every_argument_of_pytorchs_loader_is_taken_with_pytorchs_default() -> None:
+    torch_data = pytest.importorskip("torch.utils.data", reason="compared with PyTorch's own signature")
+    import inspect
+
+    theirs = inspect.signature(torch_data.DataLoader).parameters
+    ours = inspect.signature(ferry.DataLoader).parameters
+    assert [name for name in theirs if name not in ours] == []
+    same_default = {"shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory", "drop_last",
+                    "timeout", "worker_init_fn", "multiprocessing_context", "generator", "persistent_workers",
+                    "pin_memory_device", "in_order"} & set(theirs)
+    assert {n: ours[n].default for n in same_default} == {n: theirs[n].default for n in same_default}
+
+
 def test_a_batch_not_delivered_within_timeout_raises_and_the_next_epoch_starts_fresh(
         rt: ferry.Runtime, leaks: _Baseline) -> None:
     loader = ferry.DataLoader(Stalls(), batch_size=2, num_workers=1, timeout=2, runtime=rt,
