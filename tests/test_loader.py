@@ -7,6 +7,7 @@ the ring is released afterwards (``_no_leaks``).
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import gc
@@ -98,6 +99,18 @@ class Slow:
         return np.full(256, i, np.float32)
 
 
+class Stalls:
+    """Sample 4 takes a minute: the batch holding it is never delivered in a test's time."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 4:
+            time.sleep(60)
+        return np.full(4, i, np.float32)
+
+
 class Growing:
     """Batches of rows whose width grows past the first batch's at index 4."""
 
@@ -158,6 +171,11 @@ def sum_collate(samples: list[Any]) -> Any:
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
+def buffer_collate(samples: list[Any]) -> Any:
+    """A batch whose leaves export only the buffer protocol, as ``ferry.prefetch`` takes them."""
+    return {"y": array.array("q", [s["y"] for s in samples]), "raw": bytearray(b"ab"), "name": "kept"}
+
+
 def _host(rt: ferry.Runtime, batch: Any) -> Any:
     if isinstance(batch, ferry.DeviceArray):
         return rt.to_host(batch)
@@ -348,6 +366,18 @@ def test_a_collate_fn_returns_fresh_arrays_that_are_copied_into_the_slot(rt: fer
     np.testing.assert_array_equal(batches[1]["sum"], np.full((3, 4), 5 + 6 + 7 + 8 + 9, np.float32))
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_collate_fn_s_leaves_follow_prefetchs_rules(rt: ferry.Runtime, leaks: _Baseline, workers: int) -> None:
+    # the loader takes a batch apart with ferry.prefetch's own leaf rules: buffer-protocol leaves are arrays
+    loader = ferry.DataLoader(Squares(4), batch_size=2, num_workers=workers, collate_fn=buffer_collate,
+                              runtime=rt, multiprocessing_context="fork")
+    batches = _run(loader, rt)
+    assert [b["y"].tolist() for b in batches] == [[0, 1], [2, 3]]
+    assert [b["y"].dtype for b in batches] == [np.dtype(np.int64)] * 2
+    assert batches[0]["raw"].tolist() == [97, 98] and batches[0]["name"] == "kept"
+    loader.close()
+
+
 def test_samplers_and_batch_samplers(rt: ferry.Runtime, leaks: _Baseline) -> None:
     with ferry.DataLoader(Squares(10), batch_size=3, sampler=[9, 0, 8, 1, 7], runtime=rt) as loader:
         assert [b["y"].tolist() for b in _run(loader, rt)] == [[9, 0, 8], [1, 7]]
@@ -449,10 +479,61 @@ def test_no_device_module_is_loaded_in_a_spawned_worker(rt: ferry.Runtime, leaks
     ({"to": "tensorflow"}, ValueError),
     ({"collate_fn": 3}, TypeError),
     ({"batch_size": None, "drop_last": True}, ValueError),
+    ({"timeout": -1, "num_workers": 1}, ValueError),
+    ({"timeout": float("nan"), "num_workers": 1}, ValueError),
+    ({"timeout": "5", "num_workers": 1}, TypeError),
+    ({"timeout": 5}, ValueError),  # num_workers=0: PyTorch refuses it too (an assertion when iterating)
+    ({"in_order": False}, ValueError),
 ])
 def test_arguments_pytorch_refuses_are_refused(kwargs: dict[str, Any], error: type) -> None:
     with pytest.raises(error):
         ferry.DataLoader(Squares(4), **kwargs)
+
+
+def test_pytorchs_remaining_arguments_are_accepted_as_pytorch_spells_them(rt: ferry.Runtime,
+                                                                          leaks: _Baseline) -> None:
+    # every argument torch.utils.data.DataLoader takes, with a value a torch script passes
+    loader = ferry.DataLoader(Squares(6), batch_size=2, shuffle=False, sampler=None, batch_sampler=None,
+                              num_workers=1, collate_fn=None, pin_memory=True, drop_last=False, timeout=30,
+                              worker_init_fn=None, multiprocessing_context="fork", generator=None,
+                              prefetch_factor=2, persistent_workers=False, pin_memory_device="cuda",
+                              in_order=True, runtime=rt)
+    assert loader.pin_memory and loader.timeout == 30.0 and loader.in_order
+    assert [b["y"].tolist() for b in _run(loader, rt)] == [[0, 1], [2, 3], [4, 5]]
+    loader.close()
+    with pytest.raises(ValueError, match="in_order must be True"):
+        ferry.DataLoader(Squares(6), in_order=False)
+
+
+def test_every_argument_of_pytorchs_loader_is_taken_with_pytorchs_default() -> None:
+    torch_data = pytest.importorskip("torch.utils.data", reason="compared with PyTorch's own signature")
+    import inspect
+
+    theirs = inspect.signature(torch_data.DataLoader).parameters
+    ours = inspect.signature(ferry.DataLoader).parameters
+    assert [name for name in theirs if name not in ours] == []
+    same_default = {"shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory", "drop_last",
+                    "timeout", "worker_init_fn", "multiprocessing_context", "generator", "persistent_workers",
+                    "pin_memory_device", "in_order"} & set(theirs)
+    assert {n: ours[n].default for n in same_default} == {n: theirs[n].default for n in same_default}
+
+
+def test_a_batch_not_delivered_within_timeout_raises_and_the_next_epoch_starts_fresh(
+        rt: ferry.Runtime, leaks: _Baseline) -> None:
+    loader = ferry.DataLoader(Stalls(), batch_size=2, num_workers=1, timeout=2, runtime=rt,
+                              multiprocessing_context="fork", prefetch_factor=1)
+    got = []
+    start = time.monotonic()
+    with pytest.raises(ferry.LoaderWorkerError, match="timed out after 2 seconds waiting for batch 2") as info:
+        for batch in loader:
+            got.append(_host(rt, batch)[:, 0].tolist())
+    assert time.monotonic() - start < 45  # well before the stalled sample returns
+    assert got == [[0, 1], [2, 3]]
+    assert info.value.index == 2 and info.value.worker == 0
+    gc.collect()
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("ferry")] == []
+    assert _host(rt, next(iter(loader)))[:, 0].tolist() == [0, 1]  # a new epoch: new workers
+    loader.close()
 
 
 def test_iterable_datasets_refuse_shuffle_and_samplers() -> None:

@@ -17,8 +17,6 @@ import sys
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import numpy as np
-
 from . import _native
 from ._errors import FerryError
 
@@ -34,7 +32,9 @@ Result = TypeVar("Result")
 Host = TypeVar("Host")
 Device = TypeVar("Device")
 Source = TypeVar("Source")
-HostArray = TypeVar("HostArray", bound="np.ndarray[Any, Any]")  # the NumPy array a pageable transfer hands back
+# The host array a pageable upload hands back: a NumPy array, or a CPU array of another library (a PyTorch
+# tensor, anything exporting DLPack or the buffer protocol), so it is not bound; the facade checks it at run time.
+HostArray = TypeVar("HostArray")
 
 
 class _PyHandle:

@@ -46,6 +46,27 @@ def pageable(rt: ferry.Runtime, array: npt.NDArray[np.float32]) -> None:
     assert_type(stats.in_flight, int)
 
 
+class CpuTensor:
+    """A CPU tensor of another library, as a type checker sees it: DLPack, no NumPy base class."""
+
+    def __dlpack__(self, *, stream: int | None = None) -> object:
+        raise NotImplementedError
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+def other_libraries(rt: ferry.Runtime, tensor: CpuTensor, data: bytearray) -> None:
+    # CPU arrays of any library are taken where NumPy arrays are, and come back as themselves
+    up = rt.upload(tensor)
+    assert_type(up, ferry.PendingUpload[CpuTensor, ferry.DeviceArray])
+    back, dev = up.wait()
+    assert_type(back, CpuTensor)
+    assert_type(rt.to_device(tensor), ferry.DeviceArray)
+    raw, dev = rt.upload(data, dev).wait()
+    assert_type(raw, bytearray)
+
+
 def waiting(rt: ferry.Runtime, array: npt.NDArray[np.float32]) -> None:
     handles = [rt.upload(array), rt.upload(array)]
     results = ferry.wait_all(handles, timeout=10.0)

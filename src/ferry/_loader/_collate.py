@@ -15,54 +15,11 @@ from typing import Any
 import numpy as np
 
 from .._memory._ring import ALIGN, round_up
-from .._structure import torch_cpu_view
+from .._structure import PASS, _mapping, _sequence, host_array
 
 __all__: list[str] = []
 
-Skeleton = tuple[Any, ...]
-_PASS = (str, bytes, int, float, complex, bool, np.generic, type(None))  # leaves that stay on the host
-_KDL_CPU, _KDL_CUDA_HOST = 1, 3
-
-
-def _host_array(leaf: Any) -> np.ndarray[Any, Any]:
-    """The NumPy array of a host leaf (no copy): a NumPy array, a DLPack CPU tensor, or anything with
-    ``__array__``; TypeError for anything else (the rules of :func:`ferry.prefetch`)."""
-    if isinstance(leaf, np.ndarray):
-        return leaf
-    view = torch_cpu_view(leaf)  # never __dlpack_device__ of a torch tensor in a worker: it initializes CUDA
-    if view is not None:
-        return view
-    device = getattr(leaf, "__dlpack_device__", None)
-    if device is not None:
-        where = tuple(device())
-        if where[0] not in (_KDL_CPU, _KDL_CUDA_HOST):
-            raise TypeError(f"a {type(leaf).__name__} on DLPack device {where} is not in host memory")
-        try:
-            return np.from_dlpack(leaf)
-        except (BufferError, RuntimeError, TypeError) as exc:
-            detach = getattr(leaf, "detach", None)  # a torch tensor that requires grad
-            if detach is None:
-                raise TypeError(f"NumPy cannot take the {type(leaf).__name__} through DLPack: {exc}") from exc
-            return np.from_dlpack(detach())
-    if hasattr(leaf, "__array__"):
-        return np.asarray(leaf)
-    raise TypeError(
-        f"a batch leaf of type {type(leaf).__name__} is not a host array (NumPy arrays, CPU tensors, "
-        "and tuples, lists and dicts of them are collated; str, numbers and None pass through)"
-    )
-
-
-def _sequence(kind: type, values: list[Any]) -> Any:
-    if hasattr(kind, "_fields"):  # a named tuple
-        return kind(*values)
-    return kind(values)
-
-
-def _mapping(kind: type, built: dict[Any, Any]) -> Any:
-    try:
-        return kind(built)
-    except TypeError:  # a mapping type that is not built from a dict (defaultdict, ...)
-        return built
+Skeleton = tuple[Any, ...]  # a batch's structure, its host leaves (strings, numbers, None) in place
 Layout = list[tuple[str, tuple[int, ...], int]]  # dtype, shape, offset
 
 
@@ -122,7 +79,7 @@ def _plan(samples: Sequence[Any], leaves: list[_Leaf]) -> Skeleton:  # noqa: PLR
         columns = _columns(samples)
         return ("l", [_plan(c, leaves) for c in columns])  # tuples too, as PyTorch's default_collate
     if _is_array(elem):
-        arrays = [_host_array(s) for s in samples]
+        arrays = [host_array(s) for s in samples]
         first = arrays[0]
         if first.dtype.hasobject or first.dtype.kind in "USV":
             raise TypeError(f"default_collate: cannot stack arrays of dtype {first.dtype}")
@@ -175,7 +132,7 @@ def default_collate(samples: Sequence[Any]) -> Any:
 def split(batch: Any, arrays: list[np.ndarray[Any, Any]]) -> Skeleton:
     """The skeleton of a collated batch, its host arrays appended to ``arrays`` (the rules of
     :func:`ferry.prefetch`: arrays and DLPack CPU tensors are leaves, strings, numbers and None stay)."""
-    if isinstance(batch, _PASS):
+    if isinstance(batch, PASS):
         return ("v", batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return ("n", type(batch), [split(x, arrays) for x in batch])
@@ -187,7 +144,7 @@ def split(batch: Any, arrays: list[np.ndarray[Any, Any]]) -> Skeleton:
         keys = list(batch.keys())
         children = [split(batch[k], arrays) for k in keys]
         return ("d", keys, children) if type(batch) is dict else ("m", type(batch), keys, children)
-    array = _host_array(batch)
+    array = host_array(batch)
     if array.dtype.hasobject:
         raise TypeError(f"a batch leaf of dtype {array.dtype} cannot be copied to the device")
     arrays.append(array)

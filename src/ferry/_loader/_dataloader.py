@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import multiprocessing
+import numbers
 import os
 import select
 import signal
@@ -68,11 +70,22 @@ def _positive_int(value: Any, name: str, minimum: int) -> int:
     return value
 
 
+def _timeout(value: Any, workers: int) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"timeout option should be non-negative, got {value!r}")
+    if seconds and not workers:
+        raise ValueError("timeout needs num_workers > 0: batches loaded in the main process are not timed")
+    return seconds
+
+
 class DataLoader:
     """Batches of a dataset on the device, loaded by worker processes straight into pinned memory.
 
-    The arguments up to ``generator`` mean what they mean for
-    ``torch.utils.data.DataLoader`` (so switching is a one-line change);
+    The arguments up to ``in_order`` are ``torch.utils.data.DataLoader``'s
+    and mean what they mean there (so switching is a one-line change);
     PyTorch is not needed. The rest are :func:`ferry.prefetch`'s.
 
     Parameters
@@ -88,10 +101,12 @@ class DataLoader:
     shuffle
         A new random order every epoch (map-style only).
     sampler
-        An iterable of indices (PyTorch's samplers work as they are).
+        An iterable of indices (PyTorch's samplers work as they are);
+        excludes ``shuffle``.
     batch_sampler
-        An iterable of lists of indices, one list a batch; it excludes
-        ``batch_size``, ``shuffle``, ``sampler`` and ``drop_last``.
+        An iterable of lists of indices, one list per batch (PyTorch's
+        work as they are); excludes ``batch_size``, ``shuffle``, ``sampler``
+        and ``drop_last``.
     num_workers
         Worker processes; 0 loads in the main process (still into the ring).
     collate_fn
@@ -119,6 +134,19 @@ class DataLoader:
         order and the workers' base seed. ``None``: PyTorch's default
         generator when PyTorch is loaded (its exact order), else NumPy's
         global one.
+    pin_memory
+        Accepted and ignored: every batch is already collated into pinned
+        memory, so there is nothing to pin.
+    pin_memory_device
+        Accepted and ignored, as ``pin_memory``.
+    timeout
+        Seconds to wait for each batch from the workers (0: no bound). A
+        batch not delivered in time raises :class:`~ferry.LoaderWorkerError`
+        and ends the epoch, as PyTorch's loader raises. Needs
+        ``num_workers > 0``.
+    in_order
+        Must be ``True`` (the default): batches always come in the sampler's
+        order; ``False`` is refused with ValueError.
     runtime
         The runtime to upload through; ``None`` creates one on the first
         iteration and closes it with :meth:`close`.
@@ -160,7 +188,8 @@ class DataLoader:
         When iterating: a worker raised while loading a batch (the batch's
         index, the worker's id and its traceback text are attached; the
         worker's exception is the cause, when it pickles), or a worker died
-        (noticed at once, through its process sentinel). The iteration ends.
+        (noticed at once, through its process sentinel), or a batch was not
+        delivered within ``timeout``. The iteration ends.
     ValueError, TypeError
         At construction, for arguments ``torch.utils.data.DataLoader`` refuses.
     """
@@ -175,12 +204,16 @@ class DataLoader:
         batch_sampler: Iterable[Any] | None = None,
         num_workers: int = 0,
         collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
+        timeout: float = 0,
         worker_init_fn: Callable[[int], Any] | None = None,
         multiprocessing_context: Any = None,
         persistent_workers: bool = False,
         prefetch_factor: int = 2,
         generator: Any = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
         runtime: Runtime | None = None,
         to: str | Callable[[DeviceArray], Any] | None = None,
         depth: int = 2,
@@ -189,6 +222,9 @@ class DataLoader:
         _positive_int(num_workers, "num_workers", 0)
         _positive_int(prefetch_factor, "prefetch_factor", 1)
         _positive_int(depth, "depth", 1)
+        timeout = _timeout(timeout, num_workers)
+        if in_order is not True:
+            raise ValueError("in_order must be True: ferry.DataLoader always yields batches in the sampler's order")
         if batch_size is not None:
             _positive_int(batch_size, "batch_size", 1)
         if persistent_workers and num_workers == 0:
@@ -238,6 +274,10 @@ class DataLoader:
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor
         self.generator = generator
+        self.timeout = timeout
+        self.pin_memory = bool(pin_memory)
+        self.pin_memory_device = pin_memory_device
+        self.in_order = True
         self._iterable = iterable
         self._auto_batch = auto_batch
         self._runtime = runtime
@@ -469,6 +509,7 @@ class _Engine:
         self.collate_fn = loader.collate_fn
         self.workers = loader.num_workers
         self.prefetch_factor = loader.prefetch_factor
+        self.timeout = loader.timeout
         depth = loader._prefetch_args[0]
         self.slots = max(1, self.workers) * loader.prefetch_factor + depth + 2
         self.ring: Ring | None = Ring(runtime)
@@ -547,6 +588,7 @@ class _Engine:
             message = None
 
     def _next_message(self, state: _EpochState) -> Any:
+        deadline = time.monotonic() + self.timeout if self.timeout else None
         while True:
             self._reclaim()
             if self.workers:
@@ -573,7 +615,18 @@ class _Engine:
                         return _END
                 self._wait_for_slot()
                 continue
-            self._receive(state)
+            if deadline is not None and time.monotonic() >= deadline:
+                self._timed_out(state)
+            self._receive(state, deadline)
+
+    def _timed_out(self, state: _EpochState) -> None:
+        """The next batch was not delivered within ``timeout`` seconds: the epoch ends, as PyTorch's does."""
+        self.broken = True
+        batch = state.next_out
+        worker = state.pending.get(batch)
+        raise LoaderWorkerError(
+            f"DataLoader timed out after {self.timeout:g} seconds waiting for batch {batch}"
+            + (f" from worker {worker}" if worker is not None else ""), batch, worker)
 
     # -- the main process's side of the protocol ---------------------------------------------------------------
     def _reclaim(self) -> None:
@@ -683,9 +736,11 @@ class _Engine:
             state.per_worker[worker] += 1
             state.outstanding += 1
 
-    def _receive(self, state: _EpochState) -> None:
-        """Wait for a message from any worker (or a worker's death) and file it."""
+    def _receive(self, state: _EpochState, deadline: float | None = None) -> None:
+        """Wait for a message from any worker (or a worker's death) and file it; at most until ``deadline``."""
         timeout = 1 if self.inflight and self.table.free == 0 else 1000  # ms
+        if deadline is not None:
+            timeout = max(0, min(timeout, math.ceil((deadline - time.monotonic()) * 1000)))
         poller = self._poller
         if poller is None:  # one poll object for the workers' lifetime: a wait costs one system call
             poller = self._poller = select.poll()

@@ -39,7 +39,7 @@ __all__ = ["WorkerInfo", "get_worker_info", "LoaderWorkerError"]
 
 
 class LoaderWorkerError(FerryError):
-    """A :class:`ferry.DataLoader` worker failed: it raised while loading a batch, or it died.
+    """A :class:`ferry.DataLoader` worker failed: it raised loading a batch, it died, or it missed ``timeout``.
 
     Attributes
     ----------
