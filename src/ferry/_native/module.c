@@ -188,6 +188,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
             {&HealthFieldsType, &HealthFields_spec, "HealthFields", NULL},
             {&ExtrasFieldsType, &ExtrasFields_spec, "ExtrasFields", NULL},
             {&SlotFieldsType, &SlotFields_spec, "SlotFields", &ExtrasFieldsType},
+            {&HostMemoryType, &HostMemory_spec, "HostMemory", NULL},
         };
         for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) {
             PyObject *t = made[i].base ? PyType_FromSpecWithBases(made[i].spec, (PyObject *)*made[i].base)
