@@ -219,3 +219,32 @@ def test_both_engines_count_and_refuse_the_same(native: str) -> None:
     module, counts, state = json.loads(out.stdout)
     assert counts == [2, "2", 1, 0] and state == "owned"
     assert module == ("ferry._native.objects" if native == "0" or engine is None else "ferry._native._engine")
+
+
+# -- the module's state outlives every object of it -------------------------------------------------
+
+
+@pytest.mark.skipif(engine is None, reason="the compiled extension is not built here")
+def test_objects_outliving_the_modules_removal_and_living_to_shutdown_stay_sound() -> None:
+    code = textwrap.dedent("""
+        import gc, importlib, sys
+        import numpy as np, ferry
+        from ferry._native import _engine as first
+        rt = ferry.Runtime("emulated")
+        buf = rt.pinned(64)
+        view = buf.as_array()
+        record = first.new_record(1, None, None, (), (), (), 8)
+        del sys.modules["ferry._native._engine"]
+        again = importlib.import_module("ferry._native._engine")
+        assert again.HostMemory is first.HostMemory and again.Record is first.Record
+        del first, again
+        gc.collect()
+        view[:] = 1  # still the buffer's, still counted
+        assert buf.live_views == 1 and record.nbytes == 8
+        keep = [view, record, buf]  # finalized at shutdown, after the module's dict is cleared
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("FERRY_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
