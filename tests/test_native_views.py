@@ -91,6 +91,8 @@ def test_bad_arguments_are_refused(memory: Callable[[int], Any]) -> None:
         kind(0, 8)
     with pytest.raises((ValueError, OverflowError)):
         kind(4096, -1)
+    with pytest.raises((ValueError, OverflowError)):
+        kind(-4096, 8)
 
 
 def test_the_memory_outlives_its_views(memory: Callable[[int], Any]) -> None:

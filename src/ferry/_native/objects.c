@@ -147,13 +147,14 @@ FIELDS_SPEC(SlotFields, SlotFields, Slot_members, "The fields of a small-route s
 PyTypeObject *HostMemoryType;
 
 static PyObject *HostMemory_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *address;
     unsigned long long ptr;
     Py_ssize_t nbytes;
     if (kwds && PyDict_Size(kwds)) {
         PyErr_SetString(PyExc_TypeError, "HostMemory takes no keyword arguments");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "Kn:HostMemory", &ptr, &nbytes)) return NULL;
+    if (!PyArg_ParseTuple(args, "On:HostMemory", &address, &nbytes) || int_arg(address, &ptr, 0)) return NULL;
     if (nbytes < 0 || (!ptr && nbytes)) {
         PyErr_SetString(PyExc_ValueError, "HostMemory needs an address and a size of at least 0 bytes");
         return NULL;

@@ -60,7 +60,7 @@ class _HostMemory:
     __slots__ = ("__weakref__", "_live", "_ptr", "nbytes")
 
     def __init__(self, ptr: int, nbytes: int) -> None:
-        if nbytes < 0 or (not ptr and nbytes):
+        if ptr < 0 or nbytes < 0 or (not ptr and nbytes):
             raise ValueError("HostMemory needs an address and a size of at least 0 bytes")
         self._ptr = ptr
         self.nbytes = nbytes
