@@ -4,21 +4,25 @@ Why views can be counted
 ------------------------
 A transfer must never start while Python code can still read or write the
 buffer, and NumPy views are the way Python reads and writes it. Every view
-ferry hands out derives from one private base array, ``_base``, built over the
-pinned block through a ctypes object (not through another ndarray). NumPy
-collapses a chain of views to the first base that is not an ndarray of the same
-type or that owns its data; ``_base`` owns nothing and its own base is the
-ctypes object, so every slice, reshape and ``view()`` of a view references
-``_base`` directly, and a memoryview or an array built from one keeps its view
-(and so ``_base``) alive. On CPython the reference count of ``_base`` therefore
-counts the live views: the buffer holds one reference, the count call holds
-another, every other one is a view. The count is exact for the objects ferry
-can see; ``buf.ptr`` is the documented escape hatch around it.
+ferry hands out is made from one private object, ``_base``: a ``HostMemory``
+over the pinned block (``ferry._native.objects``), which counts its live
+exports. The compiled one exports the memory through the buffer protocol:
+``np.frombuffer`` keeps the export in a memoryview that is the new array's
+base, every slice, reshape and ``view()`` of that array keeps the array (so the
+export) alive, and so does a memoryview or an array built from one; the export
+is released when the last of them dies. Its Python twin makes a fresh ctypes
+array for each view and counts those alive by weak references, with the same
+result. So ``_base.exports`` counts the views :meth:`PinnedHostBuffer.as_array`
+made that are still alive (each counted once, however much is derived from it),
+and no view is alive exactly when it is 0. The count is kept by the exports
+themselves, not by reference counts. It is exact for the objects ferry can see;
+``buf.ptr`` is the documented escape hatch around it.
 
 Lifetime of the memory
 ----------------------
 The pinned block goes back to the pool when ``_base`` dies (a
-``weakref.finalize`` on it), never earlier: closing a buffer, or dropping it,
+``weakref.finalize`` on it; every export keeps it alive), never earlier:
+closing a buffer, or dropping it,
 while a view is alive keeps the block out of the pool until that view is gone,
 so no view can alias memory a later transfer uses. An abandoned buffer keeps
 ``_base`` forever: its block is never reused or freed.
@@ -26,24 +30,19 @@ so no view can alias memory a later transfer uses. An abandoned buffer keeps
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._errors import BufferMovedError
-from ._native.objects import BufferFields
+from ._native.objects import BufferFields, HostMemory
 from ._state import CLOSED, IN_FLIGHT, OWNED, State
 
 if TYPE_CHECKING:
     from ._memory._pinned import Block, PinnedPool
 
 __all__ = ["PinnedHostBuffer"]
-
-BASE_REFS = 2  # the buffer's own reference + getrefcount's argument
-
 
 def check_dtype(dtype: Any) -> np.dtype[Any]:
     """A NumPy dtype ferry can copy as bytes, or ``TypeError``."""
@@ -81,11 +80,10 @@ class PinnedHostBuffer(BufferFields):
         self._runtime = owner  # identity only: the runtime that may submit it
         self._block = block
         self._nbytes = nbytes
-        raw = (ctypes.c_ubyte * nbytes).from_address(block.ptr)
-        base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
+        base = HostMemory(block.ptr, nbytes)
         # the block returns to the pool only when the base (so every view) is gone
         weakref.finalize(base, pool.release, block)
-        self._base: np.ndarray[Any, np.dtype[np.uint8]] | None = base
+        self._base: HostMemory | None = base
         self._state: State = OWNED
 
     # -- public surface ---------------------------------------------------------------
@@ -112,11 +110,14 @@ class PinnedHostBuffer(BufferFields):
 
     @property
     def live_views(self) -> int:
-        """How many NumPy views (and things derived from them) are alive."""
+        """How many views :meth:`as_array` made are still alive.
+
+        A view counts once while it, or anything derived from it (a slice, a
+        reshape, a memoryview, an array made from one) is alive; ``0`` means
+        no view is left and the buffer can be handed to a transfer.
+        """
         base = self._base
-        if base is None:
-            return 0
-        return sys.getrefcount(base) - BASE_REFS - 1  # minus the local name
+        return 0 if base is None else base.exports
 
     def as_array(
         self, dtype: Any = np.uint8, shape: int | tuple[int, ...] | None = None
@@ -162,7 +163,8 @@ class PinnedHostBuffer(BufferFields):
             )
         base = self._base
         assert base is not None
-        return base[:need].view(dt).reshape(shape)
+        flat: np.ndarray[Any, Any] = np.frombuffer(base.export(), dtype=dt, count=count)  # type: ignore[call-overload]
+        return flat.reshape(shape)
 
     def close(self) -> None:
         """Give the memory back to the pool.
@@ -192,11 +194,11 @@ class PinnedHostBuffer(BufferFields):
         if self._state is not OWNED:
             return f"the pinned buffer is {self._state}"
         base = self._base
-        views = sys.getrefcount(base) - BASE_REFS - 1
+        views = 0 if base is None else base.exports
         if views:
             return (
-                f"the pinned buffer has {views} live view(s) (as_array results or arrays, "
-                "slices or memoryviews made from them); drop them before handing it to a transfer"
+                f"the pinned buffer has {views} live view(s) (as_array results, counting with each the arrays, "
+                "slices and memoryviews made from it); drop them before handing it to a transfer"
             )
         return None
 

@@ -38,7 +38,7 @@ HostArray = TypeVar("HostArray")
 
 
 class _PyHandle:
-    """The pure-Python twin of the compiled ``Handle`` (``_engine.c``): a handle's fields, ``wait()``
+    """The pure-Python twin of the compiled ``Handle`` (``_native/records.c``): a handle's fields, ``wait()``
     and its finalizer. :class:`Pending` derives from the compiled one where the extension runs."""
 
     __slots__ = ("_claimed", "_future", "_port", "_record", "_waited")

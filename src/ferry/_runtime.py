@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from sys import getrefcount
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ import numpy as np
 from . import _lifecycle, _trees
 from ._args import check_runtime_args
 from ._backends._base import Backend
-from ._buffer import BASE_REFS, PinnedHostBuffer
+from ._buffer import PinnedHostBuffer
 from ._device_array import DeviceArray
 from ._interop._host import host_arg
 from ._lifecycle import Health
@@ -231,7 +230,7 @@ class Runtime:
                 and destination._state is OWNED
                 and not destination._leases
                 and destination._ready is None
-                and getrefcount(buffer._base) == BASE_REFS
+                and not buffer._base.exports  # type: ignore[union-attr]  # owned: it has a base
                 and buffer._nbytes >= destination._nbytes
             ):
                 return PendingUpload(completion, submit_pinned(completion, self, self._h2d, True, buffer, destination))
@@ -270,7 +269,7 @@ class Runtime:
                 and buffer._state is OWNED
                 and source._state is OWNED
                 and source._ready is None
-                and getrefcount(buffer._base) == BASE_REFS
+                and not buffer._base.exports  # type: ignore[union-attr]  # owned: it has a base
                 and buffer._nbytes >= source._nbytes
             ):
                 return PendingDownload(completion, submit_pinned(completion, self, self._d2h, False, buffer, source))

@@ -256,7 +256,7 @@ class CudaBackend:
             raise DeviceError(_error_text(self._d, err), code=code, sticky=code in _STICKY)
 
     def _native_failed(self, op: str, code: int, stage: int, args: tuple[Any, ...]) -> Any:
-        """A compiled call returned ``code`` (``stage``: see ``_engine.c``): retry once with the context
+        """A compiled call returned ``code`` (``stage``: see ``_native/calls.c``): retry once with the context
         bound when it was not current, else raise :class:`DeviceError` (``enqueued`` past stage 0)."""
         local = self._retrying
         if code in _REBIND and stage < 2 and not getattr(local, "active", False):

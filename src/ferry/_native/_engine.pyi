@@ -74,7 +74,7 @@ class Job:
 
 @final
 class Engine:
-    """The staging lanes of one direction (see ``_engine.c``).
+    """The staging lanes of one direction (see ``engine.c`` and ``core/lanes.c``).
 
     The newer knobs: ``nontemporal`` (chunk copies from 64 KiB with streaming stores, x86-64),
     ``driver_thread`` (one thread makes the lanes' enqueues and polls the events they wait for;
@@ -171,7 +171,7 @@ class Engine:
         before it sleeps until signalled."""
     @property
     def driver_thread(self) -> bool:
-        """Whether one driver thread makes every enqueue of the lanes (see ``_engine.c``)."""
+        """Whether one driver thread makes every enqueue of the lanes (see ``core/driver.c``)."""
     def submit(
         self,
         host_ptr: int,
@@ -205,7 +205,7 @@ class Engine:
 
 @final
 class Calls:
-    """The small-transfer path's driver calls, made from C (see ``_engine.c``).
+    """The small-transfer path's driver calls, made from C (see ``calls.c``).
 
     Handles are raw ``CUstream``/``CUevent`` values; a non-zero ``CUresult`` goes to
     ``on_error(op, code, stage, args)``, whose result (or exception) becomes the call's.
@@ -248,7 +248,7 @@ class Calls:
 
 @final
 class Record:
-    """A transfer's record: the compiled twin of ``ferry._completion.Record`` (same fields, same defaults)."""
+    """A transfer's record: the compiled twin of ``ferry._records.Record`` (same fields, same defaults)."""
 
     seq: int
     event: Any
@@ -292,6 +292,30 @@ class Handle:
 def set_handle_errors(waited_error: type[BaseException], /) -> None:
     """The exception class a handle's second ``wait()`` raises."""
 
+# -- objects.c: the fields of ferry's hot objects, and the pinned memory views are made from -------
+
+class BufferFields: ...
+class ArrayFields: ...
+class BlockFields: ...
+class HealthFields: ...
+class ExtrasFields: ...
+class SlotFields(ExtrasFields): ...
+
+def set_hot_types(buffer: type, array: type, block: type, health: type, slot: type, /) -> None:
+    """The exact classes whose fields the compiled entries read (each derives from its fields type)."""
+
+@final
+class HostMemory:
+    """``nbytes`` bytes at ``ptr`` exported as writable bytes (the buffer protocol), counting live exports."""
+
+    nbytes: int
+    def __init__(self, ptr: int, nbytes: int, /) -> None: ...
+    @property
+    def exports(self) -> int:
+        """How many buffers it exported that are not released yet (0: no view of it is alive)."""
+    def export(self) -> HostMemory:
+        """The object to make a view from: this one."""
+
 # -- lock.c: the runtime's lock --------------------------------------------------------------------
 
 @final
@@ -312,7 +336,7 @@ class RLock:
 
 @final
 class Fast:
-    """A Completion's enqueue, wait and pinned submission in C (see ``_engine.c``); also its counters."""
+    """A Completion's enqueue, wait and pinned submission in C (see ``fast.c``); also its counters."""
 
     seq: int
     submitted: int

@@ -680,7 +680,7 @@ static PyType_Slot Fast_slots[] = {
     {Py_tp_methods, Fast_methods},
     {Py_tp_getset, Fast_getset},
     {Py_tp_doc, "Fast(completion, device_error, owned, in_flight, spin_base, spin_per_byte, spin_cap): a Completion's "
-                "enqueue and wait in C (see _engine.c)."},
+                "enqueue and wait in C (see fast.c)."},
     {0, NULL},
 };
 
@@ -697,10 +697,9 @@ PyType_Spec Fast_spec = {
  * maintenance due, a pooled event): the copy and its event record go to the driver before the record
  * and its tuples are made, so the copy starts sooner by the time those allocations take (the 16 B
  * round trip's critical path; the Python twin, Completion.enqueue, makes the record first; on the
- * H200 the gain stayed inside the hosts' drift, docs/benchmarks.md, sixth session, run 6). Garbage collection is off from the copy until the
+ * H200 the gain stayed inside the hosts' drift). Garbage collection is off from the copy until the
  * record is in `live`: an allocation in between cannot run a finalizer (a dropped handle's, a
- * runtime's) that would find the copy untracked; that window had the first try at this reverted
- * (a358b81). Returns the record (its event taken from the pool, the copy counted as submitted), or
+ * runtime's) that would find the copy untracked. Returns the record (its event taken from the pool, the copy counted as submitted), or
  * NULL with an exception: the driver refused (as Fast_enqueue reports it), or an allocation failed
  * after the copy was queued, which is then waited for (cuEventSynchronize, its event back in the pool)
  * before MemoryError, so that nothing untracked stays in flight.

@@ -1,5 +1,29 @@
 /*
  * module.c: the module ferry._native._engine: its functions, its types, its constants.
+ *
+ * Its state. Every type is a heap type made with PyType_FromModuleAndSpec, so each type (and through
+ * it each instance, which holds its type) keeps this module object alive: PyType_GetModule on a type of
+ * ours answers for as long as any of its objects exists. The state itself (the types, DriverError, the
+ * interned attribute names, the registered hot classes and numpy.ndarray, the DLPack exit flag, the
+ * fork generation) is still process-wide: static globals, set once here and never released, with
+ * single-phase init (m_size -1). That is sound: nothing of it is ever freed, so an object finalized
+ * after the module left sys.modules, or during the interpreter's shutdown, reads state that is alive;
+ * a re-import in the same process gets the same objects (CPython copies a single-phase module's dict),
+ * and an isolated subinterpreter (3.12+) refuses a single-phase module instead of sharing it.
+ *
+ * Why it is not per-module state yet. Multi-phase init makes a second module object possible (a
+ * re-import, a subinterpreter, which 3.12+ assumes a multi-phase module supports unless it says
+ * otherwise), so it is sound only once no file reads these globals. Moving them means handing each
+ * reader its module's state: module functions have the module; methods can take their defining class
+ * (METH_METHOD, limited API 3.10); but the slot functions of the subclassable types (Handle, the hot
+ * objects' field types, whose Python subclasses are ferry's classes) and the inline checks every
+ * compiled entry makes (is_hot, no_views, is_ndarray) get no module and no defining class.
+ * PyType_GetModuleByDef, which finds it from a subclass, is in the limited API only from 3.13, and this
+ * build serves 3.11. The sound way in the limited API of 3.11 is to walk the type's bases by hand
+ * (PyType_GetSlot(Py_tp_base), then PyType_GetModule and PyModule_GetDef on each heap type) or to keep
+ * a reference to the state on the objects that need it (a Fast, an Entry), and to pass the state to
+ * every check of the compiled entries; that is the next step, file by file, before m_size becomes the
+ * state's size.
  */
 #include "native.h"
 
@@ -94,21 +118,21 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF(DriverError);
         goto fail;
     }
-    EngineType = (PyTypeObject *)PyType_FromSpec(&Engine_spec);
+    EngineType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Engine_spec, NULL);
     if (!EngineType) goto fail;
     Py_INCREF((PyObject *)EngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)EngineType)) {
         Py_DECREF((PyObject *)EngineType);
         goto fail;
     }
-    JobType = (PyTypeObject *)PyType_FromSpec(&Job_spec);
+    JobType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Job_spec, NULL);
     if (!JobType) goto fail;
     Py_INCREF((PyObject *)JobType);
     if (PyModule_AddObject(m, "Job", (PyObject *)JobType)) {
         Py_DECREF((PyObject *)JobType);
         goto fail;
     }
-    RecordType = (PyTypeObject *)PyType_FromSpec(&Record_spec);
+    RecordType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Record_spec, NULL);
     if (!RecordType) goto fail;
     record_alloc = (allocfunc)PyType_GetSlot(RecordType, Py_tp_alloc);
     Py_INCREF((PyObject *)RecordType);
@@ -116,7 +140,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         Py_DECREF((PyObject *)RecordType);
         goto fail;
     }
-    FastType = (PyTypeObject *)PyType_FromSpec(&Fast_spec);
+    FastType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Fast_spec, NULL);
     if (!FastType) goto fail;
     Py_INCREF((PyObject *)FastType);
     if (PyModule_AddObject(m, "Fast", (PyObject *)FastType)) {
@@ -142,7 +166,7 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_sizes = PyUnicode_InternFromString("sizes")) || !(S_done = PyUnicode_InternFromString("done")) ||
         !(S_users = PyUnicode_InternFromString("users")) || !(S_event = PyUnicode_InternFromString("event")))
         goto fail;
-    HandleType = (PyTypeObject *)PyType_FromSpec(&Handle_spec);
+    HandleType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Handle_spec, NULL);
     if (!HandleType) goto fail;
     Py_INCREF((PyObject *)HandleType);
     if (PyModule_AddObject(m, "Handle", (PyObject *)HandleType)) {
@@ -171,9 +195,9 @@ PyMODINIT_FUNC PyInit__engine(void) {
         !(S_setflags = PyUnicode_InternFromString("setflags")) || !(S_base = PyUnicode_InternFromString("base")) ||
         !(S_write = PyUnicode_InternFromString("write")))
         goto fail;
-    EntryType = (PyTypeObject *)PyType_FromSpec(&Entry_spec);
+    EntryType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Entry_spec, NULL);
     if (!EntryType) goto fail;
-    RLockType = (PyTypeObject *)PyType_FromSpec(&RLock_spec);
+    RLockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &RLock_spec, NULL);
     if (!RLockType) goto fail;
     Py_INCREF((PyObject *)RLockType);
     if (PyModule_AddObject(m, "RLock", (PyObject *)RLockType)) {
@@ -188,10 +212,11 @@ PyMODINIT_FUNC PyInit__engine(void) {
             {&HealthFieldsType, &HealthFields_spec, "HealthFields", NULL},
             {&ExtrasFieldsType, &ExtrasFields_spec, "ExtrasFields", NULL},
             {&SlotFieldsType, &SlotFields_spec, "SlotFields", &ExtrasFieldsType},
+            {&HostMemoryType, &HostMemory_spec, "HostMemory", NULL},
         };
         for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) {
-            PyObject *t = made[i].base ? PyType_FromSpecWithBases(made[i].spec, (PyObject *)*made[i].base)
-                                       : PyType_FromSpec(made[i].spec);
+            PyObject *t = made[i].base ? PyType_FromModuleAndSpec(m, made[i].spec, (PyObject *)*made[i].base)
+                                       : PyType_FromModuleAndSpec(m, made[i].spec, NULL);
             if (!t) goto fail;
             *made[i].type = (PyTypeObject *)t;
             if (PyModule_AddObject(m, made[i].name, Py_NewRef(t))) {
@@ -200,21 +225,21 @@ PyMODINIT_FUNC PyInit__engine(void) {
             }
         }
     }
-    LeasesType = (PyTypeObject *)PyType_FromSpec(&Leases_spec);
+    LeasesType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Leases_spec, NULL);
     if (!LeasesType) goto fail;
     Py_INCREF((PyObject *)LeasesType);
     if (PyModule_AddObject(m, "Leases", (PyObject *)LeasesType)) {
         Py_DECREF((PyObject *)LeasesType);
         goto fail;
     }
-    CopierType = (PyTypeObject *)PyType_FromSpec(&Copier_spec);
+    CopierType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Copier_spec, NULL);
     if (!CopierType) goto fail;
     Py_INCREF((PyObject *)CopierType);
     if (PyModule_AddObject(m, "Copier", (PyObject *)CopierType)) {
         Py_DECREF((PyObject *)CopierType);
         goto fail;
     }
-    CallsType = (PyTypeObject *)PyType_FromSpec(&Calls_spec);
+    CallsType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Calls_spec, NULL);
     if (!CallsType) goto fail;
     Py_INCREF((PyObject *)CallsType);
     if (PyModule_AddObject(m, "Calls", (PyObject *)CallsType)) {

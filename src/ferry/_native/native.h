@@ -84,10 +84,26 @@ static inline int is_hot(PyObject *obj, int which) {
     return hot_types[which] && (PyObject *)Py_TYPE(obj) == hot_types[which];
 }
 
-/* A pinned buffer's views are counted by its private base array's references (ferry/_buffer.py's essay:
- * every view NumPy derives references the base directly): none is alive when the buffer's own reference
- * is the only one, which is the Python check `getrefcount(buffer._base) == BASE_REFS`. */
-static inline int no_views(PyObject *base) { return Py_REFCNT(base) == 1; }
+/* The pinned memory every view of a pinned buffer is made from (objects.c: HostMemory). It exports the
+ * memory through the buffer protocol and counts the exports not yet released; NumPy holds one for each
+ * array made from it (through a memoryview it keeps as the array's base), and every array, slice or
+ * memoryview derived from that array keeps it, so no view is alive exactly when the count is 0. */
+typedef struct {
+    PyObject_HEAD
+    char *ptr;
+    Py_ssize_t nbytes;
+    atomic_long exports; /* bf_getbuffer adds one, bf_releasebuffer takes it back */
+    PyObject *weakreflist;
+} HostMemoryObject;
+
+extern PyTypeObject *HostMemoryType;
+
+/* Whether base, a pinned buffer's `_base`, is a HostMemory with no export alive: the count is read at its
+ * offsetof, atomically (exports are taken and released wherever a view is made or dropped). */
+static inline int no_views(PyObject *base) {
+    return (PyObject *)Py_TYPE(base) == (PyObject *)HostMemoryType &&
+           atomic_load_explicit(&((HostMemoryObject *)base)->exports, memory_order_acquire) == 0;
+}
 
 #define BUFFER(o) ((BufferFields *)(o))
 #define ARRAY(o) ((ArrayFields *)(o))
@@ -147,7 +163,7 @@ extern PyType_Spec Engine_spec; /* engine.c */
 extern PyType_Spec Job_spec; /* engine.c */
 extern PyType_Spec Calls_spec; /* calls.c */
 extern PyType_Spec BufferFields_spec, ArrayFields_spec, BlockFields_spec, HealthFields_spec, ExtrasFields_spec,
-    SlotFields_spec; /* objects.c */
+    SlotFields_spec, HostMemory_spec; /* objects.c */
 extern PyType_Spec Record_spec; /* records.c */
 extern PyType_Spec Handle_spec; /* records.c */
 extern PyType_Spec RLock_spec; /* lock.c */

@@ -130,6 +130,102 @@ FIELDS_SPEC(HealthFields, HealthFields, Health_members, "The fields of a runtime
 FIELDS_SPEC(ExtrasFields, ExtrasFields, Extras_members, "The fields of a record's extras (their base type).");
 FIELDS_SPEC(SlotFields, SlotFields, Slot_members, "The fields of a small-route slot (its base type, after the extras').");
 
+/* -- HostMemory: the pinned memory a buffer's views are made from ---------------------------------------
+ *
+ * A pinned buffer's `_base`. It exports [ptr, ptr + nbytes) as a writable buffer of bytes and counts the
+ * exports it made and has not had back. Views are counted by those exports, not by reference counts (which
+ * free-threaded CPython does not keep exact): NumPy's frombuffer wraps an exporter that releases buffers
+ * in a memoryview, which holds one export for as long as the array it makes, or any array, slice or
+ * memoryview derived from that array, is alive. `exports` is 0 exactly when no such object is alive.
+ *
+ * Invariants: the count only changes in bf_getbuffer (+1, after the view is filled) and bf_releasebuffer
+ * (-1), both atomic, so it is exact under any interleaving; every export holds a reference to the
+ * HostMemory (view->obj), so the memory outlives its last export, and the pinned block goes back to its
+ * pool only when the HostMemory dies (a weakref.finalize on it: ferry/_buffer.py). The type cannot be
+ * subclassed, so its exact type is the check no_views makes. ptr and nbytes never change. */
+
+PyTypeObject *HostMemoryType;
+
+static PyObject *HostMemory_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *address;
+    unsigned long long ptr;
+    Py_ssize_t nbytes;
+    if (kwds && PyDict_Size(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "HostMemory takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "On:HostMemory", &address, &nbytes) || int_arg(address, &ptr, 0)) return NULL;
+    if (nbytes < 0 || (!ptr && nbytes)) {
+        PyErr_SetString(PyExc_ValueError, "HostMemory needs an address and a size of at least 0 bytes");
+        return NULL;
+    }
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    HostMemoryObject *self = (HostMemoryObject *)alloc(type, 0);
+    if (!self) return NULL;
+    self->ptr = (char *)(uintptr_t)ptr;
+    self->nbytes = nbytes;
+    atomic_init(&self->exports, 0);
+    self->weakreflist = NULL;
+    return (PyObject *)self;
+}
+
+static int HostMemory_getbuffer(PyObject *obj, Py_buffer *view, int flags) {
+    HostMemoryObject *self = (HostMemoryObject *)obj;
+    if (PyBuffer_FillInfo(view, obj, self->ptr, self->nbytes, 0, flags) < 0) return -1;
+    atomic_fetch_add_explicit(&self->exports, 1, memory_order_acq_rel);
+    return 0;
+}
+
+static void HostMemory_releasebuffer(PyObject *obj, Py_buffer *Py_UNUSED(view)) {
+    atomic_fetch_sub_explicit(&((HostMemoryObject *)obj)->exports, 1, memory_order_acq_rel);
+}
+
+static PyObject *HostMemory_get_exports(PyObject *obj, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong(atomic_load_explicit(&((HostMemoryObject *)obj)->exports, memory_order_acquire));
+}
+
+/* export() -> the object a view is made from: the HostMemory itself (its Python twin makes one each time) */
+static PyObject *HostMemory_export(PyObject *obj, PyObject *Py_UNUSED(ignored)) { return Py_NewRef(obj); }
+
+static void HostMemory_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (((HostMemoryObject *)obj)->weakreflist) PyObject_ClearWeakRefs(obj);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(obj);
+    Py_DECREF(tp);
+}
+
+static PyGetSetDef HostMemory_getset[] = {
+    {"exports", HostMemory_get_exports, NULL, "how many buffers it exported that are not released yet", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef HostMemory_methods[] = {
+    {"export", HostMemory_export, METH_NOARGS, "export() -> the object to make a view from (this one)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef HostMemory_members[] = {
+    {"nbytes", T_PYSSIZET, offsetof(HostMemoryObject, nbytes), READONLY, "the size in bytes"},
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(HostMemoryObject, weakreflist), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot HostMemory_slots[] = {
+    {Py_tp_new, HostMemory_new},
+    {Py_tp_dealloc, HostMemory_dealloc},
+    {Py_tp_getset, HostMemory_getset},
+    {Py_tp_methods, HostMemory_methods},
+    {Py_tp_members, HostMemory_members},
+    {Py_bf_getbuffer, HostMemory_getbuffer},
+    {Py_bf_releasebuffer, HostMemory_releasebuffer},
+    {Py_tp_doc, "HostMemory(ptr, nbytes): pinned memory exported as writable bytes, counting its live exports"},
+    {0, NULL},
+};
+
+PyType_Spec HostMemory_spec = {"ferry._native._engine.HostMemory", sizeof(HostMemoryObject), 0, Py_TPFLAGS_DEFAULT,
+                               HostMemory_slots};
+
 /* -- the classes the entries read ------------------------------------------------------------------ */
 
 PyObject *hot_types[HOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */

@@ -2,7 +2,7 @@
  * records.c: Record (a transfer's record) and Handle (the compiled base of ferry's handles).
  *
  * Both are made in one C call, without a Python __init__. Invariants: their fields match the Python
- * twins in ferry/_completion.py and ferry/_pending.py (tests/test_native_calls.py checks it); both are
+ * twins in ferry/_records.py and ferry/_pending.py (tests/test_native_calls.py checks it); both are
  * GC types (a record can sit in a cycle through its signal's listeners); a Handle's port and record
  * are never rebound once made (the C wait holds them across calls that release the GIL).
  */
@@ -11,8 +11,8 @@
 /* -- Record: a transfer's record, made in C ----------------------------------------------------------- */
 
 /*
- * The completion part's Record (ferry/_completion.py holds the contract and the Python twin that runs
- * without this extension): the same fields, all plain attributes, made in one C call. A Python class
+ * The completion part's Record (ferry/_records.py holds the Python twin that runs without this extension,
+ * ferry/_completion.py the contract): the same fields, all plain attributes, made in one C call. A Python class
  * with __slots__ costs a Python __init__ and seventeen attribute stores per transfer; this costs an
  * allocation. The fields and their defaults must match the Python class (tests/test_native_calls.py
  * checks that they do). It is a GC type: a record can sit in a cycle (its signal's listeners hold a
@@ -103,7 +103,7 @@ static PyType_Slot Record_slots[] = {
     {Py_tp_repr, Record_repr},
     {Py_tp_members, Record_members},
     {Py_tp_doc, "Record(seq, event, stream, moved, leased, result, nbytes): a transfer's record "
-                "(see ferry/_completion.py)."},
+                "(see ferry/_records.py)."},
     {0, NULL},
 };
 

@@ -73,7 +73,7 @@ static inline void driver_unlock(const engine_t *eng) {
 
 /*
  * The driver thread. A lane's enqueue right after its chunk's host copy is slow: measured on the H200
- * VM (benchmarks/probe_enqueue.py, the job timeline's enqueue_us), a copy and event record cost 12 - 24
+ * VM (the job timeline's enqueue_us), a copy and event record cost 12 - 24
  * us from a lane against 2.8 us from a thread that calls the driver all the time, 4.5 - 9 us right
  * after a 1 MiB host copy: the lane's caches and TLB hold the chunk, not the driver's state. Eight
  * lanes' enqueues, serialized, then take 100 - 290 us of an 8 MiB upload. With a driver thread the

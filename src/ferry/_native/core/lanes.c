@@ -293,7 +293,7 @@ static void hold_wait(engine_t *eng) {
 /*
  * Cooperative jobs. A staged job's chunks dealt one per lane are copied side by side and reach the
  * link together: an 8 MiB upload's eight 1 MiB chunks were all copied at ~130 us and the link moved
- * most of the bytes after that (the ninth session's chunk traces), and a lane that wakes late or is
+ * most of the bytes after that (chunk traces), and a lane that wakes late or is
  * preempted holds its chunk up. A cooperative job (a contiguous one, on an engine with helpers) is
  * one share instead: its *lead* lane takes the chunks in order, and each chunk's host copy is cut
  * into pieces of piece_bytes that the lead and idle lanes claim from one counter, as the copier's
