@@ -9,7 +9,7 @@ finds the block holding an address range, as for registered memory).
 Lifetime
 --------
 Each leaf derives from one private base array built over its block through a
-ctypes object (as a pinned buffer's views do), so every slice, reshape and
+ctypes object, so every slice, reshape and
 ``view()`` of the leaf keeps that base alive. The block goes back to the pool
 when the base dies, that is, when the leaf and every view of it were
 collected; never while a view lives, and never while a transfer uses it (the
