@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import os
@@ -262,3 +263,43 @@ def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
     with pytest.raises(ferry.TransferSubmitError, match="no pinned memory"):
         emu.download_file(source, target)
     assert not target.exists() and source.state == "owned"
+
+
+def test_resident_fraction_samples_a_bounded_number_of_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residency check asks ``mincore`` about at most RESIDENT_WINDOWS windows, whatever the file's size
+    (a whole-file ``mincore`` cost a fifth of a warm load), and its answer is the sampled pages' fraction."""
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB, 262,144 pages
+    real = _file._libc()
+    if real is None:
+        pytest.skip("no libc to ask mincore")
+    asked: list[int] = []
+    half = [0]
+
+    class Counting:
+        mmap = real.mmap
+        munmap = real.munmap
+
+        @staticmethod
+        def mincore(addr: int, length: int, vec: Any) -> int:
+            asked.append(length)
+            pages = length // 4096
+            every = 2 if half[0] else pages + 1
+            ctypes.memmove(vec, bytes(1 if i % every == 0 else 0 for i in range(pages)), pages)
+            return 0
+
+    monkeypatch.setattr(_file, "_LIBC", Counting)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fraction = _file.resident_fraction(fd, 0, 1 << 30)
+        assert len(asked) == _file.RESIDENT_WINDOWS
+        assert sum(asked) <= _file.RESIDENT_WINDOWS * _file.RESIDENT_WINDOW_BYTES
+        assert fraction is not None and 0.0 < fraction < 0.02  # one page of each window
+        half[0] = 1
+        assert _file.resident_fraction(fd, 0, 1 << 30) == pytest.approx(0.5, abs=0.01)
+        asked.clear()
+        assert _file.resident_fraction(fd, 4096, 3 * 4096) is not None and len(asked) == 1  # small: all of it
+        assert asked == [2 * 4096]
+    finally:
+        os.close(fd)
