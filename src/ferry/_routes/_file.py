@@ -359,7 +359,7 @@ def resident_fraction(fd: int, lo: int, hi: int) -> float | None:
     resident = total = 0
     pages = window // page
     vec = (ctypes.c_ubyte * pages)()
-    bits = np.frombuffer(vec, dtype=np.uint8)
+    bits = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)
     length = starts[-1] + window - first
     addr = libc.mmap(None, length, 1, 1, fd, first)  # PROT_READ, MAP_SHARED; never touched
     if addr in (None, ctypes.c_void_p(-1).value):
