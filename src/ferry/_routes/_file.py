@@ -18,16 +18,17 @@ sequential reads and each chunk's DMAs scatter its bytes to the tensors they
 belong to (the file is never read twice and nothing is copied again on the
 device).
 
-A :class:`FileJob` runs ``readers`` threads, each with its own copy stream
-and ``SLOTS_PER_READER`` pinned slots from the runtime's pinned pool (read-
-ahead is bounded by ``readers * SLOTS_PER_READER`` slots). A reader claims the
-next chunk from one counter (reads stay nearly sequential), waits until the
-slot's previous DMA completed (its event), fills the slot from the file
-(:func:`fill_slot`: ``os.preadv``, which releases the GIL), enqueues the
-slot's DMAs and records the slot's event at once. Saving runs the mirror:
-claim, DMA device -> slot, wait for the event, :func:`drain_slot`
-(``os.pwritev``). Many reads are in flight at once; a job is complete when
-every reader synchronized its slots.
+A :class:`FileJob` runs on ``readers`` of the runtime's :class:`ReaderPool`
+(threads made on first use, each with its own copy stream and one event per
+slot, kept until the runtime closes) with ``SLOTS_PER_READER`` pinned slots
+per reader from the runtime's pinned pool (read-ahead is bounded by
+``readers * SLOTS_PER_READER`` slots). A reader claims the next chunk from
+one counter (reads stay nearly sequential), waits until the slot's previous
+DMA completed (its event), fills the slot from the file (:func:`fill_slot`:
+``os.preadv``, which releases the GIL), enqueues the slot's DMAs and records
+the slot's event at once. Saving runs the mirror: claim, DMA device -> slot,
+wait for the event, :func:`drain_slot` (``os.pwritev``). Many reads are in
+flight at once; a job is complete when every reader synchronized its slots.
 
 ``fill_slot`` and ``drain_slot`` are the one seam between the file and the
 slots: a compiled reader (a native ``pread`` job on the engine's lanes) can
@@ -64,9 +65,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
+import queue
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -113,6 +117,11 @@ class Parts(Protocol):
     @property
     def pool(self) -> PinnedPool:
         """The runtime's pinned pool (the readers' slots)."""
+        ...
+
+    @property
+    def readers(self) -> ReaderPool:
+        """The runtime's file readers (threads, streams, events; made on first use)."""
         ...
 
 ALIGN = 4096
@@ -462,6 +471,104 @@ class _Slot:
         self.busy = False
 
 
+class _Reader:
+    """One reader thread with its copy stream and one event per slot it may fill; ``queue`` feeds it work."""
+
+    __slots__ = ("broken", "events", "queue", "stream", "thread")
+
+    def __init__(self, stream: Any, events: list[Any]) -> None:
+        self.stream = stream
+        self.events = events
+        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.broken = False  # a DMA of it failed: the device may still use its stream; never reused
+
+
+def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A reader thread's loop: run each piece of work until the ``None`` that stops it."""
+    while True:
+        task = work.get()
+        if task is None:
+            return
+        task()
+        del task
+
+
+class ReaderPool:
+    """A runtime's file readers, made on first use and kept until the runtime closes.
+
+    A load of a checkpoint is a few tens of milliseconds at the page cache's speed, so what a job
+    would make for itself (a thread per reader, its copy stream, its slots' events) is made once
+    here instead; each job still takes its pinned slots from the runtime's pinned pool and gives
+    them back when it ends (a warm pool hands them out in microseconds). Jobs running at once
+    share the readers: each reader works for one job at a time, in submission order. A reader
+    whose DMA failed is never used again (the device may still use its stream), and a new one
+    replaces it. :meth:`close` stops the threads and destroys the streams and events.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._readers: list[_Reader] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.made = 0  # readers made (for tests and the probe: it stops growing once warm)
+
+    def take(self, count: int) -> list[_Reader]:
+        """``count`` readers (made where missing; DeviceError when the device refuses a stream or an event)."""
+        with self._lock:
+            if self._closed:
+                raise DeviceError("the runtime's file readers are closed")
+            if any(r.broken for r in self._readers):
+                self._readers = [r for r in self._readers if not r.broken]
+            while len(self._readers) < count:
+                self._readers.append(self._new())
+            return self._readers[:count]
+
+    def _new(self) -> _Reader:
+        backend = self.backend
+        stream = backend.stream_create()
+        events: list[Any] = []
+        try:
+            for _ in range(SLOTS_PER_READER):
+                events.append(backend.event_create(blocking=True))
+        except BaseException:
+            for event in events:
+                with contextlib.suppress(DeviceError):
+                    backend.event_destroy(event)
+            with contextlib.suppress(DeviceError):
+                backend.stream_destroy(stream)
+            raise
+        reader = _Reader(stream, events)
+        reader.thread = threading.Thread(target=_serve, args=(reader.queue,), name=f"ferry-file-{self.made}",
+                                         daemon=True)
+        reader.thread.start()
+        self.made += 1
+        return reader
+
+    def close(self, *, destroy: bool, timeout: float = 5.0) -> None:
+        """Stop the threads (each finishes the work it holds first, for at most ``timeout`` seconds in all),
+        then destroy the streams and events when ``destroy`` (the device is usable). Idempotent."""
+        with self._lock:
+            self._closed = True
+            readers, self._readers = self._readers, []
+        for r in readers:
+            r.queue.put(None)
+        deadline = time.monotonic() + timeout
+        for r in readers:
+            if r.thread is not None and r.thread is not threading.current_thread():
+                r.thread.join(max(0.0, deadline - time.monotonic()))
+        if not destroy:
+            return
+        for r in readers:
+            if r.broken or (r.thread is not None and r.thread.is_alive()):
+                continue  # the device, or a thread still running, may use them
+            for event in r.events:
+                with contextlib.suppress(DeviceError):
+                    self.backend.event_destroy(event)
+            with contextlib.suppress(DeviceError):
+                self.backend.stream_destroy(r.stream)
+
+
 class FileJob:
     """One file transfer on ``readers`` threads (see the module docstring); the :class:`Job` protocol.
 
@@ -492,35 +599,28 @@ class FileJob:
         if readers is None:  # an O_DIRECT read waits on the disk, not a CPU: as many reads in flight as allowed
             readers = MAX_READERS if direct else default_readers()
         count = max(1, min(readers, len(plan.chunks)))
-        self._streams: list[Any] = []
+        self._readers: list[_Reader] = []
         self._slots: list[list[_Slot]] = []
-        self._threads: list[threading.Thread] = []
         self._remaining = count if plan.chunks else 0
-        backend = self.backend
         slot_bytes = -(-plan.step // ALIGN) * ALIGN + ALIGN  # a full plan's: exactly SLOT_BYTES, one pool class
-        try:
-            for _ in range(count if plan.chunks else 0):
-                self._streams.append(backend.stream_create())
-                slots: list[_Slot] = []
-                self._slots.append(slots)
-                for _ in range(SLOTS_PER_READER if upload else 1):
-                    event = backend.event_create(blocking=True)
-                    try:
+        if plan.chunks:
+            self._readers = parts.readers.take(count)  # DeviceError: nothing taken
+            try:
+                for reader in self._readers:
+                    slots: list[_Slot] = []
+                    self._slots.append(slots)
+                    for event in reader.events[: SLOTS_PER_READER if upload else 1]:
                         slots.append(_Slot(self.pool.acquire(slot_bytes), event))
-                    except BaseException:
-                        with contextlib.suppress(DeviceError):
-                            backend.event_destroy(event)
-                        raise
-        except BaseException:
-            self._release(abandon=False)
-            raise
-        if not plan.chunks:
+            except BaseException:
+                self._release(abandon=False)
+                raise
+        else:
             self.done.set()
 
     @property
     def streams(self) -> list[Any]:
         """The readers' copy streams (ordered after the device side's producer before :meth:`start`)."""
-        return list(self._streams)
+        return [r.stream for r in self._readers]
 
     @property
     def slot_bytes(self) -> int:
@@ -528,11 +628,9 @@ class FileJob:
         return sum(s.block.capacity for slots in self._slots for s in slots)
 
     def start(self) -> None:
-        """Launch the readers."""
-        for i in range(len(self._streams)):
-            thread = threading.Thread(target=self._run, args=(i,), name=f"ferry-file-{i}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        """Hand the job to its readers."""
+        for i, reader in enumerate(self._readers):
+            reader.queue.put(functools.partial(self._run, i))
 
     def is_done(self) -> bool:
         """Whether every reader finished (its DMAs proven complete). Never blocks."""
@@ -561,7 +659,7 @@ class FileJob:
 
     def _run(self, index: int) -> None:
         backend = self.backend
-        stream = self._streams[index]
+        stream = self._readers[index].stream
         slots = self._slots[index]
         device_failed = False
         k = 0
@@ -622,8 +720,9 @@ class FileJob:
             self.done.set()
 
     def _abandon(self, index: int) -> None:
-        """A DMA or event failed: the device may still touch this reader's slots; never reuse them."""
+        """A DMA or event failed: the device may still touch this reader's slots and stream; never reuse them."""
         slots, self._slots[index] = self._slots[index], []
+        self._readers[index].broken = True
         lost = sum(s.block.capacity for s in slots)
         with self._lock:
             self.abandoned_bytes += lost
@@ -631,18 +730,12 @@ class FileJob:
             self.completion.abandoned_bytes += lost
 
     def _release(self, *, abandon: bool) -> None:
-        """Give the slots back, destroy events and streams, close the file (every reader finished)."""
-        backend = self.backend
+        """Give the slots back and close the file (every reader finished; the readers stay the runtime's)."""
         for slots in self._slots:
             for slot in slots:
                 self.pool.release(slot.block)
-                with contextlib.suppress(DeviceError):
-                    backend.event_destroy(slot.event)
         self._slots = [[] for _ in self._slots]
-        for stream in self._streams:
-            with contextlib.suppress(DeviceError):
-                backend.stream_destroy(stream)
-        self._streams = []
+        self._readers = []
         if self.close_file:
             self.opened.close()
 
