@@ -303,3 +303,80 @@ def test_resident_fraction_samples_a_bounded_number_of_pages(tmp_path: Path, mon
         assert asked == [2 * 4096]
     finally:
         os.close(fd)
+
+
+def _reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ferry-file-")]
+
+
+def test_readers_are_made_once_per_runtime_and_stop_with_it(data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    """The reader threads, their streams and events are the runtime's: made by the first file transfer,
+    reused by every later one, stopped (and destroyed) by close()."""
+    from ferry._runtime import parts_of
+
+    path, data = data_file
+    before = set(_reader_threads())
+    runtime = ferry.Runtime("emulated")
+    try:
+        readers = parts_of(runtime).readers
+        assert readers.made == 0  # nothing until a file is read
+        dest = runtime.empty(data.size, np.uint8)
+        runtime.upload_file(path, dest).wait()
+        made = readers.made
+        assert made >= 1 and len(set(_reader_threads()) - before) == made
+        for _ in range(3):
+            runtime.upload_file(path, dest).wait()
+            assert np.array_equal(runtime.to_host(dest), data)
+        out = runtime.empty(data.size, np.uint8)
+        runtime.download_file(dest, path.with_suffix(".out")).wait()
+        runtime.upload_file(path.with_suffix(".out"), out).wait()
+        assert np.array_equal(runtime.to_host(out), data)
+        assert readers.made == made
+    finally:
+        runtime.close()
+    assert set(_reader_threads()) - before == set()
+    with pytest.raises(ferry.FerryError):
+        runtime.upload_file(path, dest)
+
+
+def test_a_reader_whose_dma_failed_is_never_reused(emu: ferry.Runtime,
+                                                   data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    from ferry._runtime import parts_of
+
+    path, data = data_file
+    readers = parts_of(emu).readers
+    emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
+    testing.fail_next_copy(emu)
+    with pytest.raises(ferry.TransferFailedError):
+        emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
+    broken = [r for r in readers._readers if r.broken]
+    assert len(broken) == 1
+    again = emu.empty(data.size, np.uint8)
+    emu.upload_file(path, again).wait()
+    assert np.array_equal(emu.to_host(again), data)
+    now = readers.take(readers.made)
+    assert all(not r.broken for r in now) and broken[0] not in now  # its stream is never used again
+
+
+def test_loads_from_many_threads_at_once_share_the_readers(emu: ferry.Runtime, tmp_path: Path) -> None:
+    files = []
+    for i in range(4):
+        data = _payload((1 << 20) + 977 * i, seed=i)
+        p = tmp_path / f"d{i}.bin"
+        data.tofile(p)
+        files.append((p, data))
+    results: dict[int, bool] = {}
+
+    def load(i: int) -> None:
+        p, data = files[i]
+        for _ in range(3):
+            dest = emu.empty(data.size, np.uint8)
+            emu.upload_file(p, dest).wait()
+            results[i] = results.get(i, True) and bool(np.array_equal(emu.to_host(dest), data))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True, 2: True, 3: True}
