@@ -380,3 +380,42 @@ def test_loads_from_many_threads_at_once_share_the_readers(emu: ferry.Runtime, t
     for t in threads:
         t.join(60)
     assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_upload_file_fills_a_foreign_cuda_array_and_download_file_reads_one(
+    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], tmp_path: Path
+) -> None:
+    """A destination (or source) of another library, through its CUDA Array Interface: ordered after its
+    producer stream, handed back as the same object."""
+    path, data = data_file
+    backing = emu.empty(data.size, np.uint8)
+    stream = testing.side_stream(emu)
+    foreign = testing.ForeignArray(backing, stream=stream)
+    got_file, got = emu.upload_file(path, foreign).wait()
+    assert got is foreign and got_file == path
+    assert np.array_equal(emu.to_host(backing), data)
+    out = tmp_path / "out.bin"
+    source, written = emu.download_file(testing.ForeignArray(backing, stream=stream), out).wait()
+    assert written == out and np.array_equal(np.fromfile(out, np.uint8), data)
+    short = testing.ForeignArray(emu.empty(data.size + 1, np.uint8), stream=stream)
+    with pytest.raises(ferry.TransferSubmitError, match="holds"):
+        emu.upload_file(path, short)  # refused: the file is one byte too short
+    with pytest.raises(ferry.TransferSubmitError):
+        emu.upload_file(path, np.zeros(4, np.uint8))  # host memory is not a device destination
+
+
+@pytest.mark.cuda
+def test_upload_file_into_a_torch_tensor(torch: Any, data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    path, data = data_file
+    with ferry.Runtime("cuda") as rt:
+        tensor = torch.zeros(data.size, dtype=torch.uint8, device="cuda")
+        torch.cuda.current_stream().synchronize()
+        tensor.fill_(7)  # pending on PyTorch's stream: the file's bytes must land after it
+        _, got = rt.upload_file(path, tensor).wait()
+        assert got is tensor
+        assert np.array_equal(tensor.cpu().numpy(), data)
+        back = torch.empty(data.size, dtype=torch.uint8, device="cuda")
+        out = path.with_suffix(".out")
+        rt.download_file(tensor, out).wait()
+        rt.upload_file(out, back).wait()
+        assert torch.equal(back, tensor)

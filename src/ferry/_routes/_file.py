@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._backends._base import DeviceError
 from .._errors import TransferSubmitError
-from .._interop._foreign import expect, order_before
+from .._interop._foreign import device_side, give_back, order_before, release_import
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT
 
@@ -117,6 +117,11 @@ class Parts(Protocol):
     @property
     def pool(self) -> PinnedPool:
         """The runtime's pinned pool (the readers' slots)."""
+        ...
+
+    @property
+    def h2d(self) -> Any:
+        """The runtime's upload stream (a foreign array's DLPack producer is ordered before it)."""
         ...
 
     @property
@@ -775,33 +780,40 @@ def submit_file(
     from .._errors import RuntimeClosedError
 
     call = "upload_file" if upload else "download_file"
-    expect(array, DeviceArray, call, "destination" if upload else "source", "a ferry DeviceArray")
+    role = "destination" if upload else "source"
     offset = _offset_arg(offset)
     direct = _direct_arg(direct)
     if parts.health.refusal is not None:
         raise RuntimeClosedError(parts.health.refusal)
+    ours = isinstance(array, DeviceArray)
     with parts.lock:
-        problem = array._submission_problem(owner, write=upload)
-    if problem:
-        raise TransferSubmitError(f"{call}: {problem}")
-    nbytes = array._nbytes
-    opened = OpenFile(file, write=not upload, create=not upload)
+        if ours:
+            problem = array._submission_problem(owner, write=upload)
+            if problem:
+                raise TransferSubmitError(f"{call}: {problem}")
+            device: Any = array
+        else:  # a CUDA array of another library (CUDA Array Interface or DLPack), checked and wrapped
+            device = device_side(array, owner, parts.backend, call, role, write=upload, stream=parts.h2d)
+    opened: OpenFile | None = None
     try:
+        nbytes = device._nbytes
+        opened = OpenFile(file, write=not upload, create=not upload)
         if upload and opened.size < offset + nbytes:
             raise TransferSubmitError(
                 f"{opened.name!r} holds {opened.size} bytes; reading {nbytes} bytes at offset {offset} "
                 f"needs {offset + nbytes}"
             )
-        plan = plan_pieces([Piece(offset, nbytes, array._ptr)], aligned=upload)
+        plan = plan_pieces([Piece(offset, nbytes, device._ptr)], aligned=upload)
         use_direct = choose_direct(opened, direct, plan.span) if upload else bool(direct)
         if use_direct:
             opened.open_direct(write=not upload)
         with parts.lock:
             if parts.health.refusal is not None:
                 raise RuntimeClosedError(parts.health.refusal)
-            problem = array._submission_problem(owner, write=upload)
-            if problem:
-                raise TransferSubmitError(f"{call}: {problem}")
+            if ours:
+                problem = array._submission_problem(owner, write=upload)
+                if problem:
+                    raise TransferSubmitError(f"{call}: {problem}")
             completion = parts.completion
             if completion.maintenance_due():
                 completion.maintain()
@@ -813,24 +825,30 @@ def submit_file(
             except MemoryError as exc:
                 raise TransferSubmitError(f"{call}: no pinned memory for the transfer's slots: {exc}") from exc
             try:
-                order_before(completion, job.streams, array)
+                order_before(completion, job.streams, device, ordered=parts.h2d)
             except DeviceError as exc:
                 job._release(abandon=False)
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: could not order the transfer: {exc}") from exc
-            moved, leased = ((array,), ()) if upload else ((), (array,))
+            moved, leased = ((device,), ()) if upload else ((), (device,))
             record = completion.job_record(job, ("file", id(job)), moved, leased, result(file, array), nbytes, None)
+            cleanup = release_import(device)
+            if cleanup is not None:
+                completion.extras(record).cleanups.append(cleanup)
             if upload:
-                array._state = IN_FLIGHT
+                device._state = IN_FLIGHT
             else:
-                array._leases += 1
+                device._leases += 1
             job.start()
             return record
     except BaseException:
-        opened.close()
-        if opened.created:
-            with contextlib.suppress(OSError):
-                os.unlink(file)
+        if device is not array:
+            give_back(device)  # refused after the producer's capsule was taken
+        if opened is not None:
+            opened.close()
+            if opened.created:
+                with contextlib.suppress(OSError):
+                    os.unlink(file)
         raise
 
 
