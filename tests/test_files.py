@@ -395,8 +395,9 @@ def test_upload_file_fills_a_foreign_cuda_array_and_download_file_reads_one(
     assert got is foreign and got_file == path
     assert np.array_equal(emu.to_host(backing), data)
     out = tmp_path / "out.bin"
-    source, written = emu.download_file(testing.ForeignArray(backing, stream=stream), out).wait()
-    assert written == out and np.array_equal(np.fromfile(out, np.uint8), data)
+    view = testing.ForeignArray(backing, stream=stream)
+    source, written = emu.download_file(view, out).wait()
+    assert source is view and written == out and np.array_equal(np.fromfile(out, np.uint8), data)
     short = testing.ForeignArray(emu.empty(data.size + 1, np.uint8), stream=stream)
     with pytest.raises(ferry.TransferSubmitError, match="holds"):
         emu.upload_file(path, short)  # refused: the file is one byte too short
