@@ -853,8 +853,8 @@ def submit_file(
 
 
 def upload_file(
-    owner: object, parts: Parts, file: Any, destination: DeviceArray, offset: Any, direct: Any
-) -> PendingUpload[Any, DeviceArray]:
+    owner: object, parts: Parts, file: Any, destination: Any, offset: Any, direct: Any
+) -> PendingUpload[Any, Any]:
     """See :meth:`ferry.Runtime.upload_file`; returns the handle."""
     record = submit_file(owner, parts, file, destination, upload=True, offset=offset, direct=direct,
                          result=lambda f, a: (f, a))
@@ -862,8 +862,8 @@ def upload_file(
 
 
 def download_file(
-    owner: object, parts: Parts, source: DeviceArray, file: Any, offset: Any, direct: Any
-) -> PendingDownload[DeviceArray, Any]:
+    owner: object, parts: Parts, source: Any, file: Any, offset: Any, direct: Any
+) -> PendingDownload[Any, Any]:
     """See :meth:`ferry.Runtime.download_file`; returns the handle."""
     record = submit_file(owner, parts, file, source, upload=False, offset=offset, direct=direct,
                          result=lambda f, a: (a, f))
