@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import os
@@ -262,3 +263,160 @@ def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
     with pytest.raises(ferry.TransferSubmitError, match="no pinned memory"):
         emu.download_file(source, target)
     assert not target.exists() and source.state == "owned"
+
+
+def test_resident_fraction_samples_a_bounded_number_of_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The residency check asks ``mincore`` about at most RESIDENT_WINDOWS windows, whatever the file's size
+    (a whole-file ``mincore`` cost a fifth of a warm load), and its answer is the sampled pages' fraction."""
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB, 262,144 pages
+    real = _file._libc()
+    if real is None:
+        pytest.skip("no libc to ask mincore")
+    asked: list[int] = []
+    half = [0]
+
+    class Counting:
+        mmap = real.mmap
+        munmap = real.munmap
+
+        @staticmethod
+        def mincore(addr: int, length: int, vec: Any) -> int:
+            asked.append(length)
+            pages = length // 4096
+            every = 2 if half[0] else pages + 1
+            ctypes.memmove(vec, bytes(1 if i % every == 0 else 0 for i in range(pages)), pages)
+            return 0
+
+    monkeypatch.setattr(_file, "_LIBC", Counting)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fraction = _file.resident_fraction(fd, 0, 1 << 30)
+        assert len(asked) == _file.RESIDENT_WINDOWS
+        assert sum(asked) <= _file.RESIDENT_WINDOWS * _file.RESIDENT_WINDOW_BYTES
+        assert fraction is not None and 0.0 < fraction < 0.02  # one page of each window
+        half[0] = 1
+        assert _file.resident_fraction(fd, 0, 1 << 30) == pytest.approx(0.5, abs=0.01)
+        asked.clear()
+        assert _file.resident_fraction(fd, 4096, 3 * 4096) is not None and len(asked) == 1  # small: all of it
+        assert asked == [2 * 4096]
+    finally:
+        os.close(fd)
+
+
+def _reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ferry-file-")]
+
+
+def test_readers_are_made_once_per_runtime_and_stop_with_it(data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    """The reader threads, their streams and events are the runtime's: made by the first file transfer,
+    reused by every later one, stopped (and destroyed) by close()."""
+    from ferry._runtime import parts_of
+
+    path, data = data_file
+    before = set(_reader_threads())
+    runtime = ferry.Runtime("emulated")
+    try:
+        readers = parts_of(runtime).readers
+        assert readers.made == 0  # nothing until a file is read
+        dest = runtime.empty(data.size, np.uint8)
+        runtime.upload_file(path, dest).wait()
+        made = readers.made
+        assert made >= 1 and len(set(_reader_threads()) - before) == made
+        for _ in range(3):
+            runtime.upload_file(path, dest).wait()
+            assert np.array_equal(runtime.to_host(dest), data)
+        out = runtime.empty(data.size, np.uint8)
+        runtime.download_file(dest, path.with_suffix(".out")).wait()
+        runtime.upload_file(path.with_suffix(".out"), out).wait()
+        assert np.array_equal(runtime.to_host(out), data)
+        assert readers.made == made
+    finally:
+        runtime.close()
+    assert set(_reader_threads()) - before == set()
+    with pytest.raises(ferry.FerryError):
+        runtime.upload_file(path, dest)
+
+
+def test_a_reader_whose_dma_failed_is_never_reused(emu: ferry.Runtime,
+                                                   data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    from ferry._runtime import parts_of
+
+    path, data = data_file
+    readers = parts_of(emu).readers
+    emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
+    testing.fail_next_copy(emu)
+    with pytest.raises(ferry.TransferFailedError):
+        emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
+    broken = [r for r in readers._readers if r.broken]
+    assert len(broken) == 1
+    again = emu.empty(data.size, np.uint8)
+    emu.upload_file(path, again).wait()
+    assert np.array_equal(emu.to_host(again), data)
+    now = readers.take(readers.made)
+    assert all(not r.broken for r in now) and broken[0] not in now  # its stream is never used again
+
+
+def test_loads_from_many_threads_at_once_share_the_readers(emu: ferry.Runtime, tmp_path: Path) -> None:
+    files = []
+    for i in range(4):
+        data = _payload((1 << 20) + 977 * i, seed=i)
+        p = tmp_path / f"d{i}.bin"
+        data.tofile(p)
+        files.append((p, data))
+    results: dict[int, bool] = {}
+
+    def load(i: int) -> None:
+        p, data = files[i]
+        for _ in range(3):
+            dest = emu.empty(data.size, np.uint8)
+            emu.upload_file(p, dest).wait()
+            results[i] = results.get(i, True) and bool(np.array_equal(emu.to_host(dest), data))
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_upload_file_fills_a_foreign_cuda_array_and_download_file_reads_one(
+    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], tmp_path: Path
+) -> None:
+    """A destination (or source) of another library, through its CUDA Array Interface: ordered after its
+    producer stream, handed back as the same object."""
+    path, data = data_file
+    backing = emu.empty(data.size, np.uint8)
+    stream = testing.side_stream(emu)
+    foreign = testing.ForeignArray(backing, stream=stream)
+    got_file, got = emu.upload_file(path, foreign).wait()
+    assert got is foreign and got_file == path
+    assert np.array_equal(emu.to_host(backing), data)
+    out = tmp_path / "out.bin"
+    view = testing.ForeignArray(backing, stream=stream)
+    source, written = emu.download_file(view, out).wait()
+    assert source is view and written == out and np.array_equal(np.fromfile(out, np.uint8), data)
+    short = testing.ForeignArray(emu.empty(data.size + 1, np.uint8), stream=stream)
+    with pytest.raises(ferry.TransferSubmitError, match="holds"):
+        emu.upload_file(path, short)  # refused: the file is one byte too short
+    with pytest.raises(ferry.TransferSubmitError):
+        emu.upload_file(path, np.zeros(4, np.uint8))  # host memory is not a device destination
+
+
+@pytest.mark.cuda
+def test_upload_file_into_a_torch_tensor(torch: Any, data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
+    path, data = data_file
+    with ferry.Runtime("cuda") as rt:
+        tensor = torch.zeros(data.size, dtype=torch.uint8, device="cuda")
+        torch.cuda.current_stream().synchronize()
+        tensor.fill_(7)  # pending on PyTorch's stream: the file's bytes must land after it
+        _, got = rt.upload_file(path, tensor).wait()
+        assert got is tensor
+        assert np.array_equal(tensor.cpu().numpy(), data)
+        back = torch.empty(data.size, dtype=torch.uint8, device="cuda")
+        out = path.with_suffix(".out")
+        rt.download_file(tensor, out).wait()
+        rt.upload_file(out, back).wait()
+        assert torch.equal(back, tensor)

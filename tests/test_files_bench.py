@@ -3,6 +3,7 @@ the checks table; the figures themselves are not asserted."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,24 @@ def test_the_checkpoint_has_the_decoders_shape() -> None:
     shapes = _files.checkpoint_shapes(emulated=False, quick=False)
     params = sum(int(__import__("numpy").prod(s)) for s in shapes.values())
     assert 1.4e9 < params < 1.8e9 and 300 < len(shapes) < 400
+
+
+def test_the_verification_keeps_no_mapping_and_cold_runs_prove_they_were_cold(tmp_path: Path) -> None:
+    """A mapping's touched pages survive a drop of the page cache: the reference must read, never map, or
+    the next "cold" load reads a warm file. And a cold run measures how much of the file was resident."""
+    path = str(tmp_path / "model.safetensors")
+    _files.write_checkpoint(path, _files.decoder_shapes(1, 64, 128, 512, 16))
+    ref = _files.Reference(path)
+    assert all(ref.bytes_of(k).size == b - a for k, (a, b) in ref.spans.items())
+    with open("/proc/self/maps") as f:
+        assert os.path.realpath(path) not in f.read()
+    cold = _files.Cold(path, drop=False)
+    cold.before()
+    cold.before()
+    note = cold.note()
+    if cold.evicts:  # a disk: the file's pages were evicted and the note proves it
+        assert cold.honest() and "% of the file resident at the start" in note and "NOT cold" not in note
+    else:  # tmpfs keeps them: the cold runs read with O_DIRECT instead, and the note says so
+        assert "O_DIRECT" in note
+    cold.resident = [0.5]
+    assert not cold.honest() and "NOT cold" in cold.note()

@@ -37,6 +37,7 @@ from ._memory._hostcache import HostCache
 from ._memory._pinned import PinnedPool
 from ._memory._register import Registrations
 from ._pending import PendingDownload, PendingUpload
+from ._routes._file import ReaderPool
 from ._routes._host import HostRoutes
 from ._routes._peer import PeerRoute, Side
 from ._routes._staged import StagingConfig, default_staging, engine_status, engine_threads_status
@@ -67,6 +68,7 @@ class Parts:
         self.peer = PeerRoute(self.completion, self.pool, self.staging.slot_bytes, options["peer_access"])
         self.side_streams: list[Any] = []  # made by ferry.testing.side_stream
         self.side = Side(backend, self.d2h, self.lock, self.completion)
+        self.readers = ReaderPool(backend)  # the file routes' threads and streams, made on first use
 
     def compiled_entries(self, runtime: Any, facade: Any) -> dict[str, Any]:
         """The methods of ``runtime`` (a ``facade``) to replace by compiled entries, by name.
@@ -216,6 +218,7 @@ class Parts:
     def _tear_down(self) -> None:
         health = self.health
         with self.lock:
+            self.readers.close(destroy=health.device_usable)
             self.host.close()
             self.registrations.close()
             self.memory.close()

@@ -399,10 +399,11 @@ class Runtime:
 
     # -- files ------------------------------------------------------------------------------------
     def upload_file(
-        self, file: Any, destination: DeviceArray, *, offset: int = 0, direct: bool | None = None
-    ) -> PendingUpload[Any, DeviceArray]:
+        self, file: Any, destination: Any, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingUpload[Any, Any]:
         """Read ``destination.nbytes`` bytes of ``file`` (a path or an open binary file) at ``offset``
-        into ``destination`` without blocking; ``wait()`` returns ``(file, destination)``.
+        into ``destination`` (a :class:`DeviceArray`, or a CUDA array of another library, as for
+        :meth:`upload_pending`) without blocking; ``wait()`` returns ``(file, destination)``.
 
         Reads go straight into pinned slots (``pread``, no mmap), several at once, each slot's DMA
         issued as its read completes; ``direct`` picks ``O_DIRECT`` (``None``: the page cache unless
@@ -414,8 +415,8 @@ class Runtime:
         return _file.upload_file(self, self._parts, file, destination, offset, direct)
 
     def download_file(
-        self, source: DeviceArray, file: Any, *, offset: int = 0, direct: bool | None = None
-    ) -> PendingDownload[DeviceArray, Any]:
+        self, source: Any, file: Any, *, offset: int = 0, direct: bool | None = None
+    ) -> PendingDownload[Any, Any]:
         """Write ``source``'s bytes into ``file`` (a path, created if missing, or an open binary file) at
         ``offset`` without blocking; ``wait()`` returns ``(source, file)``. The source is read-leased
         as for :meth:`download_pending`; the file is never truncated. A failed write fails the transfer."""

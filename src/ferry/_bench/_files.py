@@ -17,17 +17,24 @@ one run:
 * ``raw``: the raw driver's pageable copies from the ``mmap``'ed file.
 
 Cold means the page cache dropped before each run (``/proc/sys/vm/drop_caches``
-where it is writable, after ``os.sync()``); where it is not, cold runs read
-with ``O_DIRECT`` (ferry's ``direct=True``, the ceiling's ``O_DIRECT`` reads)
-and the note says so. Every contender's result is compared, tensor by tensor,
-with the file's bytes (a saved file's tensors with the original's), outside
-the timed region. The host memory a ferry load adds beyond the runtime's
+where it is writable, after ``os.sync()``), else the file's own pages evicted
+(``posix_fadvise(POSIX_FADV_DONTNEED)``) where that works; where neither does,
+cold runs read with ``O_DIRECT`` (ferry's ``direct=True``, the ceiling's
+``O_DIRECT`` reads) and the note says so. Before each cold run the fraction
+of the file still resident is measured (``mincore``): the note quotes it, and
+a run that started with more than 5 % resident is marked invalid (not cold).
+Nothing keeps the file mapped meanwhile: the verification reads it with
+``pread`` (a mapping's touched pages survive a drop of the cache). Every
+contender's result is compared, tensor by tensor, with the file's bytes (a
+saved file's tensors with the original's), outside the timed region. The
+host memory a ferry load adds beyond the runtime's
 pinned pool is measured too (peak resident set, ``VmHWM``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -42,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .._files._safetensors import read_safetensors_header
-from .._routes._file import ALIGN
+from .._routes._file import ALIGN, resident_fraction
 from ._protocol import Result
 
 __all__: list[str] = []
@@ -143,6 +150,74 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def evict_file(path: str) -> float | None:
+    """Write back the file's dirty pages and evict its clean ones (``posix_fadvise(POSIX_FADV_DONTNEED)``,
+    no privilege needed); return the fraction of its pages still resident (``mincore``), or None where
+    that cannot be asked."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is not None:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return resident_fraction(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+COLD_RESIDENT = 0.05
+"""A cold run whose file has more of its pages resident than this at the start is not cold (the row says
+so and is marked invalid)."""
+
+
+class Cold:
+    """How the cold runs of one file are made cold, and the proof that they were.
+
+    ``drop`` (``/proc/sys/vm/drop_caches`` writable, a real device): the page cache is dropped before each
+    run, and the file's own pages evicted too; else, where evicting the file's pages works (they are gone
+    afterwards, by ``mincore``), that alone; else cold runs read with ``O_DIRECT``. Before each run of the
+    first two the file's resident fraction is measured (``mincore``, sampled): :meth:`note` quotes the
+    largest, and :meth:`honest` is False when it exceeds :data:`COLD_RESIDENT`.
+    """
+
+    def __init__(self, path: str, drop: bool) -> None:
+        self.path = path
+        self.drop = drop
+        self.resident: list[float] = []
+        if drop:
+            self.evicts = True
+            self.how = "page cache dropped before each run"
+        else:
+            left = evict_file(path)
+            self.evicts = left is not None and left <= COLD_RESIDENT
+            self.how = ("the file's pages evicted (posix_fadvise DONTNEED) before each run" if self.evicts
+                        else "O_DIRECT (the page cache cannot be dropped here)")
+
+    def before(self) -> None:
+        """Make the next run cold (untimed)."""
+        if not self.evicts:
+            return
+        if self.drop:
+            drop_caches()
+        left = evict_file(self.path)
+        self.resident.append(1.0 if left is None else left)
+
+    def honest(self) -> bool:
+        """Whether every run measured since the last :meth:`note` started cold."""
+        return all(r <= COLD_RESIDENT for r in self.resident)
+
+    def note(self, prefix: str = "") -> str:
+        """The rows' note: how, and how much of the file was resident at the start (then forgets it)."""
+        text = prefix + self.how
+        if self.resident:
+            worst = max(self.resident)
+            text += f"; {worst * 100:.1f} % of the file resident at the start"
+            if worst > COLD_RESIDENT:
+                text += " (NOT cold)"
+        self.resident = []
+        return text
+
+
 # -- the machine's ceiling ---------------------------------------------------------------------------
 class Ceiling:
     """Parallel ``preadv``/``pwritev`` between a file and pinned buffers, no GPU (the machine's own limit)."""
@@ -200,18 +275,30 @@ class Ceiling:
 
 # -- verification -------------------------------------------------------------------------------------
 class Reference:
-    """The checkpoint file's tensors as byte views (``np.memmap``), for verifying results."""
+    """The checkpoint file's tensors, read with ``pread`` when compared (never mapped: a mapping's touched
+    pages stay resident through a drop of the page cache, and the next "cold" run would read them warm)."""
 
     def __init__(self, path: str) -> None:
         header, start, _ = read_safetensors_header(path)
-        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        self.path = path
         self.spans = {k: (start + v["data_offsets"][0], start + v["data_offsets"][1])
                       for k, v in header.items() if k != "__metadata__"}
         self.start = start
 
     def bytes_of(self, name: str) -> np.ndarray[Any, Any]:
         a, b = self.spans[name]
-        return self.map[a:b]
+        out = np.empty(b - a, np.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            got = 0
+            while got < out.size:
+                n = os.preadv(fd, [out.data[got:]], a + got)
+                if n <= 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        return out[:got]
 
     def same(self, name: str, host: np.ndarray[Any, Any]) -> bool:
         return bool(np.array_equal(np.ascontiguousarray(host).view(np.uint8).reshape(-1), self.bytes_of(name)))
@@ -229,10 +316,8 @@ def verify_torch(torch: Any, ref: Reference, loaded: dict[str, Any]) -> bool:
 
 def verify_file(ref: Reference, path: str) -> bool:
     other = Reference(path)
-    same = sorted(other.spans) == sorted(ref.spans) and all(
+    return sorted(other.spans) == sorted(ref.spans) and all(
         np.array_equal(other.bytes_of(k), ref.bytes_of(k)) for k in ref.spans)
-    del other
-    return same
 
 
 # -- timing ----------------------------------------------------------------------------------------------
@@ -277,7 +362,7 @@ def case_count(ctx: Any) -> int:
     """How many rows the group records (the progress bar's total)."""
     has = {name: int(name in ctx.peers) for name in ("raw", "torch")}
     fast = int(has["torch"] and _fastsafetensors() is not None)
-    return 8 + has["raw"] + 3 * has["torch"] + fast
+    return 8 + 2 * has["raw"] + 3 * has["torch"] + fast
 
 
 def _fastsafetensors() -> Any:
@@ -302,8 +387,7 @@ def group_files(ctx: Any) -> None:
     nbytes = write_checkpoint(path, shapes)
     size = os.path.getsize(path)
     config = f"{len(shapes)} tensors, {nbytes / GiB:.2f} GiB fp16, on {filesystem_of(folder)}"
-    dropping = can_drop_caches() and not emulated  # (a toy run leaves the machine's cache alone)
-    cold_how = "page cache dropped before each run" if dropping else "O_DIRECT (the page cache cannot be dropped here)"
+    cold = Cold(path, can_drop_caches() and not emulated)  # (a toy run leaves the machine's cache alone)
     ref = Reference(path)
     ceiling = Ceiling(rt)
 
@@ -318,10 +402,6 @@ def group_files(ctx: Any) -> None:
             fn()
         except Exception as exc:
             record(impl, route, direction, [], False, f"error: {exc!r}")
-
-    def cold_before() -> None:
-        if dropping:
-            drop_caches()
 
     def warm_up() -> None:
         with open(path, "rb") as f:
@@ -338,16 +418,18 @@ def group_files(ctx: Any) -> None:
 
         def ceiling_cold() -> None:
             moved: list[int] = []
-            samples = timed(lambda: ceiling.run(path, 0, size, direct=not dropping), cold_reps, cold_before,
+            samples = timed(lambda: ceiling.run(path, 0, size, direct=not cold.evicts), cold_reps, cold.before,
                             after=moved.append)
-            record("ceiling", "pread", "cold", samples, all(n >= size for n in moved), cold_how, size)
+            honest = cold.honest()
+            record("ceiling", "pread", "cold", samples, all(n >= size for n in moved) and honest, cold.note(), size)
 
         def ceiling_cold_direct() -> None:
             moved: list[int] = []
-            samples = timed(lambda: ceiling.run(path, 0, size, direct=True), cold_reps, cold_before,
+            samples = timed(lambda: ceiling.run(path, 0, size, direct=True), cold_reps, cold.before,
                             after=moved.append)
-            record("ceiling", "pread_direct", "cold", samples, all(n >= size for n in moved),
-                   f"O_DIRECT; {cold_how}", size)
+            honest = cold.honest()
+            record("ceiling", "pread_direct", "cold", samples, all(n >= size for n in moved) and honest,
+                   cold.note("O_DIRECT; "), size)
 
         run("ceiling", "pread", "warm", ceiling_warm)
         run("ceiling", "pread", "cold", ceiling_cold)
@@ -364,16 +446,17 @@ def group_files(ctx: Any) -> None:
                    valid)
 
         def ferry_cold() -> None:
-            direct = None if dropping else True
+            direct = None if cold.evicts else True
             checked: list[bool] = []
 
             def check(out: dict[str, Any]) -> None:
                 checked.append(verify_device_arrays(rt, ref, out))
                 out.clear()
 
-            samples = timed(lambda: ferry.load_safetensors(path, runtime=rt, direct=direct), cold_reps, cold_before,
+            samples = timed(lambda: ferry.load_safetensors(path, runtime=rt, direct=direct), cold_reps, cold.before,
                             after=check)
-            record("ferry", "load_safetensors", "cold", samples, all(checked), cold_how)
+            honest = cold.honest()
+            record("ferry", "load_safetensors", "cold", samples, all(checked) and honest, cold.note())
 
         def ferry_memory() -> None:
             warm_up()
@@ -428,16 +511,17 @@ def group_files(ctx: Any) -> None:
         run("ferry", "save_safetensors", "save", ferry_save)
 
         if "torch" in ctx.peers:
-            _torch_rows(ctx, path, saved, ref, reps, cold_reps, dropping, cold_how, warm_up, record, run)
+            _torch_rows(ctx, path, saved, ref, reps, cold_reps, cold, warm_up, record, run)
         if "raw" in ctx.peers:
             run("raw", "pageable_mmap", "warm", lambda: _raw_row(ctx, path, ref, reps, warm_up, record))
+            run("raw", "pread_dma", "warm", lambda: _raw_pread_dma_row(ctx, path, ref, reps, warm_up, record))
     finally:
         ceiling.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold_reps: int, dropping: bool,
-                cold_how: str, warm_up: Callable[[], None], record: Callable[..., None],
+def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold_reps: int, cold: Cold,
+                warm_up: Callable[[], None], record: Callable[..., None],
                 run: Callable[[str, str, str, Callable[[], None]], None]) -> None:
     import torch
 
@@ -459,8 +543,8 @@ def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold
 
         record("torch", "safetensors.load_file", "warm", timed(once, reps), valid)
 
-    def cold() -> None:
-        if not dropping:
+    def cold_load() -> None:
+        if not cold.evicts:
             record("torch", "safetensors.load_file", "cold", [], None, "the page cache cannot be dropped here")
             return
 
@@ -470,8 +554,10 @@ def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold
             return out
 
         checked: list[bool] = []
-        samples = timed(once, cold_reps, drop_caches, after=lambda out: checked.append(verify_torch(torch, ref, out)))
-        record("torch", "safetensors.load_file", "cold", samples, all(checked), cold_how)
+        samples = timed(once, cold_reps, cold.before,
+                        after=lambda out: checked.append(verify_torch(torch, ref, out)))
+        honest = cold.honest()
+        record("torch", "safetensors.load_file", "cold", samples, all(checked) and honest, cold.note())
 
     def save() -> None:
         tensors = load_file(path, device="cuda")
@@ -488,7 +574,7 @@ def _torch_rows(ctx: Any, path: str, saved: str, ref: Reference, reps: int, cold
         os.unlink(saved)
 
     run("torch", "safetensors.load_file", "warm", warm)
-    run("torch", "safetensors.load_file", "cold", cold)
+    run("torch", "safetensors.load_file", "cold", cold_load)
     run("torch", "safetensors.save_file", "save", save)
     fast = _fastsafetensors()
     if fast is not None:
@@ -527,7 +613,8 @@ def _raw_row(ctx: Any, path: str, ref: Reference, reps: int, warm_up: Callable[[
     spans = sorted(ref.spans.values())
     total = spans[-1][1] - spans[0][0]
     dev = raw.device(total)
-    base = int(ref.map.ctypes.data)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")  # this row's own mapping (the cold rows ran before)
+    base = int(mapped.ctypes.data)
 
     def once() -> None:
         stream = raw.streams[0]
@@ -542,10 +629,128 @@ def _raw_row(ctx: Any, path: str, ref: Reference, reps: int, warm_up: Callable[[
     warm_up()
     once()
     back = np.empty(total, np.uint8)
-    (err,) = d.cuMemcpyDtoH(int(back.ctypes.data), dev, total)
-    valid = not err and bool(np.array_equal(back, ref.map[spans[0][0]:spans[-1][1]]))
+    err = _copy_back(d, raw.streams[0], back, dev)
+    valid = not err and bool(np.array_equal(back, mapped[spans[0][0]:spans[-1][1]]))
     del back
     record("raw", "pageable_mmap", "warm", timed(once, reps), valid, "cuMemcpyHtoDAsync per tensor from np.memmap")
+    del mapped
+
+
+def _copy_back(d: Any, stream: Any, back: np.ndarray[Any, Any], dev: int) -> Any:
+    """Copy ``back.nbytes`` device bytes at ``dev`` into ``back`` (pageable); the first error, or 0."""
+    (err,) = d.cuMemcpyDtoHAsync(int(back.ctypes.data), dev, back.nbytes, stream)
+    if not err:
+        (err,) = d.cuStreamSynchronize(stream)
+    return err
+
+
+def _raw_pread_dma_row(ctx: Any, path: str, ref: Reference, reps: int, warm_up: Callable[[], None],
+                       record: Callable[..., None]) -> None:
+    """The ceiling with the GPU in the loop: the ceiling's 12 threads each ``preadv`` into one of two
+    pinned 16 MiB buffers and DMA it (``cuMemcpyHtoDAsync``, its own stream) into one device buffer laid
+    out like the file, waiting for a buffer's previous DMA before refilling it. Raw ``cuda.bindings``, no
+    tensors: what the page cache, the host's memory and the link allow a load read this way."""
+    raw = ctx.peers["raw"]
+    d = raw.d
+    size = os.path.getsize(path)
+    backend = raw.backend
+    made: list[tuple[Any, list[Any]]] = []  # ferry's backend's objects, destroyed at the end
+    pinned: list[Any] = []
+    lanes: list[tuple[Any, list[tuple[int, memoryview]], list[Any]]] = []
+    (err, dev) = d.cuMemAlloc(size)
+    if err:
+        raise RuntimeError(f"cuMemAlloc: {err}")
+    dev = int(dev)
+
+    def once() -> None:
+        lock = threading.Lock()
+        nxt = [0]
+        errors: list[BaseException] = []
+
+        def worker(stream: Any, buffers: list[tuple[int, memoryview]], events: list[Any]) -> None:
+            busy = [False, False]
+            k = 0
+            try:
+                while True:
+                    with lock:
+                        at = nxt[0]
+                        if at >= size:
+                            break
+                        nxt[0] = at + CEILING_BUFFER
+                    i = k & 1
+                    k += 1
+                    if busy[i]:
+                        (err,) = d.cuEventSynchronize(events[i])
+                        if err:
+                            raise RuntimeError(f"cuEventSynchronize: {err}")
+                    n = min(CEILING_BUFFER, size - at)
+                    got = 0
+                    hptr, view = buffers[i]
+                    while got < n:
+                        r = os.preadv(fd, [view[got:n]], at + got)
+                        if r <= 0:
+                            raise RuntimeError(f"short read at {at + got}")
+                        got += r
+                    (err,) = d.cuMemcpyHtoDAsync(dev + at, hptr, n, stream)
+                    if err:
+                        raise RuntimeError(f"cuMemcpyHtoDAsync: {err}")
+                    (err,) = d.cuEventRecord(events[i], stream)
+                    if err:
+                        raise RuntimeError(f"cuEventRecord: {err}")
+                    busy[i] = True
+                for i in (0, 1):
+                    if busy[i]:
+                        d.cuEventSynchronize(events[i])
+            except BaseException as exc:
+                errors.append(exc)
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            threads = [threading.Thread(target=worker, args=lane) for lane in lanes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            os.close(fd)
+        if errors:
+            raise errors[0]
+
+    try:
+        for _ in range(CEILING_THREADS):
+            stream, events = backend.stream_create(), [backend.event_create(blocking=True) for _ in range(2)]
+            made.append((stream, events))
+            buffers = []
+            for _ in range(2):
+                err, ptr = d.cuMemHostAlloc(CEILING_BUFFER, 0)
+                if err:
+                    raise RuntimeError(f"cuMemHostAlloc: {err}")
+                pinned.append(ptr)
+                area = (ctypes.c_ubyte * CEILING_BUFFER).from_address(int(ptr))
+                buffers.append((int(ptr), memoryview(area).cast("B")))
+            lanes.append((d.CUstream(backend.stream_handle(stream)), buffers, [d.CUevent(int(e)) for e in events]))
+        warm_up()
+        once()
+        spans = sorted(ref.spans.values())
+        lo, hi = spans[0][0], spans[-1][1]
+        back = np.empty(hi - lo, np.uint8)
+        err = _copy_back(d, raw.streams[0], back, dev + lo)
+        valid = not err and all(np.array_equal(back[a - lo:b - lo], ref.bytes_of(k)) for k, (a, b) in ref.spans.items())
+        del back
+        record("raw", "pread_dma", "warm", timed(once, reps), valid,
+               f"{CEILING_THREADS} threads, preadv into 2 pinned {CEILING_BUFFER >> 20} MiB buffers each, "
+               "then cuMemcpyHtoDAsync on the thread's stream", size)
+    finally:
+        lanes.clear()
+        for stream, events in made:
+            for event in events:
+                with contextlib.suppress(Exception):
+                    backend.event_destroy(event)
+            with contextlib.suppress(Exception):
+                backend.stream_destroy(stream)
+        for ptr in pinned:
+            d.cuMemFreeHost(ptr)
+        d.cuMemFree(d.CUdeviceptr(dev))
 
 
 # -- checks ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -127,8 +128,7 @@ def load_entries(
                     f"{name!r}: tensor {e.name!r} runs past the end of the file (bytes {e.offset} - "
                     f"{e.offset + e.nbytes}, the file holds {size})"
                 )
-        for e in entries:
-            arrays[e.name] = runtime.empty(e.shape, e.dtype)
+        _allocate(runtime, parts, entries, arrays)
         pieces = [Piece(e.offset, e.nbytes, arrays[e.name]._ptr, e.name) for e in entries]
         plan = plan_pieces(pieces)
         use_direct = choose_direct(opened, direct, plan.span)
@@ -161,6 +161,22 @@ def load_entries(
     if progress is not None:
         progress(done_before + plan.nbytes, total)
     return arrays
+
+
+def _allocate(runtime: Runtime, parts: Any, entries: Sequence[Entry], arrays: dict[str, DeviceArray]) -> None:
+    """One new device array per entry into ``arrays``, as ``runtime.empty`` makes them, under one hold of the
+    lock (a load makes hundreds: the checks ``empty`` repeats per call are made once). An allocation that
+    fails raises with the arrays made so far in ``arrays`` (the caller frees them)."""
+    from .._device_array import new_device_array
+
+    memory = parts.memory
+    parts.health.check_open()
+    with parts.lock:
+        if parts.completion.maintenance_due():
+            parts.completion.maintain()
+        for e in entries:
+            nbytes = math.prod(e.shape) * e.dtype.itemsize
+            arrays[e.name] = new_device_array(runtime, memory, memory.alloc(nbytes), e.shape, e.dtype, nbytes)
 
 
 def _finish(parts: Any, job: FileJob, arrays: dict[str, DeviceArray], name: str, progress: Progress) -> None:

@@ -18,16 +18,17 @@ sequential reads and each chunk's DMAs scatter its bytes to the tensors they
 belong to (the file is never read twice and nothing is copied again on the
 device).
 
-A :class:`FileJob` runs ``readers`` threads, each with its own copy stream
-and ``SLOTS_PER_READER`` pinned slots from the runtime's pinned pool (read-
-ahead is bounded by ``readers * SLOTS_PER_READER`` slots). A reader claims the
-next chunk from one counter (reads stay nearly sequential), waits until the
-slot's previous DMA completed (its event), fills the slot from the file
-(:func:`fill_slot`: ``os.preadv``, which releases the GIL), enqueues the
-slot's DMAs and records the slot's event at once. Saving runs the mirror:
-claim, DMA device -> slot, wait for the event, :func:`drain_slot`
-(``os.pwritev``). Many reads are in flight at once; a job is complete when
-every reader synchronized its slots.
+A :class:`FileJob` runs on ``readers`` of the runtime's :class:`ReaderPool`
+(threads made on first use, each with its own copy stream and one event per
+slot, kept until the runtime closes) with ``SLOTS_PER_READER`` pinned slots
+per reader from the runtime's pinned pool (read-ahead is bounded by
+``readers * SLOTS_PER_READER`` slots). A reader claims the next chunk from
+one counter (reads stay nearly sequential), waits until the slot's previous
+DMA completed (its event), fills the slot from the file (:func:`fill_slot`:
+``os.preadv``, which releases the GIL), enqueues the slot's DMAs and records
+the slot's event at once. Saving runs the mirror: claim, DMA device -> slot,
+wait for the event, :func:`drain_slot` (``os.pwritev``). Many reads are in
+flight at once; a job is complete when every reader synchronized its slots.
 
 ``fill_slot`` and ``drain_slot`` are the one seam between the file and the
 slots: a compiled reader (a native ``pread`` job on the engine's lanes) can
@@ -64,16 +65,19 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
+import queue
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._backends._base import DeviceError
 from .._errors import TransferSubmitError
-from .._interop._foreign import expect, order_before
+from .._interop._foreign import device_side, give_back, order_before, release_import
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT
 
@@ -115,6 +119,16 @@ class Parts(Protocol):
         """The runtime's pinned pool (the readers' slots)."""
         ...
 
+    @property
+    def h2d(self) -> Any:
+        """The runtime's upload stream (a foreign array's DLPack producer is ordered before it)."""
+        ...
+
+    @property
+    def readers(self) -> ReaderPool:
+        """The runtime's file readers (threads, streams, events; made on first use)."""
+        ...
+
 ALIGN = 4096
 """File offsets, lengths and slot addresses of ``O_DIRECT`` reads are multiples of this."""
 
@@ -126,7 +140,8 @@ SLOTS_PER_READER = 2
 """Slots per reader thread: one being filled while the other's DMA runs."""
 
 MAX_READERS = 12
-"""Reader threads per job at most (fewer on a machine with fewer CPUs, and for small plans)."""
+"""Reader threads per job at most (fewer for small plans, and for reads through the page cache on a
+machine with fewer CPUs: those copy; ``O_DIRECT`` reads wait on the disk and always get this many)."""
 
 RUN_GAP = 1 << 20
 """Pieces closer than this in the file are read as one run (the gap is read and dropped)."""
@@ -319,9 +334,22 @@ def _libc() -> Any:
 _LIBC: Any = None
 
 
+RESIDENT_WINDOWS = 64
+"""Windows :func:`resident_fraction` asks ``mincore`` about (spread evenly over the range)."""
+
+RESIDENT_WINDOW_BYTES = 256 << 10
+"""Bytes per window: 64 windows of 256 KiB ask about 4,096 pages whatever the range's size (a
+``mincore`` over a whole 1.6 GB file walked 410,000 pages and cost 10 ms, a fifth of its load)."""
+
+
 def resident_fraction(fd: int, lo: int, hi: int) -> float | None:
-    """The fraction of the file's pages in ``[lo, hi)`` resident in the page cache (``mincore`` over a
-    mapping never touched, so no page faults), or None where that cannot be asked."""
+    """The fraction of the file's pages in ``[lo, hi)`` resident in the page cache, or None where that
+    cannot be asked.
+
+    ``mincore`` is asked about :data:`RESIDENT_WINDOWS` windows of :data:`RESIDENT_WINDOW_BYTES` spread
+    evenly over the range (all of it when it is smaller), over a mapping that is never touched: no page
+    faults, and a cost that does not grow with the file.
+    """
     global _LIBC
     if hi <= lo:
         return 1.0
@@ -331,23 +359,34 @@ def resident_fraction(fd: int, lo: int, hi: int) -> float | None:
     if not libc:
         return None
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    start = lo // page * page
-    length = hi - start
-    addr = libc.mmap(None, length, 1, 1, fd, start)  # PROT_READ, MAP_SHARED
+    window = max(page, RESIDENT_WINDOW_BYTES // page * page)
+    first = lo // page * page
+    last = -(-hi // page) * page
+    if last - first <= RESIDENT_WINDOWS * window:
+        starts = [first]
+        window = last - first
+    else:
+        stride = (last - first - window) // (RESIDENT_WINDOWS - 1)
+        starts = [first + (i * stride) // page * page for i in range(RESIDENT_WINDOWS)]
+    import numpy as np
+
+    resident = total = 0
+    pages = window // page
+    vec = (ctypes.c_ubyte * pages)()
+    bits = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)
+    length = starts[-1] + window - first
+    addr = libc.mmap(None, length, 1, 1, fd, first)  # PROT_READ, MAP_SHARED; never touched
     if addr in (None, ctypes.c_void_p(-1).value):
         return None
     try:
-        pages = -(-length // page)
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(addr, length, vec) != 0:
-            return None
-        import numpy as np
-
-        bits = np.frombuffer(memoryview(vec).cast("B"), dtype=np.uint8)
-        sample = bits[:: max(1, pages // 4096)] & 1  # bit 0: resident
-        return float(sample.mean())
+        for start in starts:
+            if libc.mincore(addr + (start - first), window, vec) != 0:
+                return None
+            resident += int(np.count_nonzero(bits & 1))  # bit 0: resident
+            total += pages
     finally:
         libc.munmap(addr, length)
+    return resident / total
 
 
 def choose_direct(opened: OpenFile, direct: bool | None, span: tuple[int, int]) -> bool:
@@ -437,6 +476,104 @@ class _Slot:
         self.busy = False
 
 
+class _Reader:
+    """One reader thread with its copy stream and one event per slot it may fill; ``queue`` feeds it work."""
+
+    __slots__ = ("broken", "events", "queue", "stream", "thread")
+
+    def __init__(self, stream: Any, events: list[Any]) -> None:
+        self.stream = stream
+        self.events = events
+        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.broken = False  # a DMA of it failed: the device may still use its stream; never reused
+
+
+def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A reader thread's loop: run each piece of work until the ``None`` that stops it."""
+    while True:
+        task = work.get()
+        if task is None:
+            return
+        task()
+        del task
+
+
+class ReaderPool:
+    """A runtime's file readers, made on first use and kept until the runtime closes.
+
+    A load of a checkpoint is a few tens of milliseconds at the page cache's speed, so what a job
+    would make for itself (a thread per reader, its copy stream, its slots' events) is made once
+    here instead; each job still takes its pinned slots from the runtime's pinned pool and gives
+    them back when it ends (a warm pool hands them out in microseconds). Jobs running at once
+    share the readers: each reader works for one job at a time, in submission order. A reader
+    whose DMA failed is never used again (the device may still use its stream), and a new one
+    replaces it. :meth:`close` stops the threads and destroys the streams and events.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._readers: list[_Reader] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.made = 0  # readers made (for tests and the probe: it stops growing once warm)
+
+    def take(self, count: int) -> list[_Reader]:
+        """``count`` readers (made where missing; DeviceError when the device refuses a stream or an event)."""
+        with self._lock:
+            if self._closed:
+                raise DeviceError("the runtime's file readers are closed")
+            if any(r.broken for r in self._readers):
+                self._readers = [r for r in self._readers if not r.broken]
+            while len(self._readers) < count:
+                self._readers.append(self._new())
+            return self._readers[:count]
+
+    def _new(self) -> _Reader:
+        backend = self.backend
+        stream = backend.stream_create()
+        events: list[Any] = []
+        try:
+            for _ in range(SLOTS_PER_READER):
+                events.append(backend.event_create(blocking=True))
+        except BaseException:
+            for event in events:
+                with contextlib.suppress(DeviceError):
+                    backend.event_destroy(event)
+            with contextlib.suppress(DeviceError):
+                backend.stream_destroy(stream)
+            raise
+        reader = _Reader(stream, events)
+        reader.thread = threading.Thread(target=_serve, args=(reader.queue,), name=f"ferry-file-{self.made}",
+                                         daemon=True)
+        reader.thread.start()
+        self.made += 1
+        return reader
+
+    def close(self, *, destroy: bool, timeout: float = 5.0) -> None:
+        """Stop the threads (each finishes the work it holds first, for at most ``timeout`` seconds in all),
+        then destroy the streams and events when ``destroy`` (the device is usable). Idempotent."""
+        with self._lock:
+            self._closed = True
+            readers, self._readers = self._readers, []
+        for r in readers:
+            r.queue.put(None)
+        deadline = time.monotonic() + timeout
+        for r in readers:
+            if r.thread is not None and r.thread is not threading.current_thread():
+                r.thread.join(max(0.0, deadline - time.monotonic()))
+        if not destroy:
+            return
+        for r in readers:
+            if r.broken or (r.thread is not None and r.thread.is_alive()):
+                continue  # the device, or a thread still running, may use them
+            for event in r.events:
+                with contextlib.suppress(DeviceError):
+                    self.backend.event_destroy(event)
+            with contextlib.suppress(DeviceError):
+                self.backend.stream_destroy(r.stream)
+
+
 class FileJob:
     """One file transfer on ``readers`` threads (see the module docstring); the :class:`Job` protocol.
 
@@ -464,36 +601,31 @@ class FileJob:
         self.direct = [direct]
         self._lock = threading.Lock()
         self._next = 0
-        count = max(1, min(readers or default_readers(), len(plan.chunks)))
-        self._streams: list[Any] = []
+        if readers is None:  # an O_DIRECT read waits on the disk, not a CPU: as many reads in flight as allowed
+            readers = MAX_READERS if direct else default_readers()
+        count = max(1, min(readers, len(plan.chunks)))
+        self._readers: list[_Reader] = []
         self._slots: list[list[_Slot]] = []
-        self._threads: list[threading.Thread] = []
         self._remaining = count if plan.chunks else 0
-        backend = self.backend
         slot_bytes = -(-plan.step // ALIGN) * ALIGN + ALIGN  # a full plan's: exactly SLOT_BYTES, one pool class
-        try:
-            for _ in range(count if plan.chunks else 0):
-                self._streams.append(backend.stream_create())
-                slots: list[_Slot] = []
-                self._slots.append(slots)
-                for _ in range(SLOTS_PER_READER if upload else 1):
-                    event = backend.event_create(blocking=True)
-                    try:
+        if plan.chunks:
+            self._readers = parts.readers.take(count)  # DeviceError: nothing taken
+            try:
+                for reader in self._readers:
+                    slots: list[_Slot] = []
+                    self._slots.append(slots)
+                    for event in reader.events[: SLOTS_PER_READER if upload else 1]:
                         slots.append(_Slot(self.pool.acquire(slot_bytes), event))
-                    except BaseException:
-                        with contextlib.suppress(DeviceError):
-                            backend.event_destroy(event)
-                        raise
-        except BaseException:
-            self._release(abandon=False)
-            raise
-        if not plan.chunks:
+            except BaseException:
+                self._release(abandon=False)
+                raise
+        else:
             self.done.set()
 
     @property
     def streams(self) -> list[Any]:
         """The readers' copy streams (ordered after the device side's producer before :meth:`start`)."""
-        return list(self._streams)
+        return [r.stream for r in self._readers]
 
     @property
     def slot_bytes(self) -> int:
@@ -501,11 +633,9 @@ class FileJob:
         return sum(s.block.capacity for slots in self._slots for s in slots)
 
     def start(self) -> None:
-        """Launch the readers."""
-        for i in range(len(self._streams)):
-            thread = threading.Thread(target=self._run, args=(i,), name=f"ferry-file-{i}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
+        """Hand the job to its readers."""
+        for i, reader in enumerate(self._readers):
+            reader.queue.put(functools.partial(self._run, i))
 
     def is_done(self) -> bool:
         """Whether every reader finished (its DMAs proven complete). Never blocks."""
@@ -534,7 +664,7 @@ class FileJob:
 
     def _run(self, index: int) -> None:
         backend = self.backend
-        stream = self._streams[index]
+        stream = self._readers[index].stream
         slots = self._slots[index]
         device_failed = False
         k = 0
@@ -595,8 +725,9 @@ class FileJob:
             self.done.set()
 
     def _abandon(self, index: int) -> None:
-        """A DMA or event failed: the device may still touch this reader's slots; never reuse them."""
+        """A DMA or event failed: the device may still touch this reader's slots and stream; never reuse them."""
         slots, self._slots[index] = self._slots[index], []
+        self._readers[index].broken = True
         lost = sum(s.block.capacity for s in slots)
         with self._lock:
             self.abandoned_bytes += lost
@@ -604,18 +735,12 @@ class FileJob:
             self.completion.abandoned_bytes += lost
 
     def _release(self, *, abandon: bool) -> None:
-        """Give the slots back, destroy events and streams, close the file (every reader finished)."""
-        backend = self.backend
+        """Give the slots back and close the file (every reader finished; the readers stay the runtime's)."""
         for slots in self._slots:
             for slot in slots:
                 self.pool.release(slot.block)
-                with contextlib.suppress(DeviceError):
-                    backend.event_destroy(slot.event)
         self._slots = [[] for _ in self._slots]
-        for stream in self._streams:
-            with contextlib.suppress(DeviceError):
-                backend.stream_destroy(stream)
-        self._streams = []
+        self._readers = []
         if self.close_file:
             self.opened.close()
 
@@ -655,33 +780,40 @@ def submit_file(
     from .._errors import RuntimeClosedError
 
     call = "upload_file" if upload else "download_file"
-    expect(array, DeviceArray, call, "destination" if upload else "source", "a ferry DeviceArray")
+    role = "destination" if upload else "source"
     offset = _offset_arg(offset)
     direct = _direct_arg(direct)
     if parts.health.refusal is not None:
         raise RuntimeClosedError(parts.health.refusal)
+    ours = isinstance(array, DeviceArray)
     with parts.lock:
-        problem = array._submission_problem(owner, write=upload)
-    if problem:
-        raise TransferSubmitError(f"{call}: {problem}")
-    nbytes = array._nbytes
-    opened = OpenFile(file, write=not upload, create=not upload)
+        if ours:
+            problem = array._submission_problem(owner, write=upload)
+            if problem:
+                raise TransferSubmitError(f"{call}: {problem}")
+            device: Any = array
+        else:  # a CUDA array of another library (CUDA Array Interface or DLPack), checked and wrapped
+            device = device_side(array, owner, parts.backend, call, role, write=upload, stream=parts.h2d)
+    opened: OpenFile | None = None
     try:
+        nbytes = device._nbytes
+        opened = OpenFile(file, write=not upload, create=not upload)
         if upload and opened.size < offset + nbytes:
             raise TransferSubmitError(
                 f"{opened.name!r} holds {opened.size} bytes; reading {nbytes} bytes at offset {offset} "
                 f"needs {offset + nbytes}"
             )
-        plan = plan_pieces([Piece(offset, nbytes, array._ptr)], aligned=upload)
+        plan = plan_pieces([Piece(offset, nbytes, device._ptr)], aligned=upload)
         use_direct = choose_direct(opened, direct, plan.span) if upload else bool(direct)
         if use_direct:
             opened.open_direct(write=not upload)
         with parts.lock:
             if parts.health.refusal is not None:
                 raise RuntimeClosedError(parts.health.refusal)
-            problem = array._submission_problem(owner, write=upload)
-            if problem:
-                raise TransferSubmitError(f"{call}: {problem}")
+            if ours:
+                problem = array._submission_problem(owner, write=upload)
+                if problem:
+                    raise TransferSubmitError(f"{call}: {problem}")
             completion = parts.completion
             if completion.maintenance_due():
                 completion.maintain()
@@ -693,30 +825,36 @@ def submit_file(
             except MemoryError as exc:
                 raise TransferSubmitError(f"{call}: no pinned memory for the transfer's slots: {exc}") from exc
             try:
-                order_before(completion, job.streams, array)
+                order_before(completion, job.streams, device, ordered=parts.h2d)
             except DeviceError as exc:
                 job._release(abandon=False)
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: could not order the transfer: {exc}") from exc
-            moved, leased = ((array,), ()) if upload else ((), (array,))
+            moved, leased = ((device,), ()) if upload else ((), (device,))
             record = completion.job_record(job, ("file", id(job)), moved, leased, result(file, array), nbytes, None)
+            cleanup = release_import(device)
+            if cleanup is not None:
+                completion.extras(record).cleanups.append(cleanup)
             if upload:
-                array._state = IN_FLIGHT
+                device._state = IN_FLIGHT
             else:
-                array._leases += 1
+                device._leases += 1
             job.start()
             return record
     except BaseException:
-        opened.close()
-        if opened.created:
-            with contextlib.suppress(OSError):
-                os.unlink(file)
+        if device is not array:
+            give_back(device)  # refused after the producer's capsule was taken
+        if opened is not None:
+            opened.close()
+            if opened.created:
+                with contextlib.suppress(OSError):
+                    os.unlink(file)
         raise
 
 
 def upload_file(
-    owner: object, parts: Parts, file: Any, destination: DeviceArray, offset: Any, direct: Any
-) -> PendingUpload[Any, DeviceArray]:
+    owner: object, parts: Parts, file: Any, destination: Any, offset: Any, direct: Any
+) -> PendingUpload[Any, Any]:
     """See :meth:`ferry.Runtime.upload_file`; returns the handle."""
     record = submit_file(owner, parts, file, destination, upload=True, offset=offset, direct=direct,
                          result=lambda f, a: (f, a))
@@ -724,8 +862,8 @@ def upload_file(
 
 
 def download_file(
-    owner: object, parts: Parts, source: DeviceArray, file: Any, offset: Any, direct: Any
-) -> PendingDownload[DeviceArray, Any]:
+    owner: object, parts: Parts, source: Any, file: Any, offset: Any, direct: Any
+) -> PendingDownload[Any, Any]:
     """See :meth:`ferry.Runtime.download_file`; returns the handle."""
     record = submit_file(owner, parts, file, source, upload=False, offset=offset, direct=direct,
                          result=lambda f, a: (a, f))
