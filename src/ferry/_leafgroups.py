@@ -22,14 +22,18 @@ does (a failed group abandons every leaf it copies).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ._backends._base import DeviceError
 from ._completion import Extras
-from ._device_array import DeviceArray
+from ._device_array import DeviceArray, new_device_array
 from ._errors import RuntimeClosedError, TransferSubmitError
 from ._interop._foreign import order_before
 from ._pending import PendingDownload, PendingUpload
@@ -103,6 +107,45 @@ def plan(rt: Any, hosts: list[Any], devices: list[Any], sizes: list[int], *, upl
     if small:
         out.small.append(small)
     return out
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a tree is walked and submitted.
+
+    A tree makes a few objects per leaf (paths, builders, records' tuples); with
+    thousands of leaves in a large heap the collector's passes cost more than the
+    walk itself. Nothing here makes cycles that must be collected meanwhile.
+    """
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[DeviceArray]:
+    """Fresh device arrays from the device pool for ``(shape, dtype)`` pairs (checked NumPy ones), under
+    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError)."""
+    parts = rt._parts
+    parts.health.check_open()
+    memory, completion = parts.memory, parts.completion
+    made: list[DeviceArray] = []
+    with parts.lock:
+        if completion.maintenance_due():
+            completion.maintain()
+        try:
+            for shape, dtype in specs:
+                nbytes = math.prod(shape) * dtype.itemsize
+                made.append(new_device_array(rt, memory, memory.alloc(nbytes), shape, dtype, nbytes))
+        except BaseException:
+            for array in made:
+                array.close()
+            raise
+    return made
 
 
 def _check_open(rt: Any) -> None:

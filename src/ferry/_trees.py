@@ -46,9 +46,9 @@ import numpy as np
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
+from ._leafgroups import empty_many, gc_paused, submit_pinned, submit_small
 from ._leafgroups import hand_off as hand_group
 from ._leafgroups import plan as plan_groups
-from ._leafgroups import submit_pinned, submit_small
 from ._pending import PendingDownload, PendingUpload
 from ._state import OWNED
 from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart
@@ -468,17 +468,17 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
         groups = ([(submit_pinned, plan.pinned)] if plan.pinned else []) + [(submit_small, g) for g in plan.small]
         for how, span in groups:
             at = span[0]
-            group_hosts: list[Any] = []
-            group_devices: list[Any] = []
-            for i in span:
-                host, device = hosts[i], devices[i]
-                if device is None:  # a fresh destination
-                    device = rt.empty(host.shape, host.dtype)
-                    fresh.append(device)
-                if host is None:  # a fresh output
-                    host = np.empty(device.shape, device.dtype)
-                group_hosts.append(host)
-                group_devices.append(device)
+            group_devices = [devices[i] for i in span]
+            if upload and any(d is None for d in group_devices):  # fresh destinations, made together
+                missing = [k for k, d in enumerate(group_devices) if d is None]
+                made = empty_many(rt, [(hosts[span[k]].shape, hosts[span[k]].dtype) for k in missing])
+                fresh.extend(made)
+                for k, device in zip(missing, made, strict=True):
+                    group_devices[k] = device
+            group_hosts = [hosts[i] for i in span]
+            if not upload:
+                group_hosts = [np.empty(d.shape, d.dtype) if h is None else h  # a fresh output
+                               for h, d in zip(group_hosts, group_devices, strict=True)]
             handed = [pairs[i][0] for i in span] if upload else group_hosts
             handles.append(how(rt, upload, group_hosts, group_devices, handed))
             spans.append(span)
@@ -504,6 +504,11 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
 
 def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
     """See :meth:`ferry.Runtime.upload_tree`."""
+    with gc_paused():
+        return _upload_tree(rt, tree, destination, to)
+
+
+def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> PendingUpload[Any, Any]:
     call = "upload_tree"
     convert = _converter(to)
     rt._health.check_open()
@@ -536,6 +541,11 @@ def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = No
 
 def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> PendingDownload[Any, Any]:
     """See :meth:`ferry.Runtime.download_tree`."""
+    with gc_paused():
+        return _download_tree(rt, tree, out, pinned)
+
+
+def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownload[Any, Any]:
     call = "download_tree"
     if not isinstance(pinned, bool):
         raise TypeError(f"pinned must be a bool, got {type(pinned).__name__}")
@@ -581,20 +591,26 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
-    outs: list[Any] = []
-    for path, device in zip(paths, sources, strict=True):
-        shape, dtype = _dtype_of(device)
-        if dtype is None:  # DLPack alone: the route will say what it is; a plain NumPy output then
-            outs.append(None)
-            continue
-        try:
-            outs.append(leaves.array(shape, dtype))
-        except (MemoryError, ValueError) as exc:
-            outs.clear()
-            raise _refuse(call, path, f"no pinned memory for {shape} {dtype}: {exc}") from exc
-        except DeviceError as exc:
-            outs.clear()
-            rt._health.note(exc)
-            raise _refuse(call, path, f"the device refused pinned memory: {exc}") from exc
+    described = [_dtype_of(device) for device in sources]
+    wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
+    specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []
+    total = 0
+    for i in wanted:
+        shape, dtype = described[i]
+        assert dtype is not None
+        specs.append((shape, dtype))
+        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    what = f"{len(specs)} leaves, {total} bytes"
+    try:
+        made = leaves.arrays(specs)
+    except (MemoryError, ValueError) as exc:
+        raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
+                                  "submitted") from exc
+    except DeviceError as exc:
+        rt._health.note(exc)
+        raise TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
+                                  "nothing was submitted") from exc
+    outs: list[Any] = [None] * len(sources)
+    for i, array in zip(wanted, made, strict=True):
+        outs[i] = array
     return outs
-
