@@ -136,7 +136,7 @@ def test_the_collector_is_paused_only_during_the_call(rt: ferry.Runtime) -> None
 
 
 def test_many_pinned_leaves_are_found_and_purged_after_they_die(rt: ferry.Runtime) -> None:
-    leaves = rt._parts.host.pinned_leaves  # noqa: SLF001
+    leaves = rt._parts.host.pinned_leaves
     made = leaves.arrays([((100 + i,), np.dtype(np.uint8)) for i in range(300)])
     assert all(leaves.covering(int(a.ctypes.data), a.nbytes) is not None for a in made)
     kept = made[::2]
@@ -146,5 +146,16 @@ def test_many_pinned_leaves_are_found_and_purged_after_they_die(rt: ferry.Runtim
     assert all(leaves.covering(p, 1) is None for p in ptrs)
     assert all(leaves.covering(int(a.ctypes.data), a.nbytes) is not None for a in kept)
     one = leaves.array((5,), np.dtype(np.float32))  # the dead entries are dropped at the next insert
-    assert len(leaves._leaves) == len(kept) + 1  # noqa: SLF001
+    assert len(leaves._leaves) == len(kept) + 1
     assert leaves.covering(int(one.ctypes.data), one.nbytes) is not None
+
+
+def test_a_failed_pageable_group_gives_the_sources_back_writable(emu: ferry.Runtime) -> None:
+    tree = small_tree(12, 4 * KiB, seed=7)  # copied through a staging block: the device never touches them
+    testing.fail_next_copy(emu, after=2)
+    pending = emu.upload_tree(tree)
+    with pytest.raises(ferry.TransferFailedError, match="copied together"):
+        pending.wait()
+    assert all(a.flags.writeable for a in tree.values())
+    assert emu.stats().in_flight == 0
+    assert emu.stats().abandoned_bytes > 0  # the staging block: never reused

@@ -306,7 +306,7 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     give = leases.give
 
     def cleanup(failed: bool) -> None:
-        if failed:  # the device may still touch the memory: keep it read-only and in use
+        if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
             return
         for host in hosts:
             give(host)
