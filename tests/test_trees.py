@@ -12,7 +12,8 @@ import pytest
 
 import ferry
 from conftest import eventually
-from ferry import _leafgroups, _trees, testing
+from ferry import _trees, testing
+from ferry._routes import _groups as _leafgroups
 
 KiB, MiB = 1 << 10, 1 << 20
 Pair = collections.namedtuple("Pair", "first second")

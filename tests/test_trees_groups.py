@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import _leafgroups, testing
+from ferry import testing
+from ferry._routes import _groups as _leafgroups
 
 KiB = 1 << 10
 

@@ -46,10 +46,10 @@ import numpy as np
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
-from ._leafgroups import empty_many, gc_paused, submit_pinned, submit_small
-from ._leafgroups import hand_off as hand_group
-from ._leafgroups import plan as plan_groups
 from ._pending import PendingDownload, PendingUpload
+from ._routes._groups import empty_many, gc_paused, submit_pinned, submit_small
+from ._routes._groups import hand_off as hand_group
+from ._routes._groups import plan as plan_groups
 from ._state import OWNED
 from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart
 
@@ -435,7 +435,7 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
                 paths: list[Path], sizes: list[int], *, upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
     """Submit every leaf; the handles, the leaves each one copies, and which are groups.
 
-    Pinned leaves and small pageable ones go in groups (:mod:`ferry._leafgroups`: one record each);
+    Pinned leaves and small pageable ones go in groups (:mod:`ferry._routes._groups`: one record each);
     the other leaves one by one, the large ones first (back to back, so the staging lanes share them),
     then the small ones inside one batch. A refusal waits for those already submitted, then raises.
     """

@@ -1,4 +1,4 @@
-"""Leaves of a tree copied together: one record, one event, for many leaves.
+"""The group route: leaves of a tree copied together, one record and one event for many leaves.
 
 A tree transfer moves its ordinary leaves one by one (each a full
 :meth:`ferry.Runtime.upload` or :meth:`ferry.Runtime.download`), but two kinds
@@ -31,15 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from ._backends._base import DeviceError
-from ._completion import Extras
-from ._device_array import DeviceArray, new_device_array
-from ._errors import RuntimeClosedError, TransferSubmitError
-from ._interop._foreign import order_before
-from ._pending import PendingDownload, PendingUpload
-from ._routes._base import array_ptr
-from ._routes._direct import _raise_queued
-from ._state import IN_FLIGHT, OWNED
+from .._backends._base import DeviceError
+from .._completion import Extras
+from .._device_array import DeviceArray, new_device_array
+from .._errors import RuntimeClosedError, TransferSubmitError
+from .._interop._foreign import order_before
+from .._pending import PendingDownload, PendingUpload
+from .._state import IN_FLIGHT, OWNED
+from ._base import array_ptr
+from ._direct import _raise_queued
 
 __all__: list[str] = []
 
