@@ -160,3 +160,18 @@ def test_a_failed_pageable_group_gives_the_sources_back_writable(emu: ferry.Runt
     assert all(a.flags.writeable for a in tree.values())
     assert emu.stats().in_flight == 0
     assert emu.stats().abandoned_bytes > 0  # the staging block: never reused
+
+
+def test_a_tree_submitted_inside_a_batch_copies_its_groups_when_the_batch_ends(rt: ferry.Runtime) -> None:
+    tree = small_tree(40, 2 * KiB, seed=8)
+    _, device = rt.upload_tree(tree).wait()
+    _, host = rt.download_tree(device, pinned=True).wait()
+    fresh = small_tree(40, 2 * KiB, seed=9)
+    with rt.batch():
+        up = rt.upload_tree(fresh, device)  # a pageable group
+    up.wait()
+    with rt.batch():
+        down = rt.download_tree(device, host)  # a pinned group
+    down.wait()
+    assert all(np.array_equal(host[k], v) for k, v in fresh.items())
+    assert rt.stats().in_flight == 0
