@@ -54,7 +54,7 @@ PyObject *S_htod_record, *S_dtoh_record;
 PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
     *S_event;
 
-#define FAST_OBJECTS 40
+#define FAST_OBJECTS 41
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {

@@ -379,6 +379,7 @@ typedef struct {
      * registrations, numpy.ndarray, Runtime.upload */
     PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
     PyObject *small_give; /* the upload ring's give (the lease table's) */
+    PyObject *small_alloc; /* SmallRoute.new_destination: a fresh upload's destination (or None) */
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
