@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -175,3 +176,27 @@ def test_a_tree_submitted_inside_a_batch_copies_its_groups_when_the_batch_ends(r
     down.wait()
     assert all(np.array_equal(host[k], v) for k, v in fresh.items())
     assert rt.stats().in_flight == 0
+
+
+def test_collector_pauses_nest_across_threads() -> None:
+    from ferry._routes._groups import gc_paused
+
+    assert gc.isenabled()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def second() -> None:
+        first_in.wait(10)
+        with gc_paused():
+            second_in.set()
+            first_out.wait(10)
+            seen.append(gc.isenabled())  # the first pause ended, this one is still open
+    thread = threading.Thread(target=second)
+    thread.start()
+    with gc_paused():
+        first_in.set()
+        second_in.wait(10)
+    first_out.set()
+    thread.join(10)
+    assert seen == [False]
+    assert gc.isenabled()  # the last pause ended: the collector runs again

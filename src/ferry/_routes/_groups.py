@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,6 +110,11 @@ def plan(rt: Any, hosts: list[Any], devices: list[Any], sizes: list[int], *, upl
     return out
 
 
+_pause_lock = threading.Lock()
+_pauses = 0  # open pauses, on every thread
+_was_on = False  # whether the collector ran when the first open pause began
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector paused while a tree is walked and submitted.
@@ -116,15 +122,22 @@ def gc_paused() -> Iterator[None]:
     A tree makes a few objects per leaf (paths, builders, records' tuples); with
     thousands of leaves in a large heap the collector's passes cost more than the
     walk itself. Nothing here makes cycles that must be collected meanwhile.
+    Pauses nest, across threads too: the collector runs again when the last open
+    pause ends, and only if it ran when the first one began.
     """
-    enabled = gc.isenabled()
-    if enabled:
-        gc.disable()
+    global _pauses, _was_on
+    with _pause_lock:
+        if _pauses == 0:
+            _was_on = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_on:
+                gc.enable()
 
 
 def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[DeviceArray]:
