@@ -198,7 +198,9 @@ def _on_gpu(ctx: Any, p: Plan, workload: Workload, torch: Any) -> None:
         sums[k, 0] = x.double().sum()
         sums[k, 1] = (y.double() * weights[: y.shape[0]]).sum()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(shape(x)), y % classes)
+            out = model(shape(x))
+            target = y % classes  # a tabular sample is a block of rows: each row takes its sample's label
+            loss = torch.nn.functional.cross_entropy(out, target.repeat_interleave(out.shape[0] // y.shape[0]))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
