@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ferry
 from ferry import _native
 
 engine = _native.load()
@@ -53,13 +52,13 @@ def test_what_python_hands_one_module_stays_with_it() -> None:
     assert engine is not None
     array = np.zeros(16, dtype=np.uint8)
     # ferry configured its own module at import: it reads NumPy's fields of an exact ndarray
-    assert ferry.Runtime is not None and engine.data_of(array) == array.ctypes.data
+    assert engine.data_of(array) == array.ctypes.data
     second, third = fresh_module(), fresh_module()
-    with pytest.raises(TypeError, match="needs a numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"needs a numpy\.ndarray"):
         second.data_of(array)  # a fresh module knows no ndarray type yet
     second.set_array_type(np.ndarray)
     assert second.data_of(array) == array.ctypes.data
-    with pytest.raises(TypeError, match="needs a numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"needs a numpy\.ndarray"):
         third.data_of(array)  # not set through another module object
     second.set_array_type(None)
     assert engine.data_of(array) == array.ctypes.data  # ferry's own module is untouched
@@ -146,3 +145,28 @@ def test_modules_torn_down_at_shutdown_with_objects_alive() -> None:
     out = subprocess.run([sys.executable, "-X", "dev", "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Py_mod_multiple_interpreters exists from 3.12")
+def test_an_isolated_subinterpreter_refuses_the_module() -> None:
+    assert engine is not None
+    code = textwrap.dedent(f"""
+        try:
+            import _interpreters as subinterpreters
+        except ImportError:
+            import _xxsubinterpreters as subinterpreters
+        interp = subinterpreters.create()
+        subinterpreters.run_string(interp, '''
+        import importlib.machinery, importlib.util
+        path = {engine.__file__!r}
+        loader = importlib.machinery.ExtensionFileLoader("ferry._native._engine", path)
+        spec = importlib.util.spec_from_file_location("ferry._native._engine", path, loader=loader)
+        try:
+            importlib.util.module_from_spec(spec)
+            print("imported")
+        except ImportError as exc:
+            print("refused" if "subinterpreters" in str(exc) else exc)
+        ''')
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stdout + out.stderr

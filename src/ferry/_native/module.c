@@ -9,9 +9,10 @@
  *
  * How each reader finds it. A module function has its module (mod_state). A method of a type that cannot
  * be subclassed asks its own type (PyType_GetModuleState). A method of Handle takes its defining class
- * (METH_METHOD); Handle's slots and the field types' slots, whose Python subclasses have no module, walk
- * their bases to the first heap type whose module is this one (state_of_type: tp_base, PyType_GetModule,
- * PyModule_GetDef), because PyType_GetModuleByDef enters the limited API only in 3.13. A Fast holds its
+ * (METH_METHOD); Handle's finalizer, which a Python subclass (a class with no module) reaches, walks the
+ * bases to the first heap type whose module is this one (state_of_type: tp_base, PyType_GetModule,
+ * PyModule_GetDef), because PyType_GetModuleByDef enters the limited API only in 3.13. The field types'
+ * slots need no state: each type has its own slot functions with its field count built in. A Fast holds its
  * module and a pointer to its state, and every compiled entry (fast.c, entries.c, small.c) passes that
  * pointer to its checks (is_hot, no_views, is_ndarray, record_make): the pinned round trip reads one
  * pointer more than before, and looks nothing up.

@@ -15,7 +15,7 @@
  *   small.c    the small pageable route's compiled upload, and NumPy's array fields
  *   host.c     host copies for Python: copy_in, address_of, memcopy, Leases, the Copier
  *   dlpack.c   DLPack export and import
- *   module.c   the module: its functions, its types, its constants
+ *   module.c   the module: its functions, its types, its constants, its state (ferry_state)
  *
  * The rules: native threads (core/, emulated.c, the Copier's helpers) never touch a Python object and
  * never take the GIL; everything declared below is touched with the GIL held. Symbols are hidden
