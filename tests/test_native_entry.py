@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import _native
+from ferry import _native, testing
 from ferry._runtime import Runtime, parts_of
 
 engine = _native.load()
@@ -310,7 +310,7 @@ def test_every_other_upload_takes_the_python_route_and_behaves_the_same(rt: ferr
     big = np.arange(1 << 17, dtype=np.uint8)  # beyond a slot: the staged or direct route
     pair = np.zeros(512, dtype=[("a", "u1"), ("b", "u1")])  # equal dtypes that are two objects
     pair["a"] = 3
-    cases = [(strided, rt.empty(4096, np.uint8)), (big, rt.empty(1 << 17, np.uint8)), (base, None),
+    cases = [(strided, rt.empty(4096, np.uint8)), (big, rt.empty(1 << 17, np.uint8)),
              (pair, rt.empty(512, np.dtype([("a", "u1"), ("b", "u1")])))]
     for source, destination in cases:
         pending, names = python_calls(lambda s=source, d=destination: rt.upload(s, d))
@@ -330,6 +330,54 @@ def test_every_other_upload_takes_the_python_route_and_behaves_the_same(rt: ferr
     with rt.batch():
         pending = rt.upload(base, rt.empty(4096, np.uint8))  # a batch is open: the Python route batches it
     assert (rt.to_host(pending.wait()[1]) == base).all()
+
+
+def test_a_fresh_small_upload_is_one_compiled_call_and_behaves_the_same(rt: ferry.Runtime) -> None:
+    base = np.arange(4096, dtype=np.uint8)
+    rt.upload(base).wait()  # warm
+    for call in (lambda: rt.upload(base), lambda: rt.upload(base, None)):
+        before = rt.stats().submitted
+        pending, names = python_calls(call)
+        assert "upload" not in names and "_upload_new" not in names  # only the destination is made in Python
+        assert "new_destination" in names
+        assert not base.flags.writeable  # leased while pending
+        source, device = pending.wait()
+        assert rt.stats().submitted == before + 1
+        assert source is base and base.flags.writeable
+        assert device.state == "owned" and device.shape == base.shape and device.dtype == base.dtype
+        assert (rt.to_host(device) == base).all()
+    big = np.arange(1 << 17, dtype=np.uint8)  # beyond a slot: no destination made here, the full path's
+    pending, names = python_calls(lambda: rt.upload(big))
+    assert "upload" in names
+    assert (rt.to_host(pending.wait()[1]) == big).all()
+    strided = np.arange(8192, dtype=np.uint8)[::2]  # not C-contiguous: the full path's
+    pending, names = python_calls(lambda: rt.upload(strided))
+    assert "upload" in names
+    assert (rt.to_host(pending.wait()[1]) == strided).all()
+
+
+def test_a_fresh_small_upload_refused_frees_its_destination(rt: ferry.Runtime) -> None:
+    from ferry._backends._base import DeviceError
+
+    base = np.arange(4096, dtype=np.uint8)
+    kept = rt.upload(base).wait()  # held: the device bytes counted before stay counted
+    backend = testing.backend_of(rt)
+    before = rt.stats().device_bytes
+
+    def refusing(*args: Any) -> None:
+        raise DeviceError("refused for the test", enqueued=False)
+
+    backend.htod_record = refusing
+    try:
+        with pytest.raises(ferry.TransferSubmitError, match="refused"):
+            rt.upload(base)
+    finally:
+        del backend.htod_record
+    assert base.flags.writeable
+    assert rt.stats().device_bytes == before  # the destination made for it was freed at once
+    assert rt.stats().in_flight == 0
+    assert (rt.to_host(rt.upload(base).wait()[1]) == base).all()
+    del kept
 
 
 def test_an_upload_while_a_registration_is_active_takes_the_registered_route(rt: ferry.Runtime) -> None:

@@ -292,9 +292,10 @@ def test_an_emulated_engine_refuses_a_latency_or_bandwidth_it_cannot_model(bad: 
 # -- native threads and signals ------------------------------------------------------------------
 
 
-def _unblocked_threads() -> int:
-    """Threads of this process that may receive a signal: their blocked set is not (nearly) full."""
-    n = 0
+def _unblocked_threads() -> set[str]:
+    """Threads of this process (their ids) that may receive a signal: their blocked set is not (nearly)
+    full. A set, not a count: a thread of an earlier test that ends meanwhile must not look like a change."""
+    found = set()
     for task in os.listdir("/proc/self/task"):
         try:
             status = Path(f"/proc/self/task/{task}/status").read_text()
@@ -302,8 +303,8 @@ def _unblocked_threads() -> int:
             continue
         blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
         if bin(blocked).count("1") < 30:  # everything but what cannot be blocked (and glibc's own)
-            n += 1
-    return n
+            found.add(task)
+    return found
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
@@ -313,7 +314,8 @@ def test_native_threads_block_every_signal(driver_thread: bool) -> None:
     before = _unblocked_threads()
     eng = engine.Engine("upload", lanes=3, slot_bytes=1 << 20, driver_thread=driver_thread)
     try:
-        assert _unblocked_threads() == before  # lanes, stream workers, the driver thread: none takes a signal
+        new = _unblocked_threads() - before
+        assert new == set()  # lanes, stream workers, the driver thread: none takes a signal
     finally:
         eng.close()
 

@@ -12,7 +12,8 @@ import pytest
 
 import ferry
 from conftest import eventually
-from ferry import testing
+from ferry import _trees, testing
+from ferry._routes import _groups as _leafgroups
 
 KiB, MiB = 1 << 10, 1 << 20
 Pair = collections.namedtuple("Pair", "first second")
@@ -154,7 +155,7 @@ def test_a_destination_in_flight_is_refused_and_nothing_moves(emu: ferry.Runtime
     assert device["layers"][0]["w"].state == "owned"
 
 
-def test_a_leaf_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime) -> None:
+def test_a_leaf_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = make_tree(6)
     _, device = emu.upload_tree(tree).wait()
     real = emu.upload
@@ -167,6 +168,7 @@ def test_a_leaf_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime) -> No
         return real(source, destination)
 
     emu.upload = refusing  # type: ignore[method-assign]
+    monkeypatch.setattr(_leafgroups, "SMALL_BYTES", 0)  # every leaf one by one, through rt.upload
     try:
         with pytest.raises(ferry.TransferSubmitError, match="every leaf is owned"):
             emu.upload_tree(tree, device)
@@ -174,6 +176,35 @@ def test_a_leaf_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime) -> No
         del emu.upload
     states = [device["embed"].state, device["layers"][0]["w"].state, device["layers"][0]["b"].state]
     assert states == ["owned", "owned", "owned"]
+    assert all(a.flags.writeable for a in leaves(tree))
+    assert emu.stats().in_flight == 0
+
+
+def test_a_group_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = make_tree(6)
+    _, device = emu.upload_tree(tree).wait()
+    real = _trees.submit_small
+    calls = [0]
+
+    def refusing(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ferry.TransferSubmitError("refused for the test")
+        return real(*args)
+
+    monkeypatch.setattr(_leafgroups, "GROUP_BYTES", 1)  # one leaf a group: the third group is refused
+    monkeypatch.setattr(_trees, "submit_small", refusing)
+    with pytest.raises(ferry.TransferSubmitError, match="every leaf is owned"):
+        emu.upload_tree(tree, device)
+    assert calls[0] == 3
+    states = [device["embed"].state, device["layers"][0]["w"].state, device["layers"][0]["b"].state]
+    assert states == ["owned", "owned", "owned"]
+    assert all(a.flags.writeable for a in leaves(tree))
+    assert emu.stats().in_flight == 0
+    # a fresh tree refused midway: the destinations made for it are freed, the tree's arrays are writable
+    calls[0] = 0
+    with pytest.raises(ferry.TransferSubmitError, match="every leaf is owned"):
+        emu.upload_tree(tree)
     assert all(a.flags.writeable for a in leaves(tree))
     assert emu.stats().in_flight == 0
 
@@ -206,9 +237,10 @@ def test_a_failed_upload_tree_releases_the_other_leaves(emu: ferry.Runtime) -> N
     pending = emu.upload_tree(tree)
     with pytest.raises(ferry.TransferFailedError) as caught:
         pending.wait()
-    emu.poll()  # the handle and the error it raised are still alive: the other leaves retire all the same
+    # the handle and the error it raised are still alive: the other leaves retire all the same, once
+    # their copies (queued behind the failed one) are proven complete
     assert caught.value is not None and pending is not None
-    assert all(a.flags.writeable for a in leaves(tree))
+    assert eventually(lambda: (emu.poll(), all(a.flags.writeable for a in leaves(tree)))[1])
     now = testing.live_objects(emu)
     assert now["handles"] == start["handles"]
     assert now["in_flight"] == 0

@@ -47,6 +47,10 @@ from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._pending import PendingDownload, PendingUpload
+from ._routes._groups import empty_many, gc_paused, submit_pinned, submit_small
+from ._routes._groups import hand_off as hand_group
+from ._routes._groups import plan as plan_groups
+from ._state import OWNED
 from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart
 
 if TYPE_CHECKING:
@@ -64,14 +68,18 @@ class TreeRecord:
     """A submitted tree: its leaves' handles, and what builds the result once they are all done."""
 
     __slots__ = (
-        "children", "claimed", "error", "finish", "listeners", "lock", "nbytes", "paths", "result", "settled",
-        "upload", "waiters",
+        "children", "claimed", "error", "finish", "grouped", "listeners", "lock", "nbytes", "paths", "result",
+        "settled", "spans", "upload", "waiters",
     )
 
     def __init__(self, upload: bool, children: list[Any], paths: list[Path], nbytes: int,
-                 finish: Callable[[list[Any]], tuple[Any, Any]]) -> None:
+                 finish: Callable[[list[Any]], tuple[Any, Any]], spans: list[list[int]] | None = None,
+                 grouped: list[bool] | None = None) -> None:
         self.upload = upload
-        self.children = children  # the leaves' handles, in leaf order (emptied once settled or failed)
+        self.children = children  # the handles (emptied once settled or failed)
+        # the leaves each handle copies (a group's handle many: its result holds them in this order)
+        self.spans = spans if spans is not None else [[i] for i in range(len(children))]
+        self.grouped = grouped if grouped is not None else [False] * len(children)
         self.paths = paths
         self.nbytes = nbytes
         self.finish = finish  # the leaves' results -> (tree, other tree)
@@ -98,10 +106,12 @@ class TreePort:
     def _fail(self, record: TreeRecord, index: int, exc: BaseException) -> TransferFailedError:
         """Leaf ``index`` failed: the tree fails, every other leaf's handle is dropped (it retires); the
         error to raise."""
+        span = record.spans[index]
+        together = f" (copied together with {len(span) - 1} other leaves)" if len(span) > 1 else ""
         error = TransferFailedError(
-            f"leaf {describe(record.paths[index])} of the tree ({len(record.paths)} leaves, {record.nbytes} "
-            f"bytes) failed on the device ({exc}); nothing was published: that leaf's objects are abandoned, "
-            "the other leaves are released"
+            f"leaf {describe(record.paths[span[0]])}{together} of the tree ({len(record.paths)} leaves, "
+            f"{record.nbytes} bytes) failed on the device ({exc}); nothing was published: that leaf's objects "
+            "are abandoned, the other leaves are released"
         )
         record.error = error  # kept unraised: a traceback's frames would keep the leaves' handles alive
         record.children.clear()  # in place: every frame that holds the list lets go of the handles too
@@ -126,10 +136,17 @@ class TreePort:
                 error = self._fail(record, i, exc)
                 del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
                 raise error from exc.with_traceback(None)
-        results = []
+        results: list[Any] = [None] * len(record.paths)
         for i, child in enumerate(children):
             try:
-                results.append(child.wait())
+                got = child.wait()
+                span = record.spans[i]
+                if record.grouped[i]:
+                    hosts, devices = got
+                    for k, leaf in enumerate(span):
+                        results[leaf] = (hosts[k], devices[k])
+                else:
+                    results[span[0]] = got
             except TransferFailedError as exc:
                 results.clear()
                 error = self._fail(record, i, exc)
@@ -269,10 +286,16 @@ class TreePort:
                 raise FerryError("this upload was already waited: its destinations are yours")
             if record.error is not None:
                 self._raise_failed(record)
-            devices = []
+            devices: list[Any] = [None] * len(record.paths)
             for i, child in enumerate(record.children):
                 try:
-                    devices.append(child.hand_off(stream))
+                    span = record.spans[i]
+                    if record.grouped[i]:
+                        for leaf, device in zip(span, hand_group(child._port, child, stream),
+                                                strict=True):
+                            devices[leaf] = device
+                    else:
+                        devices[span[0]] = child.hand_off(stream)
                 except TransferFailedError as exc:
                     error = self._fail(record, i, exc)
                     del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
@@ -409,41 +432,83 @@ def _converter(to: str | None) -> Callable[[Any], Any] | None:
 
 # -- submission ------------------------------------------------------------------------------------
 def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]], call: str,
-                paths: list[Path], sizes: list[int]) -> list[Any]:
-    """Submit every leaf: the large ones first (back to back, so the staging lanes share them), then the
-    small ones inside one batch (batched copies). A refusal waits for those already submitted, then raises."""
-    handles: list[Any] = [None] * len(pairs)
-    small = [i for i, n in enumerate(sizes) if n < BATCH_BYTES]
-    large = [i for i, n in enumerate(sizes) if n >= BATCH_BYTES]
+                paths: list[Path], sizes: list[int], *, upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
+    """Submit every leaf; the handles, the leaves each one copies, and which are groups.
+
+    Pinned leaves and small pageable ones go in groups (:mod:`ferry._routes._groups`: one record each);
+    the other leaves one by one, the large ones first (back to back, so the staging lanes share them),
+    then the small ones inside one batch. A refusal waits for those already submitted, then raises.
+    """
+    hosts = [p[0] if upload else p[1] for p in pairs]
+    devices = [p[1] if upload else p[0] for p in pairs]
+    plan = plan_groups(rt, hosts, devices, sizes, upload=upload)
+    handles: list[Any] = []
+    spans: list[list[int]] = []
+    grouped: list[bool] = []
+    fresh: list[Any] = []  # destinations made here for groups (closed again on a refusal)
+    small = [i for i in plan.rest if sizes[i] < BATCH_BYTES]
+    large = [i for i in plan.rest if sizes[i] >= BATCH_BYTES]
     at = -1
     try:
         for at in large:
-            handles[at] = submit(*pairs[at])
+            handles.append(submit(*pairs[at]))
+            spans.append([at])
+            grouped.append(False)
         if len(small) > 1:
             with rt.batch():
                 for at in small:
-                    handles[at] = submit(*pairs[at])
+                    handles.append(submit(*pairs[at]))
+                    spans.append([at])
+                    grouped.append(False)
         else:
             for at in small:
-                handles[at] = submit(*pairs[at])
+                handles.append(submit(*pairs[at]))
+                spans.append([at])
+                grouped.append(False)
+        groups = ([(submit_pinned, plan.pinned)] if plan.pinned else []) + [(submit_small, g) for g in plan.small]
+        for how, span in groups:
+            at = span[0]
+            group_devices = [devices[i] for i in span]
+            if upload and any(d is None for d in group_devices):  # fresh destinations, made together
+                missing = [k for k, d in enumerate(group_devices) if d is None]
+                made = empty_many(rt, [(hosts[span[k]].shape, hosts[span[k]].dtype) for k in missing])
+                fresh.extend(made)
+                for k, device in zip(missing, made, strict=True):
+                    group_devices[k] = device
+            group_hosts = [hosts[i] for i in span]
+            if not upload:
+                group_hosts = [np.empty(d.shape, d.dtype) if h is None else h  # a fresh output
+                               for h, d in zip(group_hosts, group_devices, strict=True)]
+            handed = [pairs[i][0] for i in span] if upload else group_hosts
+            handles.append(how(rt, upload, group_hosts, group_devices, handed))
+            spans.append(span)
+            grouped.append(True)
+            fresh.clear()
     except BaseException as exc:
         # every leaf owned again before the refusal is raised (the copies already queued complete)
         for handle in handles:
-            if handle is not None:
-                with contextlib.suppress(FerryError):
-                    handle.wait()
+            with contextlib.suppress(FerryError):
+                handle.wait()
         handles.clear()
+        for device in fresh:
+            if device._state is OWNED:
+                device.close()
         if isinstance(exc, TransferSubmitError) and not isinstance(exc, RuntimeClosedError) and at >= 0:
             raise TransferSubmitError(
                 f"{call}: leaf {describe(paths[at])} was refused ({exc}); the leaves submitted before it were "
                 "waited for: every leaf is owned again"
             ) from exc
         raise
-    return handles
+    return handles, spans, grouped
 
 
 def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
     """See :meth:`ferry.Runtime.upload_tree`."""
+    with gc_paused():
+        return _upload_tree(rt, tree, destination, to)
+
+
+def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> PendingUpload[Any, Any]:
     call = "upload_tree"
     convert = _converter(to)
     rt._health.check_open()
@@ -468,13 +533,19 @@ def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = No
         return tree, build(devices)
 
     sizes = [int(a.nbytes) for a in sources]
-    handles = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths, sizes)
-    record = TreeRecord(True, handles, paths, nbytes, finish)
+    handles, spans, grouped = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths,
+                                          sizes, upload=True)
+    record = TreeRecord(True, handles, paths, nbytes, finish, spans, grouped)
     return PendingUpload(PORT, record)  # type: ignore[arg-type]
 
 
 def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> PendingDownload[Any, Any]:
     """See :meth:`ferry.Runtime.download_tree`."""
+    with gc_paused():
+        return _download_tree(rt, tree, out, pinned)
+
+
+def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownload[Any, Any]:
     call = "download_tree"
     if not isinstance(pinned, bool):
         raise TypeError(f"pinned must be a bool, got {type(pinned).__name__}")
@@ -509,8 +580,9 @@ def download_tree(rt: Any, tree: Any, out: Any = None, pinned: bool = False) -> 
             hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
         return tree, build(hosts)
 
-    handles = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths, sizes)
-    record = TreeRecord(False, handles, paths, nbytes, finish)
+    handles, spans, grouped = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths,
+                                          sizes, upload=False)
+    record = TreeRecord(False, handles, paths, nbytes, finish, spans, grouped)
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 
 
@@ -519,20 +591,26 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
-    outs: list[Any] = []
-    for path, device in zip(paths, sources, strict=True):
-        shape, dtype = _dtype_of(device)
-        if dtype is None:  # DLPack alone: the route will say what it is; a plain NumPy output then
-            outs.append(None)
-            continue
-        try:
-            outs.append(leaves.array(shape, dtype))
-        except (MemoryError, ValueError) as exc:
-            outs.clear()
-            raise _refuse(call, path, f"no pinned memory for {shape} {dtype}: {exc}") from exc
-        except DeviceError as exc:
-            outs.clear()
-            rt._health.note(exc)
-            raise _refuse(call, path, f"the device refused pinned memory: {exc}") from exc
+    described = [_dtype_of(device) for device in sources]
+    wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
+    specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []
+    total = 0
+    for i in wanted:
+        shape, dtype = described[i]
+        assert dtype is not None
+        specs.append((shape, dtype))
+        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    what = f"{len(specs)} leaves, {total} bytes"
+    try:
+        made = leaves.arrays(specs)
+    except (MemoryError, ValueError) as exc:
+        raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
+                                  "submitted") from exc
+    except DeviceError as exc:
+        rt._health.note(exc)
+        raise TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
+                                  "nothing was submitted") from exc
+    outs: list[Any] = [None] * len(sources)
+    for i, array in zip(wanted, made, strict=True):
+        outs[i] = array
     return outs
-

@@ -55,6 +55,10 @@ class Leaf:
         return self.alive and self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
 
 
+def _start(leaf: Leaf) -> int:
+    return leaf.ptr
+
+
 class PinnedLeaves:
     """A runtime's pinned leaves: make one, find the one covering an address range."""
 
@@ -65,6 +69,7 @@ class PinnedLeaves:
         self._starts: list[int] = []
         self.live_bytes = 0  # bytes of the blocks held by leaves alive now
         self.made = 0  # leaves made so far
+        self._dead = 0  # entries of leaves that died since the last purge
 
     @property
     def active(self) -> bool:
@@ -76,32 +81,59 @@ class PinnedLeaves:
 
         Raises MemoryError, ValueError or the pool's DeviceError when no block can be had.
         """
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        block = self.pool.acquire(max(nbytes, 1))
-        raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
-        base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
-        leaf = Leaf(block.ptr, block.capacity)
-        weakref.finalize(base, self._died, leaf, block)
+        return self.arrays([(shape, dtype)])[0]
+
+    def arrays(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
+        """:meth:`array` for every ``(shape, dtype)`` pair, all or none: when a block cannot be had the
+        blocks taken so far go back to the pool and the error is raised."""
+        blocks: list[Any] = []
+        sizes: list[int] = []
+        try:
+            for shape, dtype in specs:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                sizes.append(nbytes)
+                blocks.append(self.pool.acquire(max(nbytes, 1)))
+        except BaseException:
+            for block in blocks:
+                self.pool.release(block)
+            raise
+        out: list[np.ndarray[Any, Any]] = []
+        made: list[Leaf] = []
+        held = 0
+        for (shape, dtype), nbytes, block in zip(specs, sizes, blocks, strict=True):
+            raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
+            base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
+            leaf = Leaf(block.ptr, block.capacity)
+            weakref.finalize(base, self._died, leaf, block)
+            made.append(leaf)
+            held += block.capacity
+            out.append(base[:nbytes].view(dtype).reshape(shape))
         with self._lock:
             self._purge()
-            at = bisect.bisect_left(self._starts, leaf.ptr)
-            self._leaves.insert(at, leaf)
-            self._starts.insert(at, leaf.ptr)
-            self.live_bytes += block.capacity
-            self.made += 1
-        array: np.ndarray[Any, Any] = base[:nbytes].view(dtype).reshape(shape)
-        return array
+            if len(made) == 1:
+                at = bisect.bisect_left(self._starts, made[0].ptr)
+                self._leaves.insert(at, made[0])
+                self._starts.insert(at, made[0].ptr)
+            else:  # one sort of the merged list (runs already sorted: linear)
+                self._leaves.extend(sorted(made, key=_start))
+                self._leaves.sort(key=_start)
+                self._starts = [leaf.ptr for leaf in self._leaves]
+            self.live_bytes += held
+            self.made += len(made)
+        return out
 
     def _died(self, leaf: Leaf, block: Any) -> None:
         # a finalizer (any thread, maybe inside another call of this object): flag, then give back
         leaf.alive = False
+        self._dead += 1
         self.live_bytes -= leaf.nbytes
         self.pool.release(block)
 
     def _purge(self) -> None:
-        """Drop the entries of dead leaves. Lock held."""
-        if all(leaf.alive for leaf in self._leaves):
+        """Drop the entries of dead leaves (when any died since the last purge). Lock held."""
+        if not self._dead:
             return
+        self._dead = 0
         kept = [leaf for leaf in self._leaves if leaf.alive]
         self._leaves = kept
         self._starts = [leaf.ptr for leaf in kept]

@@ -49,7 +49,7 @@
 
 
 
-#define FAST_OBJECTS 40
+#define FAST_OBJECTS 41
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
 
 static PyObject *fast_attr(PyObject *obj, const char *name) {

@@ -391,6 +391,7 @@ typedef struct {
      * registrations, numpy.ndarray, Runtime.upload */
     PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
     PyObject *small_give; /* the upload ring's give (the lease table's) */
+    PyObject *small_alloc; /* SmallRoute.new_destination: a fresh upload's destination (or None) */
     PyObject *module; /* the module that made Fast: held (and not cleared) until dealloc, so st stays alive */
     ferry_state *st;  /* its state */
     double spin_base, spin_per_byte, spin_cap;

@@ -93,11 +93,18 @@ PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs
         for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
         return NULL;
     }
-    PyObject *values[8] = {ring, got[0], got[1], got[2], got[3], args[1], args[2], give}; /* references taken */
+    PyObject *alloc = PyObject_GetAttrString(route, "new_destination");
+    if (!alloc) {
+        Py_DECREF(give);
+        Py_DECREF(ring);
+        for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
+        return NULL;
+    }
+    PyObject *values[9] = {ring, got[0], got[1], got[2], got[3], args[1], args[2], give, alloc}; /* taken */
     Py_INCREF(args[1]);
     Py_INCREF(args[2]);
     PyObject **fields = &self->small_ring;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         PyObject *old = fields[i];
         fields[i] = values[i];
         Py_XDECREF(old);
@@ -126,12 +133,18 @@ static int ring_add(PyObject *ring, PyObject *name, unsigned long long delta) {
  * as the record's extras, the array's read-only lease, the destination in flight, the ring's counts;
  * then the handle. Anything else is Runtime.upload's, before anything changed.
  */
+static PyObject *fresh_small_upload(FastObject *self, PyObject *runtime, PyObject *source);
+
 PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
     if (!self->slow_upload || !self->small_ring) {
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries and bind_small were not called");
         return NULL;
     }
+    if ((nargs == 1 || (nargs == 2 && args[1] == Py_None)) && !(kwnames && PyTuple_Size(kwnames)) &&
+        self->small_alloc && self->rlock && self->st->hot_types[HOT_SLOT] && self->st->hot_types[HOT_ARRAY] && is_ndarray(self->st, args[0]) &&
+        Py_TYPE(args[0]) == (PyTypeObject *)self->ndarray_type)
+        return fresh_small_upload(self, runtime, args[0]);
     if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !self->st->hot_types[HOT_SLOT] ||
         !is_ndarray(self->st, args[0]) || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type || !is_hot(self->st, args[1], HOT_ARRAY))
         return fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
@@ -258,6 +271,34 @@ done:
     Py_DECREF(slot);
     result = rlock_give_result(lock, result);
     Py_DECREF(runtime);
+    return result;
+}
+
+/*
+ * Runtime.upload(source) of a small array: SmallRoute.new_destination makes its destination (one lock, the
+ * device pool; None: the array does not qualify, Runtime.upload's full path takes it), then the common
+ * path above with it. Should that path refuse the submission, the destination made here is closed again
+ * (unless it went in flight) before the error propagates.
+ */
+static PyObject *fresh_small_upload(FastObject *self, PyObject *runtime, PyObject *source) {
+    PyObject *device = PyObject_CallFunctionObjArgs(self->small_alloc, runtime, source, NULL);
+    if (!device) return NULL;
+    if (device == Py_None || !is_hot(self->st, device, HOT_ARRAY)) {
+        Py_DECREF(device);
+        PyObject *one[1] = {source};
+        return fast_entry_slow(self, self->slow_upload_any, runtime, one, 1, NULL);
+    }
+    PyObject *pair[2] = {source, device};
+    PyObject *result = fast_small_upload(self, runtime, pair, 2, NULL);
+    if (!result && ARRAY(device)->state == self->owned) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *closed = PyObject_CallMethod(device, "close", NULL);
+        if (closed) Py_DECREF(closed);
+        else PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    Py_DECREF(device);
     return result;
 }
 

@@ -286,6 +286,32 @@ class SmallRoute:
         finally:
             lock.release()
 
+    def new_destination(self, owner: Any, source: Any) -> DeviceArray | None:
+        """A fresh destination for a small upload of ``source`` from the device pool, or ``None`` when
+        the array does not qualify for this route (the full path then allocates). The compiled upload's."""
+        dtype = getattr(source, "dtype", None)
+        if not (
+            type(source) is np.ndarray and dtype is not None and not dtype.hasobject and dtype.itemsize
+            and source.nbytes <= self.up.limit and source.flags.c_contiguous
+        ):
+            return None
+        completion = self.completion
+        if completion.batches or self.registrations.active or not self.up.free:
+            return None
+        lock = self.lock
+        lock.acquire()
+        try:
+            if completion.health.refusal is not None:
+                return None  # the full path raises the refusal
+            memory = completion.memory
+            nbytes = int(source.nbytes)
+            if completion.maintenance_due():
+                completion.maintain()
+            ptr = memory.alloc(nbytes)  # MemoryError, or FerryError, as Runtime.empty raises them
+            return new_device_array(owner, memory, ptr, source.shape, dtype, nbytes)
+        finally:
+            lock.release()
+
     def download(self, owner: Any, source: Any, out: Any) -> Record | None:
         """Submit ``source`` -> ``out`` on this route, or ``None`` (nothing done): take the full path.
 

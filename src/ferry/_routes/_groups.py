@@ -1,0 +1,367 @@
+"""The group route: leaves of a tree copied together, one record and one event for many leaves.
+
+A tree transfer moves its ordinary leaves one by one (each a full
+:meth:`ferry.Runtime.upload` or :meth:`ferry.Runtime.download`), but two kinds
+of leaf need no per-leaf machinery at all:
+
+- *pinned* leaves: the host array lies in registered memory or in a pooled
+  pinned leaf (``download_tree(pinned=True)``). Every such leaf of a tree is
+  one DMA straight from or into the array (the small ones as one batched
+  copy), all on the direction's copy stream, behind one event.
+- *small* pageable leaves (under :data:`SMALL_BYTES`): up to
+  :data:`GROUP_BYTES` of them share one pooled pinned block; an upload copies
+  them into it and enqueues one batched copy, a download enqueues the batched
+  copy and copies each leaf out of the block when the tree is waited for.
+
+Both need C-contiguous host arrays and ferry device arrays of the runtime (a
+missing upload destination is allocated here). A group is one record: its
+``moved`` / ``leased`` objects are every leaf's, its result the leaves'
+objects in order, and it completes, fails or is abandoned as one transfer
+does (a failed group abandons every leaf it copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .._backends._base import DeviceError
+from .._completion import Extras
+from .._device_array import DeviceArray, new_device_array
+from .._errors import RuntimeClosedError, TransferSubmitError
+from .._interop._foreign import order_before
+from .._pending import PendingDownload, PendingUpload
+from .._state import IN_FLIGHT, OWNED
+from ._base import array_ptr
+from ._direct import _raise_queued
+
+__all__: list[str] = []
+
+SMALL_BYTES = 256 << 10
+"""Leaves smaller than this go through a shared staging block (pageable) or one batched copy (pinned)."""
+
+GROUP_BYTES = 4 << 20
+"""The most bytes of small pageable leaves one staging block (one record) carries."""
+
+_ALIGN = 256
+
+
+class Plan:
+    """Which leaves of a tree go in groups: pinned ones, small pageable ones, the rest one by one."""
+
+    __slots__ = ("pinned", "rest", "small")
+
+    def __init__(self) -> None:
+        self.pinned: list[int] = []
+        self.small: list[list[int]] = []
+        self.rest: list[int] = []
+
+
+def plan(rt: Any, hosts: list[Any], devices: list[Any], sizes: list[int], *, upload: bool) -> Plan:
+    """Sort the leaves: ``hosts[i]`` a NumPy array (or None: a fresh output), ``devices[i]`` a device
+    leaf (or None: a fresh destination)."""
+    routes = rt._parts.host
+    registrations, leaves = routes.registrations, routes.pinned_leaves
+    pinned_active = registrations.active or leaves.active
+    out = Plan()
+    small: list[int] = []
+    used = 0
+    for i, (host, device, nbytes) in enumerate(zip(hosts, devices, sizes, strict=True)):
+        if not nbytes or (device is not None and type(device) is not DeviceArray):
+            out.rest.append(i)
+            continue
+        if host is None:
+            if nbytes < SMALL_BYTES:
+                small.append(i)
+                used += nbytes
+            else:
+                out.rest.append(i)
+            continue
+        if type(host) is not np.ndarray or not host.flags.c_contiguous:
+            out.rest.append(i)
+            continue
+        if pinned_active:
+            ptr = array_ptr(host)
+            if (registrations.active and registrations.covering(ptr, nbytes) is not None) or (
+                leaves.active and leaves.covering(ptr, nbytes) is not None
+            ):
+                out.pinned.append(i)
+                continue
+        if nbytes < SMALL_BYTES:
+            if used + nbytes > GROUP_BYTES and small:
+                out.small.append(small)
+                small, used = [], 0
+            small.append(i)
+            used += nbytes
+        else:
+            out.rest.append(i)
+        if used >= GROUP_BYTES:
+            out.small.append(small)
+            small, used = [], 0
+    if small:
+        out.small.append(small)
+    return out
+
+
+_pause_lock = threading.Lock()
+_pauses = 0  # open pauses, on every thread
+_was_on = False  # whether the collector ran when the first open pause began
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a tree is walked and submitted.
+
+    A tree makes a few objects per leaf (paths, builders, records' tuples); with
+    thousands of leaves in a large heap the collector's passes cost more than the
+    walk itself. Nothing here makes cycles that must be collected meanwhile.
+    Pauses nest, across threads too: the collector runs again when the last open
+    pause ends, and only if it ran when the first one began.
+    """
+    global _pauses, _was_on
+    with _pause_lock:
+        if _pauses == 0:
+            _was_on = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_on:
+                gc.enable()
+
+
+def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[DeviceArray]:
+    """Fresh device arrays from the device pool for ``(shape, dtype)`` pairs (checked NumPy ones), under
+    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError)."""
+    parts = rt._parts
+    parts.health.check_open()
+    memory, completion = parts.memory, parts.completion
+    made: list[DeviceArray] = []
+    with parts.lock:
+        if completion.maintenance_due():
+            completion.maintain()
+        try:
+            for shape, dtype in specs:
+                nbytes = math.prod(shape) * dtype.itemsize
+                made.append(new_device_array(rt, memory, memory.alloc(nbytes), shape, dtype, nbytes))
+        except BaseException:
+            for array in made:
+                array.close()
+            raise
+    return made
+
+
+def _check_open(rt: Any) -> None:
+    refusal = rt._health.refusal
+    if refusal is not None:
+        raise RuntimeClosedError(refusal)
+
+
+def _order(completion: Any, stream: Any, devices: list[DeviceArray]) -> None:
+    try:
+        for device in devices:
+            if device._ready is not None:
+                order_before(completion, [stream], device, ordered=stream)
+    except DeviceError as exc:
+        completion.health.note(exc)
+        raise TransferSubmitError(f"could not order the copy after the array's producer: {exc}") from exc
+
+
+def _covering(routes: Any, ptr: int, nbytes: int) -> Any:
+    found = routes.registrations.covering(ptr, nbytes) if routes.registrations.active else None
+    return found if found is not None else routes.pinned_leaves.covering(ptr, nbytes)
+
+
+def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devices: list[DeviceArray],
+                  handed: list[Any]) -> Any:
+    """One record for pinned leaves: each one DMA (the small ones one batched copy), one event."""
+    routes = rt._parts.host
+    completion = routes.completion
+    backend = completion.backend
+    stream = routes.h2d if upload else routes.d2h
+    leases = routes.direct.leases
+    with routes.lock:
+        _check_open(rt)
+        _order(completion, stream, devices)
+        regs = []
+        small_d: list[int] = []
+        small_s: list[int] = []
+        small_n: list[int] = []
+        big: list[tuple[int, int, int]] = []
+        total = 0
+        for host, device in zip(hosts, devices, strict=True):
+            ptr, nbytes = array_ptr(host), int(host.nbytes)
+            reg = _covering(routes, ptr, nbytes)
+            if reg is None:  # collected meanwhile cannot happen (the tree holds the array); refuse cleanly
+                raise TransferSubmitError("a pinned leaf's block is no longer registered")
+            regs.append(reg)
+            dst, src = (device._ptr, ptr) if upload else (ptr, device._ptr)
+            if nbytes < SMALL_BYTES:
+                small_d.append(dst)
+                small_s.append(src)
+                small_n.append(nbytes)
+            else:
+                big.append((dst, src, nbytes))
+            total += nbytes
+        one = backend.htod_record if upload else backend.dtoh_record
+
+        def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+            queued = False
+            if small_d:
+                backend.copy_batch(upload, small_d, small_s, small_n, stream, None if big else event)
+                queued = True
+            last = len(big) - 1
+            for j, (dst, src, nbytes) in enumerate(big):
+                try:
+                    one(dst, src, nbytes, stream, event if j == last else None)
+                except DeviceError as exc:
+                    _raise_queued(exc, after_first=queued)
+                queued = True
+
+        return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, leases, regs, None)
+
+
+def submit_small(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devices: list[DeviceArray],
+                 handed: list[Any]) -> Any:
+    """One record for small pageable leaves through one pooled pinned block, one batched copy."""
+    routes = rt._parts.host
+    completion = routes.completion
+    backend = completion.backend
+    direct = routes.direct
+    stream = routes.h2d if upload else routes.d2h
+    offsets = []
+    total = 0
+    for host in hosts:
+        offsets.append(total)
+        total += -(-int(host.nbytes) // _ALIGN) * _ALIGN
+    with routes.lock:
+        _check_open(rt)
+        _order(completion, stream, devices)
+        block = direct.pool.acquire(max(total, 1))
+        direct._count(block.capacity)
+        try:
+            base = block.ptr
+            copier = direct.copier
+            ptrs = [array_ptr(h) for h in hosts]
+            sizes = [int(h.nbytes) for h in hosts]
+            stage = [base + off for off in offsets]
+            dptrs = [d._ptr for d in devices]
+            if upload:
+                if copier is not None:
+                    for at, ptr, nbytes in zip(stage, ptrs, sizes, strict=True):
+                        copier.copy(at, ptr, nbytes, True)
+                else:
+                    for at, ptr, nbytes in zip(stage, ptrs, sizes, strict=True):
+                        ctypes.memmove(at, ptr, nbytes)
+                dsts, srcs = dptrs, stage
+            else:
+                dsts, srcs = stage, dptrs
+
+            def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+                backend.copy_batch(upload, dsts, srcs, sizes, stream, event)
+
+            def publish() -> None:
+                if copier is not None:
+                    for ptr, at, nbytes in zip(ptrs, stage, sizes, strict=True):
+                        copier.copy(ptr, at, nbytes)
+                else:
+                    for ptr, at, nbytes in zip(ptrs, stage, sizes, strict=True):
+                        ctypes.memmove(ptr, at, nbytes)
+                direct._count(0, sum(sizes))
+
+            def release(failed: bool) -> None:
+                direct._count(-block.capacity)
+                if failed:
+                    completion.abandoned_bytes += block.capacity  # the device may still touch it
+                else:
+                    direct.pool.release(block)
+
+            handle = _enqueue(rt, completion, upload, stream, copy, sum(sizes), hosts, devices, handed,
+                              direct.leases, None, (None if upload else publish, release))
+        except BaseException:
+            direct._count(-block.capacity)
+            direct.pool.release(block)
+            raise
+        if upload:
+            direct._count(0, sum(sizes))
+        return handle
+
+
+def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, total: int,
+             hosts: list[Any], devices: list[DeviceArray], handed: list[Any], leases: Any, regs: list[Any] | None,
+             staged: tuple[Any, Any] | None) -> Any:
+    """Enqueue a group's record, take its leases, move its states; the handle. Lock held."""
+    devs: tuple[Any, ...] = tuple(devices)
+    moved: tuple[Any, ...]
+    leased: tuple[Any, ...]
+    if upload:
+        moved, leased, result = devs, (), (tuple(handed), devs)
+    else:
+        moved, leased, result = (), devs, (devs, tuple(handed))
+    record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
+    # from here on nothing raises: the copies are queued
+    extra = record.extra = Extras()
+    for host in hosts:
+        leases.take(host)
+    if regs is not None:
+        for reg in regs:
+            reg._uses += 1
+    give = leases.give
+
+    def cleanup(failed: bool) -> None:
+        if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
+            return
+        for host in hosts:
+            give(host)
+        if regs is not None:
+            for reg in regs:
+                reg._uses -= 1
+
+    if staged is not None:
+        extra.finish = staged[0]
+        extra.cleanups.append(staged[1])
+    extra.cleanups.append(cleanup)
+    if upload:
+        for device in devices:
+            device._state = IN_FLIGHT
+        return PendingUpload(completion, record)
+    for device in devices:
+        device._leases += 1
+    return PendingDownload(completion, record)
+
+
+def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
+    """Hand off a group's destinations (as one upload's); each is owned again, ordered after the group."""
+    devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
+    with completion.lock:
+        record = handle._record
+        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in record.moved)]
+        if handed:
+            for device in handed:
+                device._state = OWNED
+                device._ready = record
+            ids = {id(d) for d in handed}
+            record.moved = tuple(o for o in record.moved if id(o) not in ids)
+
+            def forget(failed: bool) -> None:
+                for device in handed:
+                    if device._ready is record:
+                        device._ready = None
+                    if failed:  # its bytes never arrived, or partly
+                        completion.abandon(device)
+
+            completion.extras(record).cleanups.append(forget)
+        if stream is not None:
+            for device in devices:
+                completion.memory.note_stream(device._ptr, stream)
+    return devices
