@@ -238,7 +238,7 @@ def test_objects_outliving_the_modules_removal_and_living_to_shutdown_stay_sound
         record = first.new_record(1, None, None, (), (), (), 8)
         del sys.modules["ferry._native._engine"]
         again = importlib.import_module("ferry._native._engine")
-        assert again.HostMemory is first.HostMemory and again.Record is first.Record
+        assert again.HostMemory is not first.HostMemory and again.Record is not first.Record  # its own state
         del first, again
         gc.collect()
         view[:] = 1  # still the buffer's, still counted

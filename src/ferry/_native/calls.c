@@ -29,7 +29,6 @@
  */
 
 
-PyTypeObject *CallsType;
 
 
 PyObject *calls_failed(CallsObject *self, const char *op, int code, int stage, PyObject *const *args,

@@ -16,9 +16,6 @@
  * Python types
  * ================================================================================================ */
 
-PyObject *DriverError; /* DriverError(code, text) */
-PyTypeObject *EngineType;
-PyTypeObject *JobType;
 
 typedef struct {
     PyObject_HEAD
@@ -51,10 +48,11 @@ static int check_open(EngineObject *self) {
     return 0;
 }
 
-static void raise_driver_error(const err_t *e) {
-    PyObject *args = Py_BuildValue("(is)", e->code, e->text);
+static void raise_driver_error(PyTypeObject *type, const err_t *e) {
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(type); /* Engine's module */
+    PyObject *args = st ? Py_BuildValue("(is)", e->code, e->text) : NULL;
     if (args) {
-        PyErr_SetObject(DriverError, args);
+        PyErr_SetObject(st->DriverError, args);
         Py_DECREF(args);
     }
 }
@@ -227,7 +225,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     rc = engine_start(eng, driver_thread, one_stream, &e); /* frees eng on failure */
     Py_END_ALLOW_THREADS
     if (rc == ENGINE_SETUP_FAILED) {
-        raise_driver_error(&e);
+        raise_driver_error(type, &e);
         return NULL;
     }
     if (rc) {
@@ -357,7 +355,8 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
         PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
         return NULL;
     }
-    JobObject *jo = (JobObject *)PyType_GenericAlloc(JobType, 0);
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
+    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
     if (!jo) {
         atomic_store(&job->refs, 1);
         job_decref(job);

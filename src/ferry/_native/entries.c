@@ -16,8 +16,8 @@
 /* obj._state = state written straight into the field where obj is a PinnedHostBuffer or DeviceArray
  * (what the descriptor does, without the attribute lookup): 1, else 0 (the caller sets the attribute).
  * Never fails. */
-int set_state_slot(PyObject *obj, PyObject *state) {
-    PyObject **field = is_hot(obj, HOT_BUFFER) ? &BUFFER(obj)->state : is_hot(obj, HOT_ARRAY) ? &ARRAY(obj)->state : NULL;
+int set_state_slot(ferry_state *st, PyObject *obj, PyObject *state) {
+    PyObject **field = is_hot(st, obj, HOT_BUFFER) ? &BUFFER(obj)->state : is_hot(st, obj, HOT_ARRAY) ? &ARRAY(obj)->state : NULL;
     if (!field) return 0;
     PyObject *old = *field;
     *field = Py_NewRef(state);
@@ -27,11 +27,10 @@ int set_state_slot(PyObject *obj, PyObject *state) {
 
 /* Whether extra is a small-route Slot whose record its own event proves (not handed off): Completion.settle's
  * one-call case, which fast_settle_slot does in C. */
-int is_small_slot(PyObject *extra) {
-    return is_hot(extra, HOT_SLOT) && SLOT(extra)->extras.handed == Py_None;
+int is_small_slot(ferry_state *st, PyObject *extra) {
+    return is_hot(st, extra, HOT_SLOT) && SLOT(extra)->extras.handed == Py_None;
 }
 
-PyObject *S_give, *S_free, *S_host_copied;
 
 /* Completion.settle for a small-route slot (the record's extras), lock held: a download's copy-out (Slot.copy_out:
  * the slot's bytes into the caller's array, counted), Slot.release(False) (the array's lease given back, the
@@ -62,12 +61,12 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
     set_field(&r->settled, Py_True);
     if (finish != Py_None) { /* a download: the copy is proven complete, the bytes are the caller's now */
         memcpy((void *)(uintptr_t)address, (const void *)(uintptr_t)ptr, (size_t)nbytes);
-        PyObject *copied = PyObject_GetAttr(ring, S_host_copied);
+        PyObject *copied = PyObject_GetAttr(ring, self->st->S_host_copied);
         if (!copied) goto out;
         PyObject *more = PyLong_FromUnsignedLongLong(nbytes), *sum = more ? PyNumber_Add(copied, more) : NULL;
         Py_DECREF(copied);
         Py_XDECREF(more);
-        int set = sum ? PyObject_SetAttr(ring, S_host_copied, sum) : -1;
+        int set = sum ? PyObject_SetAttr(ring, self->st->S_host_copied, sum) : -1;
         Py_XDECREF(sum);
         if (set) goto out;
     }
@@ -76,7 +75,7 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
     if (up_ring) {
         give = self->small_give;
         Py_INCREF(give);
-    } else if (!(give = PyObject_GetAttr(ring, S_give))) {
+    } else if (!(give = PyObject_GetAttr(ring, self->st->S_give))) {
         goto out;
     }
     PyObject *gave = PyCFunction_Check(give) && PyCFunction_GetFunction(give) == (PyCFunction)Leases_give
@@ -92,7 +91,7 @@ int fast_settle_slot(FastObject *self, RecordObject *r) {
     if (up_ring) {
         free_list = self->small_free;
         Py_INCREF(free_list);
-    } else if (!(free_list = PyObject_GetAttr(ring, S_free))) {
+    } else if (!(free_list = PyObject_GetAttr(ring, self->st->S_free))) {
         goto out;
     }
     if (PyList_Append(free_list, slot)) goto out;
@@ -115,8 +114,8 @@ PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssize_t nar
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 7, "bind_entries")) return NULL;
     for (int i = 2; i < 4; i++) {
-        if (!PyType_Check(args[i]) || args[i] == (PyObject *)HandleType ||
-            !PyType_IsSubtype((PyTypeObject *)args[i], HandleType)) {
+        if (!PyType_Check(args[i]) || args[i] == (PyObject *)self->st->HandleType ||
+            !PyType_IsSubtype((PyTypeObject *)args[i], self->st->HandleType)) {
             PyErr_SetString(PyExc_TypeError, "bind_entries: the handle types must be Python subclasses of Handle");
             return NULL;
         }
@@ -180,7 +179,7 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
         return NULL;
     }
-    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !hot_types[HOT_BUFFER])
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !self->st->hot_types[HOT_BUFFER])
         return fast_entry_slow(self, upload ? self->slow_upload : self->slow_download, runtime, args, nargs, kwnames);
     Py_INCREF(runtime); /* held across the submission */
     PyObject *host = upload ? args[0] : args[1], *device = upload ? args[1] : args[0];
@@ -191,20 +190,20 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
     }
     /* the copy call first: an attribute read can run Python, which must not come between the checks and
      * their use */
-    PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? S_htod_record : S_dtoh_record);
+    PyObject *copy = PyObject_GetAttr(self->entry_backend, upload ? self->st->S_htod_record : self->st->S_dtoh_record);
     if (!copy) {
         rlock_give_result(lock, NULL);
         Py_DECREF(runtime);
         return NULL;
     }
     PyObject *result = NULL, *block, *base;
-    int common = is_hot(self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
-                 is_hot(host, HOT_BUFFER) && is_hot(device, HOT_ARRAY) && BUFFER(host)->runtime == runtime &&
+    int common = is_hot(self->st, self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
+                 is_hot(self->st, host, HOT_BUFFER) && is_hot(self->st, device, HOT_ARRAY) && BUFFER(host)->runtime == runtime &&
                  ARRAY(device)->runtime == runtime && BUFFER(host)->state == self->owned &&
                  ARRAY(device)->state == self->owned && (!upload || is_zero(ARRAY(device)->leases)) &&
                  ARRAY(device)->ready == Py_None && (base = BUFFER(host)->base) != NULL && base != Py_None &&
-                 no_views(base) && size_at_least(BUFFER(host)->nbytes, ARRAY(device)->nbytes) &&
-                 (block = BUFFER(host)->block) != NULL && is_hot(block, HOT_BLOCK) && BLOCK(block)->ptr &&
+                 no_views(self->st, base) && size_at_least(BUFFER(host)->nbytes, ARRAY(device)->nbytes) &&
+                 (block = BUFFER(host)->block) != NULL && is_hot(self->st, block, HOT_BLOCK) && BLOCK(block)->ptr &&
                  ARRAY(device)->ptr; /* a deleted field (NULL) is never the common case */
     if (!common) {
         Py_DECREF(copy);
@@ -249,7 +248,6 @@ static PyObject *fast_entry(FastObject *self, PyObject *runtime, int upload, PyO
  * a reference cycle through the runtime's __dict__ (Entry takes part in garbage collection: a dropped
  * runtime is collected, and closed with its ResourceWarning, by the cyclic collector).
  */
-PyTypeObject *EntryType;
 
 typedef struct { /* a PairObject's shape (defined below; its traverse, clear and dealloc are Pair_*) */
     PyObject_HEAD
@@ -341,8 +339,8 @@ PyObject *Fast_entries(PyObject *obj, PyObject *runtime) {
         PyErr_SetString(PyExc_RuntimeError, "Fast: bind_entries was not called");
         return NULL;
     }
-    allocfunc alloc = (allocfunc)PyType_GetSlot(EntryType, Py_tp_alloc);
-    EntryObject *entry = (EntryObject *)alloc(EntryType, 0);
+    allocfunc alloc = (allocfunc)PyType_GetSlot(self->st->EntryType, Py_tp_alloc);
+    EntryObject *entry = (EntryObject *)alloc(self->st->EntryType, 0);
     if (!entry) return NULL;
     Py_INCREF(obj);
     entry->fast = obj;

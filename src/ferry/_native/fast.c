@@ -46,13 +46,8 @@
  * The counters seq, submitted and completed live here (Completion.counts is this object).
  */
 
-PyTypeObject *FastType;
 
 
-PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
-PyObject *S_htod_record, *S_dtoh_record;
-PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
-    *S_event;
 
 #define FAST_OBJECTS 41
 static PyObject **fast_objects(FastObject *self) { return &self->events; }
@@ -73,6 +68,12 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     FastObject *self = (FastObject *)alloc(type, 0);
     if (!self) return NULL;
+    if (!(self->module = PyType_GetModule(type))) { /* Fast cannot be subclassed: type is its module's Fast */
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_INCREF(self->module);
+    self->st = (ferry_state *)PyModule_GetState(self->module);
     PyObject *lock = NULL;
     if (!(self->events = fast_attr(c, "events")) || !(self->live = fast_attr(c, "live")) ||
         !(self->batches = fast_attr(c, "batches")) || !(self->cross_returns = fast_attr(c, "cross_returns")) ||
@@ -89,7 +90,7 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return NULL;
     }
-    if (Py_TYPE(lock) == RLockType) self->rlock = lock; /* the reference from fast_attr */
+    if (Py_TYPE(lock) == self->st->RLockType) self->rlock = lock; /* the reference from fast_attr */
     else Py_DECREF(lock);
     PyObject *full = fast_attr(c, "segment_copies");
     self->segment_copies = full ? PyLong_AsSsize_t(full) : -1;
@@ -122,10 +123,12 @@ static PyObject *Fast_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static int Fast_traverse(PyObject *obj, visitproc visit, void *arg) {
     PyObject **f = fast_objects((FastObject *)obj);
     for (int i = 0; i < FAST_OBJECTS; i++) Py_VISIT(f[i]);
+    Py_VISIT(((FastObject *)obj)->module);
     Py_VISIT((PyObject *)Py_TYPE(obj));
     return 0;
 }
 
+/* The module stays: self->st is read until the dealloc. */
 static int Fast_clear(PyObject *obj) {
     PyObject **f = fast_objects((FastObject *)obj);
     for (int i = 0; i < FAST_OBJECTS; i++) Py_CLEAR(f[i]);
@@ -136,9 +139,11 @@ static void Fast_dealloc(PyObject *obj) {
     PyTypeObject *tp = Py_TYPE(obj);
     PyObject_GC_UnTrack(obj);
     Fast_clear(obj);
+    PyObject *module = ((FastObject *)obj)->module;
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(obj);
     Py_DECREF(tp);
+    Py_XDECREF(module);
 }
 
 /* Whether obj.name is truthy (-1: error). */
@@ -152,17 +157,17 @@ static int attr_true(PyObject *obj, PyObject *name) {
 
 /* Completion.maintenance_due(), read in C: 1 due, 0 not, -1 error. */
 static int fast_maintenance_due(FastObject *self) {
-    int t = attr_true(self->retiring, S_count);
+    int t = attr_true(self->retiring, self->st->S_count);
     if (t) return t;
     Py_ssize_t n = PyObject_Size(self->incoming);
     if (n) return n < 0 ? -1 : 1;
-    if ((t = attr_true(self->memory, S_deferred))) return t;
-    return attr_true(self->pool, S_doomed);
+    if ((t = attr_true(self->memory, self->st->S_deferred))) return t;
+    return attr_true(self->pool, self->st->S_doomed);
 }
 
 /* Whether the runtime refuses calls (health.refusal is not None): 1, 0, or -1. */
 static int fast_refused(FastObject *self) {
-    PyObject *v = PyObject_GetAttr(self->health, S_refusal);
+    PyObject *v = PyObject_GetAttr(self->health, self->st->S_refusal);
     if (!v) return -1;
     int refused = v != Py_None;
     Py_DECREF(v);
@@ -224,28 +229,28 @@ static PyObject *fast_batched(FastObject *self, PyObject *batch, PyObject *const
     /* the record first, as in Python: its allocation may collect garbage, whose finalizers may flush */
     if (!(seq = PyLong_FromLongLong(self->seq + 1))) goto out;
     PyObject *fields[7] = {seq, Py_None, stream, args[5], args[6], args[7], nbytes};
-    if (!(record = record_make(fields))) goto out;
-    if (!(segments = PyObject_GetAttr(batch, S_segments)) || !PyDict_Check(segments)) goto out;
+    if (!(record = record_make(self->st, fields))) goto out;
+    if (!(segments = PyObject_GetAttr(batch, self->st->S_segments)) || !PyDict_Check(segments)) goto out;
     if (!(key = PyLong_FromVoidPtr(stream))) goto out; /* id(stream) */
     segment = PyDict_GetItem(segments, key);
     if (!segment) goto out;
     Py_INCREF(segment); /* held to the end, whatever the calls below run */
-    if (!(records = PyObject_GetAttr(segment, S_records)) || !PyList_Check(records) ||
+    if (!(records = PyObject_GetAttr(segment, self->st->S_records)) || !PyList_Check(records) ||
         PyList_Size(records) >= self->segment_copies)
         goto out;
     int copies = PyObject_IsTrue(nbytes);
     if (copies < 0) goto out;
     if (copies) {
-        if (!(run = PyObject_GetAttr(segment, S_last)) || run == Py_None) goto out;
-        if (!(run_copy = PyObject_GetAttr(run, S_copy))) goto out;
+        if (!(run = PyObject_GetAttr(segment, self->st->S_last)) || run == Py_None) goto out;
+        if (!(run_copy = PyObject_GetAttr(run, self->st->S_copy))) goto out;
         int same = run_copy == copy;
         if (!same && (same = PyObject_RichCompareBool(run_copy, copy, Py_EQ)) < 0) goto out;
         if (!same) goto out;
-        if (!(seen = PyObject_GetAttr(run, S_seen)) || !PyAnySet_Check(seen)) goto out;
+        if (!(seen = PyObject_GetAttr(run, self->st->S_seen)) || !PyAnySet_Check(seen)) goto out;
         int repeated = PySet_Contains(seen, dst);
         if (repeated) goto out; /* a destination twice in a run (or an error): Python starts a new run */
-        if (!(dsts = PyObject_GetAttr(run, S_dsts)) || !(srcs = PyObject_GetAttr(run, S_srcs)) ||
-            !(sizes = PyObject_GetAttr(run, S_sizes)) || !PyList_Check(dsts) || !PyList_Check(srcs) ||
+        if (!(dsts = PyObject_GetAttr(run, self->st->S_dsts)) || !(srcs = PyObject_GetAttr(run, self->st->S_srcs)) ||
+            !(sizes = PyObject_GetAttr(run, self->st->S_sizes)) || !PyList_Check(dsts) || !PyList_Check(srcs) ||
             !PyList_Check(sizes))
             goto out;
     }
@@ -321,7 +326,7 @@ static PyObject *fast_refused_copy(FastObject *self, PyObject *record) {
         Py_DECREF(exc);
         Py_XDECREF(r);
         if (r) PyErr_SetString(PyExc_SystemError, "Completion.copy_failed returned");
-    } else if (Py_TYPE(record) == RecordType) {
+    } else if (Py_TYPE(record) == self->st->RecordType) {
         RecordObject *r = (RecordObject *)record;
         if (r->event != Py_None) fast_prove_untracked(self, r->stream, r->event, 0);
     }
@@ -381,7 +386,7 @@ PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     }
     /* new_record(seq, event, stream, moved, leased, result, nbytes) */
     PyObject *fields[7] = {seq, event, stream, args[5], args[6], args[7], args[4]};
-    PyObject *record = record_make(fields);
+    PyObject *record = record_make(self->st, fields);
     Py_DECREF(seq);
     if (!record) {
         PyList_Append(self->events, event);
@@ -412,7 +417,7 @@ PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
 
 /* One wait on the backend's event_wait (Calls' compiled one where it is that): 1 ready, 0 not, -1 error. */
 static int fast_event_wait(FastObject *self, PyObject *event, PyObject *seconds) {
-    PyObject *fn = PyObject_GetAttr(self->backend, S_event_wait);
+    PyObject *fn = PyObject_GetAttr(self->backend, self->st->S_event_wait);
     if (!fn) return -1;
     PyObject *a[2] = {event, seconds};
     PyObject *r;
@@ -465,18 +470,18 @@ static int fast_settle_shared(FastObject *self, RecordObject *r) {
     PyObject *shared = r->shared;
     Py_INCREF(shared);
     set_field(&r->shared, Py_None);
-    PyObject *users = PyObject_GetAttr(shared, S_users);
+    PyObject *users = PyObject_GetAttr(shared, self->st->S_users);
     long k = users ? PyLong_AsLong(users) : -1;
     Py_XDECREF(users);
     int rc = -1;
     if (k == -1 && PyErr_Occurred()) goto out;
     PyObject *left = PyLong_FromLong(k - 1);
     if (!left) goto out;
-    rc = PyObject_SetAttr(shared, S_users, left);
+    rc = PyObject_SetAttr(shared, self->st->S_users, left);
     Py_DECREF(left);
     if (rc) goto out;
     if (k - 1 == 0) {
-        PyObject *event = PyObject_GetAttr(shared, S_event);
+        PyObject *event = PyObject_GetAttr(shared, self->st->S_event);
         rc = event ? PyList_Append(self->events, event) : -1;
         Py_XDECREF(event);
         if (rc) goto out;
@@ -494,19 +499,19 @@ int fast_settle_states(FastObject *self, RecordObject *r) {
     Py_ssize_t n = PyTuple_Size(r->moved);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *obj = PyTuple_GetItem(r->moved, i);
-        if (!set_state_slot(obj, self->owned) && PyObject_SetAttr(obj, S_state, self->owned)) return -1;
+        if (!set_state_slot(self->st, obj, self->owned) && PyObject_SetAttr(obj, self->st->S_state, self->owned)) return -1;
     }
     n = PyTuple_Size(r->leased);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *array = PyTuple_GetItem(r->leased, i);
-        PyObject *leases = PyObject_GetAttr(array, S_leases);
+        PyObject *leases = PyObject_GetAttr(array, self->st->S_leases);
         if (!leases) return -1;
         long k = PyLong_AsLong(leases);
         Py_DECREF(leases);
         if (k == -1 && PyErr_Occurred()) return -1;
         PyObject *v = PyLong_FromLong(k - 1);
         if (!v) return -1;
-        int rc = PyObject_SetAttr(array, S_leases, v);
+        int rc = PyObject_SetAttr(array, self->st->S_leases, v);
         Py_DECREF(v);
         if (rc) return -1;
     }
@@ -523,13 +528,13 @@ PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_TypeError, "wait takes 1 or 2 arguments (%zd given)", nargs);
         return NULL;
     }
-    if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(args[0]) != RecordType)
+    if ((nargs == 2 && args[1] != Py_None) || Py_TYPE(args[0]) != self->st->RecordType)
         return call_args(self->slow_wait, args, nargs);
     RecordObject *r = (RecordObject *)args[0];
     if (r->shared != Py_None && r->batch == Py_None && r->extra == Py_None && r->error == Py_None &&
         r->done == Py_False) {
         /* a batched record whose shared event a batch-mate proved: settle and claim it here */
-        int proved = attr_true(r->shared, S_done);
+        int proved = attr_true(r->shared, self->st->S_done);
         if (proved < 0) return NULL;
         if (!proved) return call_args(self->slow_wait, args, nargs);
         int refused = fast_refused(self);
@@ -542,7 +547,7 @@ PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
         r->spun != Py_False || r->event == Py_None)
         return call_args(self->slow_wait, args, nargs);
     if (r->extra != Py_None) {
-        int own = attr_true(r->extra, S_own_event);
+        int own = attr_true(r->extra, self->st->S_own_event);
         if (own < 0) return NULL;
         if (!own) return call_args(self->slow_wait, args, nargs);
     }
@@ -601,7 +606,7 @@ static PyObject *fast_claim(FastObject *self, RecordObject *r) {
             ok = fast_settle_plain(self, r) == 0;
         } else if (ok && r->extra == Py_None) {
             ok = fast_settle_shared(self, r) == 0;
-        } else if (ok && r->shared == Py_None && is_small_slot(r->extra)) {
+        } else if (ok && r->shared == Py_None && is_small_slot(self->st, r->extra)) {
             ok = fast_settle_slot(self, r) == 0;
         } else if (ok) {
             PyObject *s = PyObject_CallFunctionObjArgs(self->settle, (PyObject *)r, NULL);
@@ -776,7 +781,7 @@ static PyObject *fast_copy_first(FastObject *self, CallsObject *calls, int cu_up
         PyObject *seq = PyLong_FromLongLong(++self->seq);
         if (seq) {
             PyObject *fields[7] = {seq, event, e[0], moved, leased, result, e[4]};
-            record = record_make(fields);
+            record = record_make(self->st, fields);
             Py_DECREF(seq);
         }
     }
@@ -827,8 +832,8 @@ PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
     FastObject *self = (FastObject *)obj;
     if (nargs_is(nargs, 9, "pinned")) return NULL;
     PyObject *handle_type = args[0], *host = args[6], *device = args[7];
-    if (!PyType_Check(handle_type) || handle_type == (PyObject *)HandleType ||
-        !PyType_IsSubtype((PyTypeObject *)handle_type, HandleType)) {
+    if (!PyType_Check(handle_type) || handle_type == (PyObject *)self->st->HandleType ||
+        !PyType_IsSubtype((PyTypeObject *)handle_type, self->st->HandleType)) {
         /* Handle itself has no finalizer run on dealloc (only subtype_dealloc calls tp_finalize) */
         PyErr_SetString(PyExc_TypeError, "pinned: handle_type must be a Python subclass of Handle");
         return NULL;
@@ -860,16 +865,16 @@ PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs) {
         if (!record) return NULL;
     }
     /* enqueued: from here nothing fails but an allocation (the states move as in Python) */
-    if (PyObject_SetAttr(host, S_state, self->in_flight)) goto fail;
+    if (PyObject_SetAttr(host, self->st->S_state, self->in_flight)) goto fail;
     if (upload) {
-        if (PyObject_SetAttr(device, S_state, self->in_flight)) goto fail;
+        if (PyObject_SetAttr(device, self->st->S_state, self->in_flight)) goto fail;
     } else {
-        PyObject *leases = PyObject_GetAttr(device, S_leases);
+        PyObject *leases = PyObject_GetAttr(device, self->st->S_leases);
         if (!leases) goto fail;
         long k = PyLong_AsLong(leases);
         Py_DECREF(leases);
         PyObject *v = (k == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(k + 1);
-        int rc = v ? PyObject_SetAttr(device, S_leases, v) : -1;
+        int rc = v ? PyObject_SetAttr(device, self->st->S_leases, v) : -1;
         Py_XDECREF(v);
         if (rc) goto fail;
     }

@@ -12,14 +12,12 @@
  * transfer makes one of each). An exact ndarray (ndarray_type) has its flag flipped at the verified
  * offset (set_array_layout); any other array goes through array.flags and array.setflags, as in Python.
  */
-PyTypeObject *LeasesType;
 
 typedef struct { /* a PairObject's shape (its traverse, clear and dealloc are Pair_*) */
     PyObject_HEAD
     PyObject *table, *ndarray;
 } LeasesObject;
 
-PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
 
 static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"ndarray_type", NULL};
@@ -39,12 +37,12 @@ static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 
 /* array.setflags(write=value): 0, or -1 with the error set. */
-static int leases_setflags(PyObject *array, int value) {
-    PyObject *method = PyObject_GetAttr(array, S_setflags);
+static int leases_setflags(ferry_state *st, PyObject *array, int value) {
+    PyObject *method = PyObject_GetAttr(array, st->S_setflags);
     if (!method) return -1;
     PyObject *empty = PyTuple_New(0), *kw = PyDict_New();
     PyObject *r = NULL;
-    if (empty && kw && PyDict_SetItem(kw, S_write, value ? Py_True : Py_False) == 0) r = PyObject_Call(method, empty, kw);
+    if (empty && kw && PyDict_SetItem(kw, st->S_write, value ? Py_True : Py_False) == 0) r = PyObject_Call(method, empty, kw);
     Py_XDECREF(empty);
     Py_XDECREF(kw);
     Py_DECREF(method);
@@ -77,21 +75,26 @@ static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     int was;
-    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
+    if (!st) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array)) {
         int *flags = array_flags(array);
         was = (*flags & NPY_WRITEABLE_FLAG) != 0;
         *flags &= ~NPY_WRITEABLE_FLAG;
     } else {
         if (known == Py_None) {
-            PyObject *flags = PyObject_GetAttr(array, S_flags);
-            PyObject *w = flags ? PyObject_GetAttr(flags, S_writeable) : NULL;
+            PyObject *flags = PyObject_GetAttr(array, st->S_flags);
+            PyObject *w = flags ? PyObject_GetAttr(flags, st->S_writeable) : NULL;
             Py_XDECREF(flags);
             was = w ? PyObject_IsTrue(w) : -1;
             Py_XDECREF(w);
         } else {
             was = PyObject_IsTrue(known);
         }
-        if (was < 0 || (was && leases_setflags(array, 0))) {
+        if (was < 0 || (was && leases_setflags(st, array, 0))) {
             Py_DECREF(key);
             return NULL;
         }
@@ -144,8 +147,10 @@ PyObject *Leases_give(PyObject *obj, PyObject *array) {
     int was = rc ? -1 : PyObject_IsTrue(PyList_GetItem(entry, 2));
     Py_DECREF(entry);
     if (was <= 0) return was < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
-    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(array)) {
-        PyObject *base = PyObject_GetAttr(array, S_base);
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
+    if (!st) return NULL;
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array)) {
+        PyObject *base = PyObject_GetAttr(array, st->S_base);
         if (!base) return NULL;
         int owns = base == Py_None;
         Py_DECREF(base);
@@ -154,7 +159,7 @@ PyObject *Leases_give(PyObject *obj, PyObject *array) {
             Py_RETURN_NONE;
         }
     }
-    if (leases_setflags(array, 1)) {
+    if (leases_setflags(st, array, 1)) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
         PyErr_Clear(); /* its base became read-only meanwhile: it stays so */
     }
@@ -200,11 +205,11 @@ PyType_Spec Leases_spec = {
 
 /* copy_in(dst, capacity, array[, nbytes]) -> bytes copied, or -1 (not a C-contiguous buffer, or too large).
  * nbytes >= 0: the caller vouches that array is a numpy.ndarray of that size (the layout path). */
-PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mod_copy_in(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long dst, capacity;
     if ((nargs != 3 && nargs_is(nargs, 4, "copy_in")) || int_arg(args[0], &dst, 0) || int_arg(args[1], &capacity, 0))
         return NULL;
-    if (nargs == 4 && is_ndarray(args[2])) {
+    if (nargs == 4 && is_ndarray(mod_state(mod), args[2])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[3]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -224,10 +229,10 @@ PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
 
 /* address_of(array, capacity[, nbytes]) -> the address of a writable C-contiguous buffer of at most
  * capacity bytes, or 0. nbytes >= 0: as for copy_in. */
-PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mod_address_of(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     unsigned long long capacity;
     if ((nargs != 2 && nargs_is(nargs, 3, "address_of")) || int_arg(args[1], &capacity, 0)) return NULL;
-    if (nargs == 3 && is_ndarray(args[0])) {
+    if (nargs == 3 && is_ndarray(mod_state(mod), args[0])) {
         Py_ssize_t n = PyLong_AsSsize_t(args[2]);
         if (n == -1 && PyErr_Occurred()) return NULL;
         if (n >= 0) {
@@ -246,8 +251,8 @@ PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssi
 
 /* data_of(ndarray) -> its data pointer, read from NumPy's array struct: the caller vouches that it is
  * an exact numpy.ndarray (needs set_array_layout; ndarray.ctypes.data costs a microsecond). */
-PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (!is_ndarray(array)) return not_ndarray("data_of", array);
+PyObject *mod_data_of(PyObject *mod, PyObject *array) {
+    if (!is_ndarray(mod_state(mod), array)) return not_ndarray("data_of", array);
     return PyLong_FromVoidPtr(array_data(array));
 }
 
@@ -291,7 +296,6 @@ PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_
  * touch a Python object and never take the GIL; copy() releases it.
  */
 #define COPIER_MAX_HELPERS 8
-PyTypeObject *CopierType;
 
 typedef struct {
     PyObject_HEAD

@@ -20,7 +20,6 @@
  * signal handlers between them, so Ctrl-C reaches a blocked acquire within that. The owner and count
  * are read and written with the GIL held; `held` is what threads contend for.
  */
-PyTypeObject *RLockType;
 
 
 atomic_uint fork_generation;

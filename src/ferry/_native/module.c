@@ -1,29 +1,39 @@
 /*
- * module.c: the module ferry._native._engine: its functions, its types, its constants.
+ * module.c: the module ferry._native._engine: its functions, its types, its constants, its state.
  *
- * Its state. Every type is a heap type made with PyType_FromModuleAndSpec, so each type (and through
- * it each instance, which holds its type) keeps this module object alive: PyType_GetModule on a type of
- * ours answers for as long as any of its objects exists. The state itself (the types, DriverError, the
- * interned attribute names, the registered hot classes and numpy.ndarray, the DLPack exit flag, the
- * fork generation) is still process-wide: static globals, set once here and never released, with
- * single-phase init (m_size -1). That is sound: nothing of it is ever freed, so an object finalized
- * after the module left sys.modules, or during the interpreter's shutdown, reads state that is alive;
- * a re-import in the same process gets the same objects (CPython copies a single-phase module's dict),
- * and an isolated subinterpreter (3.12+) refuses a single-phase module instead of sharing it.
+ * Its state is per module (multi-phase init, m_size = sizeof(ferry_state)): the types, DriverError, the
+ * interned attribute names, sys.is_finalizing, and what Python sets after the import (the registered hot
+ * classes, numpy.ndarray, the handles' waited error). A second module object (importlib run twice, a
+ * re-import after the module left sys.modules) gets its own types and its own state; no object of one
+ * reads the other's.
  *
- * Why it is not per-module state yet. Multi-phase init makes a second module object possible (a
- * re-import, a subinterpreter, which 3.12+ assumes a multi-phase module supports unless it says
- * otherwise), so it is sound only once no file reads these globals. Moving them means handing each
- * reader its module's state: module functions have the module; methods can take their defining class
- * (METH_METHOD, limited API 3.10); but the slot functions of the subclassable types (Handle, the hot
- * objects' field types, whose Python subclasses are ferry's classes) and the inline checks every
- * compiled entry makes (is_hot, no_views, is_ndarray) get no module and no defining class.
- * PyType_GetModuleByDef, which finds it from a subclass, is in the limited API only from 3.13, and this
- * build serves 3.11. The sound way in the limited API of 3.11 is to walk the type's bases by hand
- * (PyType_GetSlot(Py_tp_base), then PyType_GetModule and PyModule_GetDef on each heap type) or to keep
- * a reference to the state on the objects that need it (a Fast, an Entry), and to pass the state to
- * every check of the compiled entries; that is the next step, file by file, before m_size becomes the
- * state's size.
+ * How each reader finds it. A module function has its module (mod_state). A method of a type that cannot
+ * be subclassed asks its own type (PyType_GetModuleState). A method of Handle takes its defining class
+ * (METH_METHOD); Handle's finalizer, which a Python subclass (a class with no module) reaches, walks the
+ * bases to the first heap type whose module is this one (state_of_type: tp_base, PyType_GetModule,
+ * PyModule_GetDef), because PyType_GetModuleByDef enters the limited API only in 3.13. The field types'
+ * slots need no state: each type has its own slot functions with its field count built in. A Fast holds its
+ * module and a pointer to its state, and every compiled entry (fast.c, entries.c, small.c) passes that
+ * pointer to its checks (is_hot, no_views, is_ndarray, record_make): the pinned round trip reads one
+ * pointer more than before, and looks nothing up.
+ *
+ * Its lifetime. Nothing reads freed state: every type is made with PyType_FromModuleAndSpec and holds its
+ * module; every object holds its type, and a Fast holds the module itself until its dealloc (its clear
+ * leaves that reference). The module is freed (m_free releases the state) only once nothing refers to it,
+ * so no object of its types exists then. When the cyclic collector breaks the module's cycles, m_clear
+ * releases only what Python handed in (hot classes, numpy.ndarray, the waited error), whose readers all
+ * take NULL as "not set"; the types and strings, read unchecked, stay until m_free. A lookup through a
+ * type the collector already cleared finds no module and raises; it never follows a stale pointer.
+ *
+ * What stays process-wide, and why. The fork generation (lock.c) counts forks of the process: a
+ * pthread_atfork handler, which has no module, bumps it, and a lock taken in an older generation was
+ * taken in a parent process whichever module made it. The DLPack deleters' exit flag and their release
+ * callback (dlpack.c): a deleter is a bare C function address handed to other libraries, called with the
+ * tensor only, on any thread, possibly after this module is gone; it takes the GIL with PyGILState_Ensure,
+ * which serves the main interpreter only, and its flag marks the exit of that interpreter, that is of the
+ * process. For that reason the module declares on 3.12 and later that it does not support several
+ * interpreters (Py_mod_multiple_interpreters, added at run time: the slot is unknown to 3.11, which this
+ * abi3 build also serves, and which refuses unknown slots); on 3.11 the slot does not exist.
  */
 #include "native.h"
 
@@ -94,164 +104,147 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    "ferry._native._engine",
-    "ferry's compiled layer: the staging engine on native threads and the small-transfer fast path "
-    "(src/ferry/_native/README.md lists its sources).",
-    -1,
-    module_methods,
-    NULL,
-    NULL,
-    NULL,
-    NULL,
-};
+/* The ferry module state of tp or of its nearest base made by this module's def (see the essay). */
+ferry_state *state_of_type(PyTypeObject *tp) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    ferry_state *st = NULL;
+    for (PyTypeObject *t = tp; t && !st && (PyType_GetFlags(t) & Py_TPFLAGS_HEAPTYPE);
+         t = (PyTypeObject *)PyType_GetSlot(t, Py_tp_base)) {
+        PyObject *m = PyType_GetModule(t); /* borrowed; NULL (TypeError) for a Python class */
+        if (m && PyModule_GetDef(m) == &ferry_module_def) st = mod_state(m);
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, tb);
+    if (!st && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "ferry._native._engine: this type's module is gone");
+    return st;
+}
 
-PyMODINIT_FUNC PyInit__engine(void) {
-    PyObject *m = PyModule_Create(&module_def);
-    if (!m) return NULL;
-    if (lock_count_forks()) goto fail;
-    DriverError = PyErr_NewException("ferry._native._engine.DriverError", PyExc_RuntimeError, NULL);
-    if (!DriverError) goto fail;
-    Py_INCREF(DriverError); /* one for the module (stolen on success), one kept here */
-    if (PyModule_AddObject(m, "DriverError", DriverError)) {
-        Py_DECREF(DriverError);
-        goto fail;
-    }
-    EngineType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Engine_spec, NULL);
-    if (!EngineType) goto fail;
-    Py_INCREF((PyObject *)EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)EngineType)) {
-        Py_DECREF((PyObject *)EngineType);
-        goto fail;
-    }
-    JobType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Job_spec, NULL);
-    if (!JobType) goto fail;
-    Py_INCREF((PyObject *)JobType);
-    if (PyModule_AddObject(m, "Job", (PyObject *)JobType)) {
-        Py_DECREF((PyObject *)JobType);
-        goto fail;
-    }
-    RecordType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Record_spec, NULL);
-    if (!RecordType) goto fail;
-    record_alloc = (allocfunc)PyType_GetSlot(RecordType, Py_tp_alloc);
-    Py_INCREF((PyObject *)RecordType);
-    if (PyModule_AddObject(m, "Record", (PyObject *)RecordType)) {
-        Py_DECREF((PyObject *)RecordType);
-        goto fail;
-    }
-    FastType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Fast_spec, NULL);
-    if (!FastType) goto fail;
-    Py_INCREF((PyObject *)FastType);
-    if (PyModule_AddObject(m, "Fast", (PyObject *)FastType)) {
-        Py_DECREF((PyObject *)FastType);
-        goto fail;
-    }
-    if (!(S_transfers = PyUnicode_InternFromString("transfers"))) goto fail;
-    if (!(S_give = PyUnicode_InternFromString("give")) || !(S_free = PyUnicode_InternFromString("free")) ||
-        !(S_host_copied = PyUnicode_InternFromString("host_copied")))
-        goto fail;
-    if (!(S_htod_record = PyUnicode_InternFromString("htod_record")) ||
-        !(S_dtoh_record = PyUnicode_InternFromString("dtoh_record")))
-        goto fail;
-    if (!(S_count = PyUnicode_InternFromString("_count")) || !(S_deferred = PyUnicode_InternFromString("deferred")) ||
-        !(S_doomed = PyUnicode_InternFromString("_doomed")) || !(S_refusal = PyUnicode_InternFromString("refusal")) ||
-        !(S_event_wait = PyUnicode_InternFromString("event_wait")) ||
-        !(S_own_event = PyUnicode_InternFromString("own_event")) || !(S_state = PyUnicode_InternFromString("_state")) ||
-        !(S_leases = PyUnicode_InternFromString("_leases")) ||
-        !(S_segments = PyUnicode_InternFromString("segments")) ||
-        !(S_records = PyUnicode_InternFromString("records")) || !(S_last = PyUnicode_InternFromString("last")) ||
-        !(S_copy = PyUnicode_InternFromString("copy")) || !(S_seen = PyUnicode_InternFromString("seen")) ||
-        !(S_dsts = PyUnicode_InternFromString("dsts")) || !(S_srcs = PyUnicode_InternFromString("srcs")) ||
-        !(S_sizes = PyUnicode_InternFromString("sizes")) || !(S_done = PyUnicode_InternFromString("done")) ||
-        !(S_users = PyUnicode_InternFromString("users")) || !(S_event = PyUnicode_InternFromString("event")))
-        goto fail;
-    HandleType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Handle_spec, NULL);
-    if (!HandleType) goto fail;
-    Py_INCREF((PyObject *)HandleType);
-    if (PyModule_AddObject(m, "Handle", (PyObject *)HandleType)) {
-        Py_DECREF((PyObject *)HandleType);
-        goto fail;
-    }
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+    ferry_state *st = mod_state(m);
+    if (!st) return 0;
+    PyObject **refs = state_refs(st);
+    for (size_t i = 0; i < FERRY_STATE_REFS; i++) Py_VISIT(refs[i]);
+    return 0;
+}
+
+/* What the collector may break: what Python handed in (its readers take NULL as "not set"). */
+static int module_clear(PyObject *m) {
+    ferry_state *st = mod_state(m);
+    if (!st) return 0;
+    PyObject **refs = state_refs(st);
+    for (size_t i = FERRY_STATE_KEPT; i < FERRY_STATE_REFS; i++) Py_CLEAR(refs[i]);
+    return 0;
+}
+
+/* The module is freed: no object of its types is left, the whole state goes. */
+static void module_free(void *m) {
+    ferry_state *st = mod_state((PyObject *)m);
+    if (!st) return;
+    PyObject **refs = state_refs(st);
+    for (size_t i = 0; i < FERRY_STATE_REFS; i++) Py_CLEAR(refs[i]);
+    st->record_alloc = NULL;
+}
+
+/* A type of spec (on base, or none) added to the module as name: 0, or -1 with the error set. */
+static int add_type(PyObject *m, PyTypeObject **slot, PyType_Spec *spec, const char *name, PyTypeObject *base) {
+    PyObject *t = PyType_FromModuleAndSpec(m, spec, (PyObject *)base);
+    if (!t) return -1;
+    *slot = (PyTypeObject *)t; /* the state's reference */
+    return name ? PyModule_AddObject(m, name, Py_NewRef(t)) ? (Py_DECREF(t), -1) : 0 : 0;
+}
+
+static int intern(PyObject **slot, const char *text) { return (*slot = PyUnicode_InternFromString(text)) ? 0 : -1; }
+
+static PyMethodDef at_exit_def = {"_dlpack_at_exit", dlpack_at_exit, METH_NOARGS,
+                                  "the interpreter's exit began: DLPack deleters do nothing from now on"};
+static int at_exit_registered; /* touched with the GIL held, by the one interpreter that imports ferry */
+
+static int module_exec(PyObject *m) {
+    ferry_state *st = mod_state(m);
+    if (lock_count_forks()) return -1;
+    st->DriverError = PyErr_NewException("ferry._native._engine.DriverError", PyExc_RuntimeError, NULL);
+    if (!st->DriverError || PyModule_AddObject(m, "DriverError", Py_NewRef(st->DriverError))) return -1;
+    if (add_type(m, &st->EngineType, &Engine_spec, "Engine", NULL) || add_type(m, &st->JobType, &Job_spec, "Job", NULL) ||
+        add_type(m, &st->RecordType, &Record_spec, "Record", NULL) || add_type(m, &st->FastType, &Fast_spec, "Fast", NULL) ||
+        add_type(m, &st->HandleType, &Handle_spec, "Handle", NULL) || add_type(m, &st->EntryType, &Entry_spec, NULL, NULL) ||
+        add_type(m, &st->RLockType, &RLock_spec, "RLock", NULL) ||
+        add_type(m, &st->BufferFieldsType, &BufferFields_spec, "BufferFields", NULL) ||
+        add_type(m, &st->ArrayFieldsType, &ArrayFields_spec, "ArrayFields", NULL) ||
+        add_type(m, &st->BlockFieldsType, &BlockFields_spec, "BlockFields", NULL) ||
+        add_type(m, &st->HealthFieldsType, &HealthFields_spec, "HealthFields", NULL) ||
+        add_type(m, &st->ExtrasFieldsType, &ExtrasFields_spec, "ExtrasFields", NULL) ||
+        add_type(m, &st->SlotFieldsType, &SlotFields_spec, "SlotFields", st->ExtrasFieldsType) ||
+        add_type(m, &st->HostMemoryType, &HostMemory_spec, "HostMemory", NULL) ||
+        add_type(m, &st->LeasesType, &Leases_spec, "Leases", NULL) ||
+        add_type(m, &st->CopierType, &Copier_spec, "Copier", NULL) || add_type(m, &st->CallsType, &Calls_spec, "Calls", NULL))
+        return -1;
+    st->record_alloc = (allocfunc)PyType_GetSlot(st->RecordType, Py_tp_alloc);
+    if (intern(&st->S_transfers, "transfers") || intern(&st->S_give, "give") || intern(&st->S_free, "free") ||
+        intern(&st->S_host_copied, "host_copied") || intern(&st->S_htod_record, "htod_record") ||
+        intern(&st->S_dtoh_record, "dtoh_record") || intern(&st->S_count, "_count") ||
+        intern(&st->S_deferred, "deferred") || intern(&st->S_doomed, "_doomed") || intern(&st->S_refusal, "refusal") ||
+        intern(&st->S_event_wait, "event_wait") || intern(&st->S_own_event, "own_event") ||
+        intern(&st->S_state, "_state") || intern(&st->S_leases, "_leases") || intern(&st->S_segments, "segments") ||
+        intern(&st->S_records, "records") || intern(&st->S_last, "last") || intern(&st->S_copy, "copy") ||
+        intern(&st->S_seen, "seen") || intern(&st->S_dsts, "dsts") || intern(&st->S_srcs, "srcs") ||
+        intern(&st->S_sizes, "sizes") || intern(&st->S_done, "done") || intern(&st->S_users, "users") ||
+        intern(&st->S_event, "event") || intern(&st->S_wait, "wait") || intern(&st->S_detach, "detach") ||
+        intern(&st->S_flags, "flags") || intern(&st->S_writeable, "writeable") || intern(&st->S_setflags, "setflags") ||
+        intern(&st->S_base, "base") || intern(&st->S_write, "write"))
+        return -1;
     {
         PyObject *sys = PyImport_ImportModule("sys");
-        if (!sys) goto fail;
-        sys_is_finalizing = PyObject_GetAttrString(sys, "is_finalizing");
+        if (!sys) return -1;
+        st->sys_is_finalizing = PyObject_GetAttrString(sys, "is_finalizing");
         Py_DECREF(sys);
-        if (!sys_is_finalizing) goto fail;
+        if (!st->sys_is_finalizing) return -1;
     }
-    { /* the exit flag of the DLPack deleters (dlpack.c): atexit runs first thing in finalization */
+    if (!at_exit_registered) { /* the exit flag of the DLPack deleters (dlpack.c): atexit runs first thing in
+                                * finalization. The flag is the process's: registered once, as a function
+                                * bound to no module (a bound one would keep its module alive to the exit). */
         PyObject *atexit = PyImport_ImportModule("atexit");
-        PyObject *at_exit = atexit ? PyObject_GetAttrString(m, "_dlpack_at_exit") : NULL;
+        PyObject *at_exit = atexit ? PyCFunction_New(&at_exit_def, NULL) : NULL;
         PyObject *r = at_exit ? PyObject_CallMethod(atexit, "register", "O", at_exit) : NULL;
         Py_XDECREF(atexit);
         Py_XDECREF(at_exit);
-        if (!r) goto fail;
+        if (!r) return -1;
         Py_DECREF(r);
-    }
-    if (!(S_wait = PyUnicode_InternFromString("wait")) || !(S_detach = PyUnicode_InternFromString("detach")))
-        goto fail;
-    if (!(S_flags = PyUnicode_InternFromString("flags")) || !(S_writeable = PyUnicode_InternFromString("writeable")) ||
-        !(S_setflags = PyUnicode_InternFromString("setflags")) || !(S_base = PyUnicode_InternFromString("base")) ||
-        !(S_write = PyUnicode_InternFromString("write")))
-        goto fail;
-    EntryType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Entry_spec, NULL);
-    if (!EntryType) goto fail;
-    RLockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &RLock_spec, NULL);
-    if (!RLockType) goto fail;
-    Py_INCREF((PyObject *)RLockType);
-    if (PyModule_AddObject(m, "RLock", (PyObject *)RLockType)) {
-        Py_DECREF((PyObject *)RLockType);
-        goto fail;
-    }
-    { /* the hot objects' field types (objects.c): Slot's derives from the extras' */
-        struct { PyTypeObject **type; PyType_Spec *spec; const char *name; PyTypeObject **base; } made[] = {
-            {&BufferFieldsType, &BufferFields_spec, "BufferFields", NULL},
-            {&ArrayFieldsType, &ArrayFields_spec, "ArrayFields", NULL},
-            {&BlockFieldsType, &BlockFields_spec, "BlockFields", NULL},
-            {&HealthFieldsType, &HealthFields_spec, "HealthFields", NULL},
-            {&ExtrasFieldsType, &ExtrasFields_spec, "ExtrasFields", NULL},
-            {&SlotFieldsType, &SlotFields_spec, "SlotFields", &ExtrasFieldsType},
-            {&HostMemoryType, &HostMemory_spec, "HostMemory", NULL},
-        };
-        for (size_t i = 0; i < sizeof made / sizeof made[0]; i++) {
-            PyObject *t = made[i].base ? PyType_FromModuleAndSpec(m, made[i].spec, (PyObject *)*made[i].base)
-                                       : PyType_FromModuleAndSpec(m, made[i].spec, NULL);
-            if (!t) goto fail;
-            *made[i].type = (PyTypeObject *)t;
-            if (PyModule_AddObject(m, made[i].name, Py_NewRef(t))) {
-                Py_DECREF(t);
-                goto fail;
-            }
-        }
-    }
-    LeasesType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Leases_spec, NULL);
-    if (!LeasesType) goto fail;
-    Py_INCREF((PyObject *)LeasesType);
-    if (PyModule_AddObject(m, "Leases", (PyObject *)LeasesType)) {
-        Py_DECREF((PyObject *)LeasesType);
-        goto fail;
-    }
-    CopierType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Copier_spec, NULL);
-    if (!CopierType) goto fail;
-    Py_INCREF((PyObject *)CopierType);
-    if (PyModule_AddObject(m, "Copier", (PyObject *)CopierType)) {
-        Py_DECREF((PyObject *)CopierType);
-        goto fail;
-    }
-    CallsType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &Calls_spec, NULL);
-    if (!CallsType) goto fail;
-    Py_INCREF((PyObject *)CallsType);
-    if (PyModule_AddObject(m, "Calls", (PyObject *)CallsType)) {
-        Py_DECREF((PyObject *)CallsType);
-        goto fail;
+        at_exit_registered = 1;
     }
     if (PyModule_AddIntConstant(m, "MAX_LANES", MAX_LANES) || PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) ||
         PyModule_AddIntConstant(m, "INJECTED_FAILURE", ERR_UNKNOWN) ||
         PyModule_AddIntConstant(m, "INJECTED_STICKY_FAILURE", ERR_LAUNCH_FAILED))
-        goto fail;
-    return m;
-fail:
-    Py_DECREF(m);
-    return NULL;
+        return -1;
+    return 0;
+}
+
+/* Py_mod_multiple_interpreters (3.12+), Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED: see the essay */
+#define MOD_MULTIPLE_INTERPRETERS 3
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, (void *)module_exec},
+    {0, NULL}, /* PyInit__engine sets Py_mod_multiple_interpreters here on 3.12 and later */
+    {0, NULL},
+};
+
+struct PyModuleDef ferry_module_def = {
+    PyModuleDef_HEAD_INIT,
+    "ferry._native._engine",
+    "ferry's compiled layer: the staging engine on native threads and the small-transfer fast path "
+    "(src/ferry/_native/README.md lists its sources).",
+    sizeof(ferry_state),
+    module_methods,
+    module_slots,
+    module_traverse,
+    module_clear,
+    module_free,
+};
+
+PyMODINIT_FUNC PyInit__engine(void) {
+    if (Py_Version >= 0x030C0000) {
+        module_slots[1].slot = MOD_MULTIPLE_INTERPRETERS;
+        module_slots[1].value = NULL; /* Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED */
+    }
+    return PyModuleDef_Init(&ferry_module_def);
 }

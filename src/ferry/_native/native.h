@@ -15,7 +15,7 @@
  *   small.c    the small pageable route's compiled upload, and NumPy's array fields
  *   host.c     host copies for Python: copy_in, address_of, memcopy, Leases, the Copier
  *   dlpack.c   DLPack export and import
- *   module.c   the module: its functions, its types, its constants
+ *   module.c   the module: its functions, its types, its constants, its state (ferry_state)
  *
  * The rules: native threads (core/, emulated.c, the Copier's helpers) never touch a Python object and
  * never take the GIL; everything declared below is touched with the GIL held. Symbols are hidden
@@ -77,12 +77,7 @@ typedef struct { /* a small-route slot (ferry._routes._small.Slot): the extras' 
 
 /* The exact classes the entries read, by set_hot_types (NULL until then) */
 enum { HOT_BUFFER, HOT_ARRAY, HOT_BLOCK, HOT_HEALTH, HOT_SLOT, HOT_TYPES };
-extern PyObject *hot_types[HOT_TYPES];
-
-/* Whether obj's exact type is the hot class `which` (then its fields are read as that struct's) */
-static inline int is_hot(PyObject *obj, int which) {
-    return hot_types[which] && (PyObject *)Py_TYPE(obj) == hot_types[which];
-}
+/* is_hot, no_views, is_ndarray (below): defined after the module's state */
 
 /* The pinned memory every view of a pinned buffer is made from (objects.c: HostMemory). It exports the
  * memory through the buffer protocol and counts the exports not yet released; NumPy holds one for each
@@ -96,14 +91,6 @@ typedef struct {
     PyObject *weakreflist;
 } HostMemoryObject;
 
-extern PyTypeObject *HostMemoryType;
-
-/* Whether base, a pinned buffer's `_base`, is a HostMemory with no export alive: the count is read at its
- * offsetof, atomically (exports are taken and released wherever a view is made or dropped). */
-static inline int no_views(PyObject *base) {
-    return (PyObject *)Py_TYPE(base) == (PyObject *)HostMemoryType &&
-           atomic_load_explicit(&((HostMemoryObject *)base)->exports, memory_order_acquire) == 0;
-}
 
 #define BUFFER(o) ((BufferFields *)(o))
 #define ARRAY(o) ((ArrayFields *)(o))
@@ -111,9 +98,7 @@ static inline int no_views(PyObject *base) {
 #define HEALTH(o) ((HealthFields *)(o))
 #define SLOT(o) ((SlotFields *)(o))
 
-extern PyTypeObject *BufferFieldsType, *ArrayFieldsType, *BlockFieldsType, *HealthFieldsType, *ExtrasFieldsType,
-    *SlotFieldsType;
-PyObject *mod_set_hot_types(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_set_hot_types(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 
 /* -- NumPy's array struct ----------------------------------------------------------------------------
  * PyArrayObject_fields of numpy/ndarraytypes.h, declared here as the driver types are in core/core.h:
@@ -136,28 +121,44 @@ typedef struct {
 #define NPY_C_CONTIGUOUS_FLAG 0x0001
 #define NPY_WRITEABLE_FLAG 0x0400
 
-/* -- objects shared between files (defined in the file named) ---------------------------------- */
-extern PyObject *DriverError;
-extern PyTypeObject *EngineType;
-extern PyTypeObject *JobType;
-extern PyTypeObject *CallsType;
-extern PyObject *sys_is_finalizing;
-extern PyObject *S_wait, *S_detach;
-extern PyTypeObject *RLockType;
-extern PyTypeObject *FastType;
-extern PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
-extern PyObject *S_htod_record, *S_dtoh_record;
-extern PyObject *S_give, *S_free, *S_host_copied;
-extern PyTypeObject *EntryType;
-extern PyObject *S_transfers;
-extern PyTypeObject *LeasesType;
-extern PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
-extern PyTypeObject *CopierType;
-extern PyObject *dlpack_release;
-extern PyTypeObject *HandleType;
-extern PyTypeObject *RecordType; /* records.c */
-extern PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
-    *S_event; /* fast.c */
+/* -- the module's state (module.c: its essay says what lives here and why the rest is process-wide) -- */
+typedef struct ferry_state {
+    allocfunc record_alloc; /* Record's tp_alloc */
+    /* from here on: strong references only (module.c visits and releases them as one array) */
+    PyObject *DriverError; /* DriverError(code, text) */
+    PyTypeObject *EngineType, *JobType, *CallsType, *RLockType, *FastType, *EntryType, *LeasesType, *CopierType,
+        *HandleType, *RecordType, *HostMemoryType;
+    PyTypeObject *BufferFieldsType, *ArrayFieldsType, *BlockFieldsType, *HealthFieldsType, *ExtrasFieldsType,
+        *SlotFieldsType;
+    PyObject *sys_is_finalizing; /* sys.is_finalizing */
+    PyObject *S_wait, *S_detach;
+    PyObject *S_count, *S_deferred, *S_doomed, *S_refusal, *S_event_wait, *S_own_event, *S_state, *S_leases;
+    PyObject *S_htod_record, *S_dtoh_record;
+    PyObject *S_give, *S_free, *S_host_copied;
+    PyObject *S_transfers;
+    PyObject *S_flags, *S_writeable, *S_setflags, *S_base, *S_write;
+    PyObject *S_segments, *S_records, *S_last, *S_copy, *S_seen, *S_dsts, *S_srcs, *S_sizes, *S_done, *S_users,
+        *S_event;
+    /* set from Python after the import; every reader tolerates NULL (m_clear releases these) */
+    PyObject *hot_types[HOT_TYPES];  /* set_hot_types: PinnedHostBuffer, DeviceArray, Block, Health, Slot */
+    PyObject *ndarray_type;          /* set_array_type: numpy.ndarray, once array_layout() verified NumpyArray */
+    PyObject *handle_waited_error;   /* set_handle_errors: FerryError */
+} ferry_state;
+
+#define FERRY_STATE_REFS ((sizeof(ferry_state) - offsetof(ferry_state, DriverError)) / sizeof(PyObject *))
+static inline PyObject **state_refs(ferry_state *st) { return (PyObject **)&st->DriverError; }
+#define FERRY_STATE_KEPT ((size_t)(offsetof(ferry_state, hot_types) - offsetof(ferry_state, DriverError)) / sizeof(PyObject *))
+
+extern struct PyModuleDef ferry_module_def; /* module.c */
+
+/* The state of a module function's module (mod is ferry's). */
+static inline ferry_state *mod_state(PyObject *mod) { return (ferry_state *)PyModule_GetState(mod); }
+
+/* The state of the module that made tp or one of its bases (a Python subclass of Handle or of a field type
+ * has no module; its compiled base has): NULL with an exception when none is found (a type torn down by
+ * the collector). Walks tp_base: the limited API of 3.11 has no PyType_GetModuleByDef. */
+ferry_state *state_of_type(PyTypeObject *tp);
+
 /* the types' specs (module.c makes the types) */
 extern PyType_Spec Engine_spec; /* engine.c */
 extern PyType_Spec Job_spec; /* engine.c */
@@ -171,6 +172,19 @@ extern PyType_Spec Fast_spec; /* fast.c */
 extern PyType_Spec Entry_spec; /* entries.c */
 extern PyType_Spec Leases_spec; /* host.c */
 extern PyType_Spec Copier_spec; /* host.c */
+
+
+/* Whether obj's exact type is the hot class `which` of st (then its fields are read as that struct's) */
+static inline int is_hot(ferry_state *st, PyObject *obj, int which) {
+    return st->hot_types[which] && (PyObject *)Py_TYPE(obj) == st->hot_types[which];
+}
+
+/* Whether base, a pinned buffer's `_base`, is a HostMemory with no export alive: the count is read at its
+ * offsetof, atomically (exports are taken and released wherever a view is made or dropped). */
+static inline int no_views(ferry_state *st, PyObject *base) {
+    return Py_TYPE(base) == st->HostMemoryType &&
+           atomic_load_explicit(&((HostMemoryObject *)base)->exports, memory_order_acquire) == 0;
+}
 
 typedef CUresult (*fn_memcpy_batch_13000)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, void *, size_t *, size_t,
                                           CUstream);
@@ -211,10 +225,8 @@ typedef struct {
 
 static inline PyObject **record_fields(RecordObject *self) { return &self->seq; }
 
-extern allocfunc record_alloc;
-
-static inline PyObject *record_make(PyObject *const *args) {
-    RecordObject *self = (RecordObject *)record_alloc(RecordType, 0);
+static inline PyObject *record_make(ferry_state *st, PyObject *const *args) {
+    RecordObject *self = (RecordObject *)st->record_alloc(st->RecordType, 0);
     if (!self) return NULL;
     PyObject **f = record_fields(self);
     for (int i = 0; i < 7; i++) {
@@ -380,6 +392,8 @@ typedef struct {
     PyObject *small_ring, *small_free, *small_lost, *small_take, *small_active, *ndarray_type, *slow_upload_any;
     PyObject *small_give; /* the upload ring's give (the lease table's) */
     PyObject *small_alloc; /* SmallRoute.new_destination: a fresh upload's destination (or None) */
+    PyObject *module; /* the module that made Fast: held (and not cleared) until dealloc, so st stays alive */
+    ferry_state *st;  /* its state */
     double spin_base, spin_per_byte, spin_cap;
     long long seq, submitted, completed;
     Py_ssize_t segment_copies; /* Completion.segment_copies: a batch segment this full is flushed (Python) */
@@ -422,10 +436,10 @@ typedef struct {
 } PairObject;
 
 
-extern PyObject *ndarray_type; /* small.c: numpy.ndarray, once array_layout() verified NumpyArray (else NULL) */
-
 /* Whether obj is exactly a numpy.ndarray (a subclass may keep its data elsewhere: no field is read). */
-static inline int is_ndarray(PyObject *obj) { return ndarray_type && (PyObject *)Py_TYPE(obj) == ndarray_type; }
+static inline int is_ndarray(ferry_state *st, PyObject *obj) {
+    return st->ndarray_type && (PyObject *)Py_TYPE(obj) == st->ndarray_type;
+}
 
 /* TypeError for a helper handed something that is not exactly a numpy.ndarray; NULL */
 static inline PyObject *not_ndarray(const char *helper, PyObject *obj) {
@@ -476,8 +490,8 @@ PyObject *Calls_dtoh_record(PyObject *obj, PyObject *const *args, Py_ssize_t nar
 PyObject *Calls_event_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 
 /* records.c */
-PyObject *mod_new_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
-PyObject *mod_set_handle_errors(PyObject *Py_UNUSED(mod), PyObject *arg);
+PyObject *mod_new_record(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_set_handle_errors(PyObject *mod, PyObject *arg);
 
 /* fast.c */
 PyObject *Fast_enqueue(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
@@ -486,8 +500,8 @@ PyObject *Fast_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 PyObject *Fast_pinned(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 
 /* entries.c */
-int set_state_slot(PyObject *obj, PyObject *state);
-int is_small_slot(PyObject *extra);
+int set_state_slot(ferry_state *st, PyObject *obj, PyObject *state);
+int is_small_slot(ferry_state *st, PyObject *extra);
 int fast_settle_slot(FastObject *self, RecordObject *r);
 PyObject *Fast_bind_entries(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fast_entry_slow(FastObject *self, PyObject *slow, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
@@ -498,18 +512,18 @@ PyObject *Fast_entries(PyObject *obj, PyObject *runtime);
 
 /* small.c */
 int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, int writable);
-PyObject *mod_set_array_type(PyObject *Py_UNUSED(mod), PyObject *arg);
+PyObject *mod_set_array_type(PyObject *mod, PyObject *arg);
 PyObject *mod_array_fields(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored));
 PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs);
 PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
-PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array);
-PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array);
+PyObject *mod_clear_writeable(PyObject *mod, PyObject *array);
+PyObject *mod_set_writeable(PyObject *mod, PyObject *array);
 
 /* host.c */
 PyObject *Leases_give(PyObject *obj, PyObject *array);
-PyObject *mod_copy_in(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
-PyObject *mod_address_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
-PyObject *mod_data_of(PyObject *Py_UNUSED(mod), PyObject *array);
+PyObject *mod_copy_in(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_address_of(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
+PyObject *mod_data_of(PyObject *mod, PyObject *array);
 PyObject *mod_memcopy(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
 
 /* dlpack.c */

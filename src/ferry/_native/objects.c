@@ -19,52 +19,43 @@
  */
 #include "native.h"
 
-PyTypeObject *BufferFieldsType, *ArrayFieldsType, *BlockFieldsType, *HealthFieldsType, *ExtrasFieldsType,
-    *SlotFieldsType;
-
 /* The fields as a run of object references: from `first` (just after the object header) to `end`. */
 static inline PyObject **fields_begin(PyObject *obj) { return (PyObject **)((char *)obj + sizeof(PyObject)); }
 
-/* How many fields the C type `tp` (or the C type a Python subclass derives from) has. */
-static Py_ssize_t fields_count(PyTypeObject *tp) {
-    if (PyType_IsSubtype(tp, SlotFieldsType)) return (Py_ssize_t)((sizeof(SlotFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    if (PyType_IsSubtype(tp, ExtrasFieldsType)) return (Py_ssize_t)((sizeof(ExtrasFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    if (PyType_IsSubtype(tp, BufferFieldsType)) return (Py_ssize_t)((sizeof(BufferFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    if (PyType_IsSubtype(tp, ArrayFieldsType)) return (Py_ssize_t)((sizeof(ArrayFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    if (PyType_IsSubtype(tp, BlockFieldsType)) return (Py_ssize_t)((sizeof(BlockFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    if (PyType_IsSubtype(tp, HealthFieldsType)) return (Py_ssize_t)((sizeof(HealthFields) - sizeof(PyObject)) / sizeof(PyObject *));
-    return 0;
-}
+/* How many fields the struct T has. Each fields type gets its own slot functions with its count built in
+ * (FIELDS_SPEC): a Python subclass inherits tp_new and reaches the others through its base's, so no slot
+ * looks its type up (nor the module's state). */
+#define FIELDS_OF(T) ((Py_ssize_t)((sizeof(T) - sizeof(PyObject)) / sizeof(PyObject *)))
 
-static PyObject *Fields_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) {
+static PyObject *fields_new(PyTypeObject *type, Py_ssize_t n) {
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     PyObject *self = alloc(type, 0);
     if (!self) return NULL;
     PyObject **f = fields_begin(self);
-    for (Py_ssize_t i = 0, n = fields_count(type); i < n; i++) f[i] = Py_NewRef(Py_None);
+    for (Py_ssize_t i = 0; i < n; i++) f[i] = Py_NewRef(Py_None);
     return self;
 }
 
 /* The subclasses' __init__ take their own arguments: the base accepts and ignores them. */
 static int Fields_init(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) { return 0; }
 
-static int Fields_traverse(PyObject *obj, visitproc visit, void *arg) {
+static int fields_traverse(PyObject *obj, visitproc visit, void *arg, Py_ssize_t n) {
     PyObject **f = fields_begin(obj);
-    for (Py_ssize_t i = 0, n = fields_count(Py_TYPE(obj)); i < n; i++) Py_VISIT(f[i]);
+    for (Py_ssize_t i = 0; i < n; i++) Py_VISIT(f[i]);
     Py_VISIT((PyObject *)Py_TYPE(obj));
     return 0;
 }
 
-static int Fields_clear(PyObject *obj) {
+static int fields_clear(PyObject *obj, Py_ssize_t n) {
     PyObject **f = fields_begin(obj);
-    for (Py_ssize_t i = 0, n = fields_count(Py_TYPE(obj)); i < n; i++) Py_CLEAR(f[i]);
+    for (Py_ssize_t i = 0; i < n; i++) Py_CLEAR(f[i]);
     return 0;
 }
 
-static void Fields_dealloc(PyObject *obj) {
+static void fields_dealloc(PyObject *obj, Py_ssize_t n) {
     PyTypeObject *tp = Py_TYPE(obj);
     PyObject_GC_UnTrack(obj);
-    Fields_clear(obj);
+    fields_clear(obj, n);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(obj);
     Py_DECREF(tp);
@@ -115,10 +106,18 @@ static PyMemberDef Slot_members[] = {
 };
 
 #define FIELDS_SPEC(Name, T, members, doc)                                                                    \
+    static PyObject *Name##_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwds)) {    \
+        return fields_new(type, FIELDS_OF(T));                                                                \
+    }                                                                                                         \
+    static int Name##_traverse(PyObject *obj, visitproc visit, void *arg) {                                   \
+        return fields_traverse(obj, visit, arg, FIELDS_OF(T));                                                \
+    }                                                                                                         \
+    static int Name##_clear(PyObject *obj) { return fields_clear(obj, FIELDS_OF(T)); }                         \
+    static void Name##_dealloc(PyObject *obj) { fields_dealloc(obj, FIELDS_OF(T)); }                           \
     static PyType_Slot Name##_slots[] = {                                                                     \
-        {Py_tp_new, Fields_new},         {Py_tp_init, Fields_init},   {Py_tp_dealloc, Fields_dealloc},       \
-        {Py_tp_traverse, Fields_traverse}, {Py_tp_clear, Fields_clear}, {Py_tp_members, members},              \
-        {Py_tp_doc, doc},                {0, NULL},                                                           \
+        {Py_tp_new, Name##_new},           {Py_tp_init, Fields_init},   {Py_tp_dealloc, Name##_dealloc},     \
+        {Py_tp_traverse, Name##_traverse}, {Py_tp_clear, Name##_clear}, {Py_tp_members, members},            \
+        {Py_tp_doc, doc},                  {0, NULL},                                                         \
     };                                                                                                        \
     PyType_Spec Name##_spec = {"ferry._native._engine." #Name, sizeof(T), 0,                                  \
                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, Name##_slots}
@@ -143,8 +142,6 @@ FIELDS_SPEC(SlotFields, SlotFields, Slot_members, "The fields of a small-route s
  * HostMemory (view->obj), so the memory outlives its last export, and the pinned block goes back to its
  * pool only when the HostMemory dies (a weakref.finalize on it: ferry/_buffer.py). The type cannot be
  * subclassed, so its exact type is the check no_views makes. ptr and nbytes never change. */
-
-PyTypeObject *HostMemoryType;
 
 static PyObject *HostMemory_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *address;
@@ -228,14 +225,13 @@ PyType_Spec HostMemory_spec = {"ferry._native._engine.HostMemory", sizeof(HostMe
 
 /* -- the classes the entries read ------------------------------------------------------------------ */
 
-PyObject *hot_types[HOT_TYPES]; /* PinnedHostBuffer, DeviceArray, Block, Health, Slot; NULL: not set */
-
 /* set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the exact classes whose instances the
  * compiled entries read, each checked to derive from its fields type above. */
-PyObject *mod_set_hot_types(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mod_set_hot_types(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, HOT_TYPES, "set_hot_types")) return NULL;
-    PyTypeObject *bases[HOT_TYPES] = {BufferFieldsType, ArrayFieldsType, BlockFieldsType, HealthFieldsType,
-                                      SlotFieldsType};
+    ferry_state *st = mod_state(mod);
+    PyTypeObject *bases[HOT_TYPES] = {st->BufferFieldsType, st->ArrayFieldsType, st->BlockFieldsType,
+                                      st->HealthFieldsType, st->SlotFieldsType};
     for (int i = 0; i < HOT_TYPES; i++) {
         if (!PyType_Check(args[i]) || !PyType_IsSubtype((PyTypeObject *)args[i], bases[i])) {
             PyErr_Format(PyExc_TypeError, "set_hot_types: argument %d must derive from %R", i + 1,
@@ -244,8 +240,8 @@ PyObject *mod_set_hot_types(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_
         }
     }
     for (int i = 0; i < HOT_TYPES; i++) {
-        PyObject *old = hot_types[i];
-        hot_types[i] = Py_NewRef(args[i]);
+        PyObject *old = st->hot_types[i];
+        st->hot_types[i] = Py_NewRef(args[i]);
         Py_XDECREF(old);
     }
     Py_RETURN_NONE;

@@ -21,26 +21,26 @@
 
 
 
-PyTypeObject *RecordType;
-allocfunc record_alloc;
 
 
 
 
 static PyObject *Record_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if ((kwds && PyDict_Size(kwds)) || PyTuple_Size(args) != 7 || type != RecordType) {
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(type); /* Record cannot be subclassed */
+    if (!st) return NULL;
+    if ((kwds && PyDict_Size(kwds)) || PyTuple_Size(args) != 7 || type != st->RecordType) {
         PyErr_SetString(PyExc_TypeError, "Record(seq, event, stream, moved, leased, result, nbytes)");
         return NULL;
     }
     PyObject *items[7];
     for (int i = 0; i < 7; i++) items[i] = PyTuple_GetItem(args, i);
-    return record_make(items);
+    return record_make(st, items);
 }
 
 /* new_record(seq, event, stream, moved, leased, result, nbytes): Record(...) without the type call. */
-PyObject *mod_new_record(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+PyObject *mod_new_record(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 7, "new_record")) return NULL;
-    return record_make(args);
+    return record_make(mod_state(mod), args);
 }
 
 static int Record_traverse(PyObject *obj, visitproc visit, void *arg) {
@@ -126,19 +126,19 @@ PyType_Spec Record_spec = {
  * instantiated: only its Python subclasses are.
  */
 
-PyTypeObject *HandleType;
-static PyObject *handle_waited_error; /* FerryError, set by set_handle_errors */
-PyObject *sys_is_finalizing;   /* sys.is_finalizing */
-PyObject *S_wait, *S_detach;
 
 
 #define HANDLE_FIELDS 5
 
 static PyObject **handle_fields(HandleObject *self) { return &self->port; }
 
+static void Handle_dealloc(PyObject *obj);
+
 static PyObject *Handle_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *port, *record;
-    if (type == HandleType) {
+    /* Handle itself (of any module) is the only type whose own dealloc is Handle_dealloc: a Python
+     * subclass's is CPython's subtype_dealloc, which reaches it through the base */
+    if ((destructor)PyType_GetSlot(type, Py_tp_dealloc) == Handle_dealloc) {
         PyErr_SetString(PyExc_TypeError, "Handle is a base class: handles come from the runtime's submissions");
         return NULL;
     }
@@ -191,9 +191,10 @@ static void Handle_finalize(PyObject *obj) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     int waited = PyObject_IsTrue(self->waited);
-    PyObject *finalizing = waited == 0 && sys_is_finalizing ? PyObject_CallNoArgs(sys_is_finalizing) : NULL;
+    ferry_state *st = waited == 0 ? state_of_type(Py_TYPE(obj)) : NULL; /* NULL: its module is torn down */
+    PyObject *finalizing = st && st->sys_is_finalizing ? PyObject_CallNoArgs(st->sys_is_finalizing) : NULL;
     if (finalizing && finalizing == Py_False) {
-        PyObject *r = PyObject_CallMethodObjArgs(self->port, S_detach, self->record, NULL);
+        PyObject *r = PyObject_CallMethodObjArgs(self->port, st->S_detach, self->record, NULL);
         Py_XDECREF(r);
     }
     Py_XDECREF(finalizing);
@@ -202,8 +203,11 @@ static void Handle_finalize(PyObject *obj) {
 }
 
 /* wait(timeout=None): the port's wait, at most once (Pending.wait's contract). */
-static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+static PyObject *Handle_wait(PyObject *obj, PyTypeObject *defining, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames) {
     HandleObject *self = (HandleObject *)obj;
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(defining); /* Handle's module */
+    if (!st) return NULL;
     PyObject *timeout = Py_None;
     Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
     if (nargs + nkw > 1) {
@@ -227,11 +231,11 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
     int claimed = PyObject_IsTrue(self->claimed);
     if (claimed) {
         if (claimed > 0)
-            PyErr_SetString(handle_waited_error ? handle_waited_error : PyExc_RuntimeError,
+            PyErr_SetString(st->handle_waited_error ? st->handle_waited_error : PyExc_RuntimeError,
                             "this transfer was already waited; a handle is waited at most once");
         return NULL;
     }
-    PyObject *fn = PyObject_GetAttr(self->port, S_wait);
+    PyObject *fn = PyObject_GetAttr(self->port, st->S_wait);
     if (!fn) return NULL;
     PyObject *record = self->record;
     Py_INCREF(record); /* the handle's field may be rebound while the wait releases the GIL */
@@ -250,10 +254,11 @@ static PyObject *Handle_wait(PyObject *obj, PyObject *const *args, Py_ssize_t na
 }
 
 /* set_handle_errors(waited_error): the exception a second wait() raises (ferry.FerryError). */
-PyObject *mod_set_handle_errors(PyObject *Py_UNUSED(mod), PyObject *arg) {
-    PyObject *old = handle_waited_error;
+PyObject *mod_set_handle_errors(PyObject *mod, PyObject *arg) {
+    ferry_state *st = mod_state(mod);
+    PyObject *old = st->handle_waited_error;
     Py_INCREF(arg);
-    handle_waited_error = arg;
+    st->handle_waited_error = arg;
     Py_XDECREF(old);
     Py_RETURN_NONE;
 }
@@ -274,7 +279,7 @@ static int Handle_init(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args), PyO
 }
 
 static PyMethodDef Handle_methods[] = {
-    {"wait", (PyCFunction)(void (*)(void))Handle_wait, METH_FASTCALL | METH_KEYWORDS,
+    {"wait", (PyCFunction)(void (*)(void))Handle_wait, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "wait($self, /, timeout=None)\n--\n\n"
      "Block until the copy completed, then hand back what was handed in.\n\n"
      "At most once per handle (a second call raises FerryError). timeout=None waits without bound; "

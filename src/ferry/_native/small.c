@@ -24,8 +24,6 @@ int small_view(PyObject *array, Py_buffer *view, unsigned long long capacity, in
  * answers for a few arrays and set the type (set_array_type); until then, and for anything else, the
  * buffer protocol serves. Read that way a small array costs tens of nanoseconds instead of a buffer export.
  */
-PyObject *ndarray_type; /* numpy.ndarray, once array_layout() verified NumpyArray (else NULL) */
-
 /* array_fields() -> {field: offset} of NumpyArray: what array_layout() checks against NumPy's answers */
 PyObject *mod_array_fields(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("{snsnsnsnsnsnsn}", "data", (Py_ssize_t)offsetof(NumpyArray, data), "nd",
@@ -36,13 +34,14 @@ PyObject *mod_array_fields(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored
 }
 
 /* set_array_type(numpy.ndarray or None): enable (or disable) the reads of NumpyArray for its exact instances */
-PyObject *mod_set_array_type(PyObject *Py_UNUSED(mod), PyObject *arg) {
+PyObject *mod_set_array_type(PyObject *mod, PyObject *arg) {
     if (arg != Py_None && !PyType_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "set_array_type: numpy.ndarray or None");
         return NULL;
     }
-    PyObject *old = ndarray_type;
-    ndarray_type = arg == Py_None ? NULL : Py_NewRef(arg);
+    ferry_state *st = mod_state(mod);
+    PyObject *old = st->ndarray_type;
+    st->ndarray_type = arg == Py_None ? NULL : Py_NewRef(arg);
     Py_XDECREF(old);
     Py_RETURN_NONE;
 }
@@ -88,7 +87,7 @@ PyObject *Fast_bind_small(PyObject *obj, PyObject *const *args, Py_ssize_t nargs
         for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
         return NULL;
     }
-    PyObject *give = PyObject_GetAttr(ring, S_give);
+    PyObject *give = PyObject_GetAttr(ring, self->st->S_give);
     if (!give) {
         Py_DECREF(ring);
         for (int i = 0; i < 4; i++) Py_XDECREF(got[i]);
@@ -125,7 +124,6 @@ static int ring_add(PyObject *ring, PyObject *name, unsigned long long delta) {
     return rc;
 }
 
-PyObject *S_transfers;
 
 /*
  * Runtime.upload's common small case in one C call (bound as the runtime's own attribute, like
@@ -144,11 +142,11 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
         return NULL;
     }
     if ((nargs == 1 || (nargs == 2 && args[1] == Py_None)) && !(kwnames && PyTuple_Size(kwnames)) &&
-        self->small_alloc && self->rlock && hot_types[HOT_SLOT] && hot_types[HOT_ARRAY] && is_ndarray(args[0]) &&
+        self->small_alloc && self->rlock && self->st->hot_types[HOT_SLOT] && self->st->hot_types[HOT_ARRAY] && is_ndarray(self->st, args[0]) &&
         Py_TYPE(args[0]) == (PyTypeObject *)self->ndarray_type)
         return fresh_small_upload(self, runtime, args[0]);
-    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !hot_types[HOT_SLOT] ||
-        !is_ndarray(args[0]) || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type || !is_hot(args[1], HOT_ARRAY))
+    if (nargs != 2 || (kwnames && PyTuple_Size(kwnames)) || !self->rlock || !self->st->hot_types[HOT_SLOT] ||
+        !is_ndarray(self->st, args[0]) || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray_type || !is_hot(self->st, args[1], HOT_ARRAY))
         return fast_entry_slow(self, self->slow_upload_any, runtime, args, nargs, kwnames);
     PyObject *source = args[0], *device = args[1];
     Py_INCREF(runtime); /* held across the submission */
@@ -157,7 +155,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
         Py_DECREF(runtime);
         return NULL;
     }
-    PyObject *copy = PyObject_GetAttr(self->entry_backend, S_htod_record); /* before the checks (it may run Python) */
+    PyObject *copy = PyObject_GetAttr(self->entry_backend, self->st->S_htod_record); /* before the checks (it may run Python) */
     if (!copy) {
         rlock_give_result(lock, NULL);
         Py_DECREF(runtime);
@@ -167,7 +165,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     Py_ssize_t nfree = PyList_Size(free_list), n = -1;
     unsigned long long capacity = 0;
     PyObject *nbytes_obj = ARRAY(device)->nbytes;
-    int common = nfree > 0 && is_hot(self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
+    int common = nfree > 0 && is_hot(self->st, self->health, HOT_HEALTH) && HEALTH(self->health)->refusal == Py_None &&
                  !PyDict_Size(self->batches) && ARRAY(device)->runtime == runtime &&
                  ARRAY(device)->state == self->owned && is_zero(ARRAY(device)->leases) &&
                  ARRAY(device)->ready == Py_None && PyList_Size(self->small_active) == 0 && nbytes_obj &&
@@ -177,7 +175,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     if (common) {
         n = PyLong_AsSsize_t(nbytes_obj);
         slot = PyList_GetItem(free_list, nfree - 1); /* borrowed */
-        if (n < 0 || !slot || !is_hot(slot, HOT_SLOT) || !SLOT(slot)->ptr || !SLOT(slot)->own ||
+        if (n < 0 || !slot || !is_hot(self->st, slot, HOT_SLOT) || !SLOT(slot)->ptr || !SLOT(slot)->own ||
             !SLOT(slot)->capacity) {
             common = 0;
         } else {
@@ -224,7 +222,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
         }
         goto done;
     }
-    if (Py_TYPE(record) == RecordType)
+    if (Py_TYPE(record) == self->st->RecordType)
         set_field(&((RecordObject *)record)->extra, slot);
     else if (PyObject_SetAttrString(record, "extra", slot))
         goto done_record;
@@ -236,7 +234,7 @@ PyObject *fast_small_upload(FastObject *self, PyObject *runtime, PyObject *const
     if (!took) goto done_record;
     Py_DECREF(took);
     set_field(&ARRAY(device)->state, self->in_flight);
-    if (ring_add(self->small_ring, S_transfers, 1) || ring_add(self->small_ring, S_host_copied, (unsigned long long)n))
+    if (ring_add(self->small_ring, self->st->S_transfers, 1) || ring_add(self->small_ring, self->st->S_host_copied, (unsigned long long)n))
         goto done_record;
     {
         allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)self->upload_type, Py_tp_alloc);
@@ -285,7 +283,7 @@ done:
 static PyObject *fresh_small_upload(FastObject *self, PyObject *runtime, PyObject *source) {
     PyObject *device = PyObject_CallFunctionObjArgs(self->small_alloc, runtime, source, NULL);
     if (!device) return NULL;
-    if (device == Py_None || !is_hot(device, HOT_ARRAY)) {
+    if (device == Py_None || !is_hot(self->st, device, HOT_ARRAY)) {
         Py_DECREF(device);
         PyObject *one[1] = {source};
         return fast_entry_slow(self, self->slow_upload_any, runtime, one, 1, NULL);
@@ -305,8 +303,8 @@ static PyObject *fresh_small_upload(FastObject *self, PyObject *runtime, PyObjec
 }
 
 /* clear_writeable(array) -> whether the array was writeable; it is not now. Layout set; ndarray only. */
-PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (!is_ndarray(array)) return not_ndarray("clear_writeable", array);
+PyObject *mod_clear_writeable(PyObject *mod, PyObject *array) {
+    if (!is_ndarray(mod_state(mod), array)) return not_ndarray("clear_writeable", array);
     int *flags = array_flags(array);
     int was = *flags & NPY_WRITEABLE_FLAG;
     *flags &= ~NPY_WRITEABLE_FLAG;
@@ -314,8 +312,8 @@ PyObject *mod_clear_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
 }
 
 /* set_writeable(array): the writeable flag back (an array that owns its data). Layout set; ndarray only. */
-PyObject *mod_set_writeable(PyObject *Py_UNUSED(mod), PyObject *array) {
-    if (!is_ndarray(array)) return not_ndarray("set_writeable", array);
+PyObject *mod_set_writeable(PyObject *mod, PyObject *array) {
+    if (!is_ndarray(mod_state(mod), array)) return not_ndarray("set_writeable", array);
     *array_flags(array) |= NPY_WRITEABLE_FLAG;
     Py_RETURN_NONE;
 }
