@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,6 +50,17 @@ def test_small_leaves_past_a_block_split_into_groups(rt: ferry.Runtime, monkeypa
     _, device = rt.upload_tree(tree).wait()
     assert rt.stats().submitted - before == 4
     _, back = rt.download_tree(device).wait()
+    assert all(np.array_equal(back[k], v) for k, v in tree.items())
+
+
+def test_small_leaves_downloaded_into_fresh_outputs_split_into_groups_too(
+        rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_leafgroups, "GROUP_BYTES", 64 * KiB)
+    tree = small_tree(64, 4 * KiB, seed=2)  # 256 KiB: four groups each way, not one block for the whole tree
+    _, device = rt.upload_tree(tree).wait()
+    before = rt.stats().submitted
+    _, back = rt.download_tree(device).wait()
+    assert rt.stats().submitted - before == 4
     assert all(np.array_equal(back[k], v) for k, v in tree.items())
 
 
@@ -200,3 +212,34 @@ def test_collector_pauses_nest_across_threads() -> None:
     thread.join(10)
     assert seen == [False]
     assert gc.isenabled()  # the last pause ended: the collector runs again
+
+
+def test_a_leaf_submitted_elsewhere_while_its_tree_is_submitted_refuses_the_tree(emu: ferry.Runtime) -> None:
+    rt = emu
+    small = rt.empty((16,), np.float32)  # a small leaf's destination: it goes in a group, after the large leaf
+    backing = rt.empty((300_000,), np.float32)
+    sneaky: list[Any] = []
+    reads = [0]
+
+    class Foreign(testing.ForeignArray):  # reading its interface lets another submission take ``small``
+        @property  # type: ignore[override]
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            reads[0] += 1
+            if reads[0] == 3:
+                sneaky.append(rt.upload(np.full(16, 2, np.float32), small))
+            return self._cai  # type: ignore[no-any-return]
+
+        @__cuda_array_interface__.setter
+        def __cuda_array_interface__(self, value: dict[str, Any]) -> None:
+            self._cai = value
+
+    foreign = Foreign(backing, stream=None)
+    reads[0] = 0
+    with pytest.raises(ferry.TransferSubmitError, match="changed while its tree was submitted"):
+        rt.upload_tree({"big": np.ones(300_000, np.float32), "small": np.ones(16, np.float32)},
+                       {"big": foreign, "small": small})
+    assert len(sneaky) == 1
+    _, back = sneaky[0].wait()  # the other submission owns ``small``, and gets it back alone
+    assert back is small and small.state == "owned"
+    assert np.array_equal(rt.to_host(small), np.full(16, 2, np.float32))
+    assert testing.violations(rt) == []

@@ -77,24 +77,17 @@ def plan(rt: Any, hosts: list[Any], devices: list[Any], sizes: list[int], *, upl
         if not nbytes or (device is not None and type(device) is not DeviceArray):
             out.rest.append(i)
             continue
-        if host is None:
-            if nbytes < SMALL_BYTES:
-                small.append(i)
-                used += nbytes
-            else:
-                out.rest.append(i)
-            continue
-        if type(host) is not np.ndarray or not host.flags.c_contiguous:
+        if host is not None and (type(host) is not np.ndarray or not host.flags.c_contiguous):
             out.rest.append(i)
             continue
-        if pinned_active:
+        if host is not None and pinned_active:
             ptr = array_ptr(host)
             if (registrations.active and registrations.covering(ptr, nbytes) is not None) or (
                 leaves.active and leaves.covering(ptr, nbytes) is not None
             ):
                 out.pinned.append(i)
                 continue
-        if nbytes < SMALL_BYTES:
+        if nbytes < SMALL_BYTES:  # a small leaf, into an array of yours or a fresh output: groups of GROUP_BYTES
             if used + nbytes > GROUP_BYTES and small:
                 out.small.append(small)
                 small, used = [], 0
@@ -192,6 +185,7 @@ def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devi
     leases = routes.direct.leases
     with routes.lock:
         _check_open(rt)
+        _recheck(rt, upload, hosts, devices)
         _order(completion, stream, devices)
         regs = []
         small_d: list[int] = []
@@ -246,6 +240,7 @@ def submit_small(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devic
         total += -(-int(host.nbytes) // _ALIGN) * _ALIGN
     with routes.lock:
         _check_open(rt)
+        _recheck(rt, upload, hosts, devices)
         _order(completion, stream, devices)
         block = direct.pool.acquire(max(total, 1))
         direct._count(block.capacity)
@@ -295,6 +290,20 @@ def submit_small(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devic
         if upload:
             direct._count(0, sum(sizes))
         return handle
+
+
+def _recheck(rt: Any, upload: bool, hosts: list[Any], devices: list[DeviceArray]) -> None:
+    """The group's objects checked again under the lock (the tree's checks ran before it was taken: another
+    thread may have submitted one of them since); TransferSubmitError, nothing of the group done."""
+    for device in devices:
+        problem = device._submission_problem(rt, write=upload)
+        if problem:
+            raise TransferSubmitError(f"a leaf's device array changed while its tree was submitted: {problem}")
+    if not upload:
+        for host in hosts:
+            if not host.flags.writeable:
+                raise TransferSubmitError("a leaf's output became read-only (or another pending download's output) "
+                                          "while its tree was submitted")
 
 
 def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, total: int,
