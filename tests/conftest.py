@@ -279,11 +279,21 @@ class SignalInside:
     that releases the GIL: only then (or right after fn returned) does this thread, holding the
     GIL, see the main thread's innermost frame on ``call_inside``'s line. A timer could fire before the
     call began on a loaded machine. Not seen there within 30 s, it is sent anyway (``inside``
-    stays False)."""
+    stays False).
 
-    def __init__(self, signum: int) -> None:
+    Seen there means the GIL was released, not that ``fn`` already sleeps: a signal can land in
+    between. A call that polls for signals (the compiled lock's slices) still sees it; one that only
+    wakes on EINTR (CPython's lock: its sem_clockwait starts after the C handler ran, so nothing
+    interrupts it) misses it and sleeps its full timeout. For such a call pass ``resend`` (seconds):
+    the signal is sent again while the main thread is still seen inside, until it leaves (then
+    :attr:`sent` counts them). Repeats of the signal can then land after the call ended: the caller
+    must ignore all but the first (see ``test_runtime_lock``)."""
+
+    def __init__(self, signum: int, resend: float | None = None) -> None:
         self.inside = False
+        self.sent = 0
         self._signum = signum
+        self._resend = resend
         self._main = threading.main_thread().ident or 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -298,6 +308,25 @@ class SignalInside:
                 break
             time.sleep(0.001)
         signal.pthread_kill(self._main, self._signum)
+        self.sent = 1
+        if self._resend is None or not self.inside:
+            return
+        while self._still_inside(time.monotonic() + self._resend) and time.monotonic() < deadline:
+            signal.pthread_kill(self._main, self._signum)
+            self.sent += 1
+
+    def _still_inside(self, until: float) -> bool:
+        """Whether the main thread is still seen inside ``call_inside`` at ``until`` (False once it left)."""
+        line = call_inside.__code__.co_firstlineno + 1
+        while True:
+            frame = sys._current_frames().get(self._main)
+            inside = frame is not None and frame.f_code is call_inside.__code__ and frame.f_lineno == line
+            del frame
+            if not inside:
+                return False
+            if time.monotonic() >= until:
+                return True
+            time.sleep(0.005)
 
     def join(self) -> None:
         self._thread.join()
