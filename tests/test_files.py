@@ -420,3 +420,34 @@ def test_upload_file_into_a_torch_tensor(torch: Any, data_file: tuple[Path, np.n
         rt.download_file(tensor, out).wait()
         rt.upload_file(out, back).wait()
         assert torch.equal(back, tensor)
+
+
+def test_zero_byte_file_transfers_close_their_files(emu: ferry.Runtime, tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    np.arange(16, dtype=np.float32).tofile(path)
+    empty = emu.empty((0,), np.float32)
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        emu.upload_file(path, empty).wait()
+        emu.download_file(empty, tmp_path / "out.bin").wait()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_readers_broken_by_failed_copies_stop_their_threads(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    np.arange(1 << 18, dtype=np.float32).tofile(path)
+    before = {t.ident for t in threading.enumerate()}
+    rt = ferry.Runtime(backend="emulated")
+    for _ in range(3):
+        device = rt.empty((1 << 18,), np.float32)
+        testing.fail_next_copy(rt)
+        with pytest.raises(ferry.TransferFailedError):
+            rt.upload_file(path, device).wait()
+    rt.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            t.ident not in before and t.name.startswith("ferry-file") for t in threading.enumerate()):
+        time.sleep(0.01)
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("ferry-file")] == []

@@ -524,6 +524,9 @@ class ReaderPool:
             if self._closed:
                 raise DeviceError("the runtime's file readers are closed")
             if any(r.broken for r in self._readers):
+                for r in self._readers:
+                    if r.broken:  # its thread stops; its stream and events stay (the device may still touch them)
+                        r.queue.put(None)
                 self._readers = [r for r in self._readers if not r.broken]
             while len(self._readers) < count:
                 self._readers.append(self._new())
@@ -619,7 +622,8 @@ class FileJob:
             except BaseException:
                 self._release(abandon=False)
                 raise
-        else:
+        else:  # nothing to read or write: done at once, and the file closed now (no reader will)
+            self._release(abandon=False)
             self.done.set()
 
     @property
