@@ -811,3 +811,29 @@ def test_workers_exit_when_the_main_process_is_killed(tmp_path: Path, context: s
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids)
+
+
+class Ones:
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        return np.full(1024, index, np.float32)
+
+
+def test_a_failed_copy_ends_the_epoch_without_a_stall() -> None:
+    rt = ferry.Runtime(backend="emulated")
+    try:
+        loader = ferry.DataLoader(Ones(), batch_size=4, num_workers=0, runtime=rt)
+        batches = iter(loader)
+        next(batches)
+        next(batches)
+        testing.fail_next_copy(rt)
+        start = time.monotonic()
+        with pytest.raises(ferry.FerryError):
+            for _ in range(10):
+                next(batches)
+        assert time.monotonic() - start < 5  # the failure surfaces; the ring is not waited for in vain
+        loader.close()
+    finally:
+        rt.close()

@@ -930,7 +930,9 @@ class _Engine:
         self.awaiting.clear()
         ring, self.ring = self.ring, None
         if ring is not None:
-            ring.release()
+            # a failed copy keeps the ring's registration in use for good (the device may still read its
+            # slot): no point waiting for it; the runtime's close unpins it
+            ring.release(timeout=0.0 if self.lost else 10.0)
 
 
 def _take(stream: Iterator[Any], n: int) -> Iterator[Any]:
