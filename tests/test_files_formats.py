@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -415,6 +416,17 @@ def test_the_load_command_reports_and_refuses_in_one_line(tmp_path: Path, capsys
     assert main(["--backend", "emulated", "load", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cli.safetensors" in err and "Traceback" not in err
+
+
+def test_the_load_command_names_itself_as_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry.__main__ import main
+
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x00" * 4)
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/ferry"])
+    assert main(["--backend", "emulated", "load", str(path)]) == 2
+    assert capsys.readouterr().err.startswith("ferry load: error:")
 
 
 def test_an_interrupted_load_propagates_and_frees_everything(emu: ferry.Runtime, tmp_path: Path,

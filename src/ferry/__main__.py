@@ -364,6 +364,7 @@ def _parser(prog: str = PROG) -> _Parser:
 
     load = sub.add_parser("load", help=files_cli.HELP, description=files_cli.DESCRIPTION)
     files_cli.add_arguments(load)
+    load.set_defaults(load_prog=load.prog)  # errors name the command as run: "ferry load", "python -m ferry load"
     for command in (info, demo, bench, load):
         _global_options(command, argparse.SUPPRESS)
     return parser

@@ -66,7 +66,7 @@ def cmd_load(rt: Any, args: argparse.Namespace) -> int:
                 arrays = load_safetensors(files if len(files) > 1 else files[0], runtime=rt, progress=progress,
                                           direct=direct)
     except (CheckpointError, ImportError, TypeError, ValueError) as exc:
-        print(f"python -m ferry load: error: {exc}", file=sys.stderr)
+        print(f"{getattr(args, 'load_prog', 'python -m ferry load')}: error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
     nbytes = sum(a.nbytes for a in arrays.values())
