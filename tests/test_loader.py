@@ -33,6 +33,11 @@ from ferry import testing
 from ferry._loader._worker import numpy_state
 from test_loader_datasets import Modules, as_array
 
+# Python 3.12+ warns when a process with threads forks: the fork tests fork from one with ferry's threads,
+# as a training script does (docs/loader.md, "Start methods"); the workers touch none of their state.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
+
 CONTEXTS = ["fork", "spawn", "forkserver"]
 ROOT = Path(__file__).resolve().parents[1]
 

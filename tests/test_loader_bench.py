@@ -13,7 +13,9 @@ from ferry._bench._groups import GROUPS, Context, case_count
 from ferry._bench._protocol import Budget, Result
 from ferry._bench._report import Check, _find, compute_checks, markdown
 
-pytestmark = pytest.mark.slow
+# the loader's fork workers come from a process with ferry's threads, as they do in use (see docs/loader.md)
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")]
 
 
 def _context(rt: ferry.Runtime) -> Context:
