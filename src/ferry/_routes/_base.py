@@ -20,7 +20,9 @@ import numpy as np
 from .._native import data_reader, lease_table, writeable_flags
 
 if TYPE_CHECKING:
-    from .._completion import Extras, Record
+    from .._backends._base import Backend
+    from .._completion import Completion, Extras, Record
+    from .._lifecycle import Health
 
 __all__: list[str] = []
 
@@ -144,3 +146,28 @@ def array_ptr(array: np.ndarray[Any, Any]) -> int:
     if _data_of is not None and type(array) is np.ndarray:
         return _data_of(array)
     return int(array.ctypes.data)
+
+
+class RuntimeParts(Protocol):
+    """A runtime's parts as a route sees them (``_parts.Parts``, which sits above the routes); a route
+    that needs more states it in a protocol built on this one."""
+
+    @property
+    def lock(self) -> Any:
+        """The runtime's lock."""
+        ...
+
+    @property
+    def health(self) -> Health:
+        """Whether the runtime is open."""
+        ...
+
+    @property
+    def backend(self) -> Backend:
+        """The runtime's device."""
+        ...
+
+    @property
+    def completion(self) -> Completion:
+        """The runtime's completion part."""
+        ...

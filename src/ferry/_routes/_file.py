@@ -80,39 +80,18 @@ from .._errors import TransferSubmitError
 from .._interop._foreign import device_side, give_back, order_before, release_import
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT
+from ._base import RuntimeParts
 
 if TYPE_CHECKING:
     from .._backends._base import Backend
-    from .._completion import Completion
     from .._device_array import DeviceArray
-    from .._lifecycle import Health
     from .._memory._pinned import PinnedPool
 
 __all__: list[str] = []
 
 
-class Parts(Protocol):
+class Parts(RuntimeParts, Protocol):
     """One runtime's parts as the file route sees them (``_parts.Parts``, which sits above)."""
-
-    @property
-    def lock(self) -> Any:
-        """The runtime's lock."""
-        ...
-
-    @property
-    def health(self) -> Health:
-        """Whether the runtime is open."""
-        ...
-
-    @property
-    def backend(self) -> Backend:
-        """The runtime's device."""
-        ...
-
-    @property
-    def completion(self) -> Completion:
-        """The runtime's completion part."""
-        ...
 
     @property
     def pool(self) -> PinnedPool:

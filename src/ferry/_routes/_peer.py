@@ -33,10 +33,10 @@ from .._device_array import DeviceArray
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import DEVICE, expect, order_before
 from .._state import IN_FLIGHT
+from ._base import RuntimeParts
 
 if TYPE_CHECKING:
     from .._completion import Completion, Record
-    from .._lifecycle import Health
     from .._memory._pinned import PinnedPool
 
 __all__ = ["Route", "routes"]
@@ -272,28 +272,8 @@ def _then_record(backend: Backend, copy: Any) -> Any:
     return run
 
 
-class Party(Protocol):
+class Party(RuntimeParts, Protocol):
     """One runtime's parts as a device-to-device copy sees them (``_parts.Parts``, which sits above)."""
-
-    @property
-    def lock(self) -> Any:
-        """The runtime's lock."""
-        ...
-
-    @property
-    def health(self) -> Health:
-        """Whether the runtime is open."""
-        ...
-
-    @property
-    def backend(self) -> Backend:
-        """The runtime's device."""
-        ...
-
-    @property
-    def completion(self) -> Completion:
-        """The runtime's completion part."""
-        ...
 
     @property
     def peer(self) -> PeerRoute:
