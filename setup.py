@@ -29,6 +29,7 @@ SOURCES = [
         "core/driver.c",
         "core/lanes.c",
         "core/engine.c",
+        "core/file.c",
         "emulated.c",
         "engine.c",
         "calls.c",

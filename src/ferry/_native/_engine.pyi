@@ -43,6 +43,19 @@ class Job:
     @property
     def lanes(self) -> int:
         """How many lanes took a share of the job."""
+    @property
+    def file_moved(self) -> int:
+        """A file job's payload bytes read (or written) so far (TypeError for other jobs)."""
+    @property
+    def file_error(self) -> tuple[str, int, int, int] | None:
+        """A file job's host-side failure, ``(kind, errno, chunk, file offset)`` with kind ``"read"``,
+        ``"short"`` (the file ended early), ``"write"``, ``"no_progress"`` or ``"cancelled"``; ``None``
+        when it did not fail on the host side."""
+    @property
+    def file_direct(self) -> bool:
+        """Whether a file job still reads through its ``O_DIRECT`` descriptor."""
+    def cancel(self) -> bool:
+        """A file job: stop claiming chunks, fail the job (``False``: it had failed already)."""
     def done(self) -> bool:
         """Whether the job is complete (one atomic load; never blocks, never raises)."""
     def wait(self, timeout: float | None = None, *, poll: bool = True) -> bool:
@@ -188,6 +201,23 @@ class Engine:
         described by ``shape``/``strides`` in bytes) and the C-order bytes at ``device_ptr``.
         ``chunk_bytes=0`` picks the size (:meth:`chunk_bytes`). Returns at once; the caller keeps
         the host array and the device memory alive until the job is done."""
+    def submit_file(
+        self,
+        fd: int,
+        direct_fd: int,
+        chunks: bytes | memoryview,
+        dmas: bytes | memoryview,
+        *,
+        direct: bool = False,
+        name: str = "",
+        fail_chunk: int = -1,
+        fail_errno: int = 0,
+    ) -> Job:
+        """Queue a file job (``core/file.c``): ``chunks`` packs ``(start, length, need, ndma)`` and ``dmas``
+        ``(slot offset, device address, bytes)`` as unsigned 64-bit words. The lanes claim chunks in order,
+        ``pread`` each into a slot and enqueue its DMAs (a download: DMAs, then ``pwrite``). The caller keeps
+        ``fd``/``direct_fd`` open and the device memory alive until the job is done. ``fail_chunk`` and
+        ``fail_errno`` (tests): that chunk's read or write fails with that errno."""
     def chunk_bytes(self, nbytes: int, /) -> int:
         """The chunk size ``submit`` picks for a payload of ``nbytes``."""
     def streams(self) -> list[int]:

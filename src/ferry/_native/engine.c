@@ -376,6 +376,79 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     return (PyObject *)jo;
 }
 
+/*
+ * submit_file(fd, direct_fd, chunks, dmas, *, direct=False, name="", fail_chunk=-1, fail_errno=0) -> Job:
+ * a file job (core/file.c). chunks: (start, length, need, ndma) per chunk, dmas: (slot offset, device
+ * address, bytes), both packed as native unsigned 64-bit words (NumPy uint64 arrays' bytes). The plan is
+ * copied; the descriptors stay the caller's, open until the job is done. fail_chunk/fail_errno (tests):
+ * that chunk's read (or write) fails with that errno.
+ */
+static PyObject *Engine_submit_file(PyObject *obj, PyObject *args, PyObject *kwds) {
+    EngineObject *self = (EngineObject *)obj;
+    static char *kwlist[] = {"fd", "direct_fd", "chunks", "dmas", "direct", "name", "fail_chunk", "fail_errno", NULL};
+    int fd, direct_fd, direct = 0, fail_errno = 0;
+    long long fail_chunk = -1;
+    const char *name = "";
+    Py_buffer chunks, dmas;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiy*y*|$psLi", kwlist, &fd, &direct_fd, &chunks, &dmas, &direct,
+                                     &name, &fail_chunk, &fail_errno))
+        return NULL;
+    job_t *job = NULL;
+    int kind = PLAN_OK;
+    const char *why = "";
+    if (check_open(self)) goto refused;
+    if (chunks.len % (Py_ssize_t)sizeof(file_chunk_t) || dmas.len % (Py_ssize_t)sizeof(file_dma_t)) {
+        PyErr_SetString(PyExc_ValueError, "chunks and dmas must be packed 4 and 3 unsigned 64-bit words each");
+        goto refused;
+    }
+    size_t nchunks = (size_t)chunks.len / sizeof(file_chunk_t), ndmas = (size_t)dmas.len / sizeof(file_dma_t);
+    file_chunk_t *cbuf = nchunks ? malloc(nchunks * sizeof *cbuf) : NULL;
+    file_dma_t *dbuf = ndmas ? malloc(ndmas * sizeof *dbuf) : NULL;
+    if ((nchunks && !cbuf) || (ndmas && !dbuf)) {
+        free(cbuf);
+        free(dbuf);
+        PyErr_NoMemory();
+        goto refused;
+    }
+    if (nchunks) memcpy(cbuf, chunks.buf, nchunks * sizeof *cbuf); /* the buffers may be unaligned */
+    if (ndmas) memcpy(dbuf, dmas.buf, ndmas * sizeof *dbuf);
+    job = file_job_plan(self->eng, fd, direct_fd, direct, name, cbuf, nchunks, dbuf, ndmas, &kind, &why);
+    free(cbuf);
+    free(dbuf);
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&dmas);
+    if (!job) {
+        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
+        return NULL;
+    }
+    job->file->inject_chunk = fail_chunk;
+    job->file->inject_errno = fail_errno;
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
+    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
+    if (!jo) {
+        atomic_store(&job->refs, 1);
+        job_decref(job);
+        return NULL;
+    }
+    jo->job = job;
+    Py_INCREF(obj);
+    jo->engine = obj;
+    int rc = engine_queue(self->eng, job, 0);
+    if (rc) { /* nothing was queued */
+        atomic_store(&job->refs, 1);
+        Py_DECREF(jo); /* frees the job */
+        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return NULL;
+    }
+    return (PyObject *)jo;
+refused:
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&dmas);
+    return NULL;
+}
+
 static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     EngineObject *self = (EngineObject *)obj;
     if (check_open(self)) return NULL;
@@ -544,6 +617,10 @@ static PyMethodDef Engine_methods[] = {
      "submit(host_ptr, device_ptr, nbytes, shape, strides, itemsize, chunk_bytes=0, *, hand_off=False)"
      " -> Job"},
     {"chunk_bytes", Engine_chunk_bytes, METH_O, "chunk_bytes(nbytes) -> the chunk size submit picks"},
+    {"submit_file", (PyCFunction)(void (*)(void))Engine_submit_file, METH_VARARGS | METH_KEYWORDS,
+     "submit_file(fd, direct_fd, chunks, dmas, *, direct=False, name='', fail_chunk=-1, fail_errno=0) -> Job: "
+     "a file job (chunks: uint64 (start, length, need, ndma) each; dmas: uint64 (slot offset, device address, "
+     "bytes) each)"},
     {"streams", Engine_streams, METH_NOARGS, "streams() -> the lanes' stream handles"},
     {"hold", Engine_hold, METH_NOARGS, "hold(): no new DMA starts until release()"},
     {"release", Engine_release, METH_NOARGS, "release(): lift a hold"},
@@ -870,8 +947,53 @@ static PyObject *Job_chunk_sizes(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     return list;
 }
 
+/* A file job's side: cancel, progress, and how it failed on the host. */
+static int is_file_job(JobObject *self) {
+    if (self->job->file) return 1;
+    PyErr_SetString(PyExc_TypeError, "not a file job (Engine.submit_file)");
+    return 0;
+}
+
+static PyObject *Job_cancel(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    JobObject *self = (JobObject *)obj;
+    if (!is_file_job(self) || job_of_this_process(self)) return NULL;
+    file_job_t *fj = self->job->file;
+    size_t k = atomic_load(&fj->next);
+    unsigned long long at = k < fj->nchunks ? fj->chunks[k].start : 0;
+    return PyBool_FromLong(file_fail(self->job, FILE_ERR_CANCELLED, 0, at, k));
+}
+
+static PyObject *Job_get_file_moved(PyObject *obj, void *Py_UNUSED(closure)) {
+    JobObject *self = (JobObject *)obj;
+    if (!is_file_job(self)) return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->job->file->moved, memory_order_relaxed));
+}
+
+static PyObject *Job_get_file_error(PyObject *obj, void *Py_UNUSED(closure)) {
+    JobObject *self = (JobObject *)obj;
+    if (!is_file_job(self) || job_of_this_process(self)) return NULL;
+    job_t *job = self->job;
+    if (!atomic_load_explicit(&job->failed, memory_order_acquire)) Py_RETURN_NONE;
+    pthread_mutex_lock(&job->mu);
+    int code = job->err.code, kind = job->file->err_kind, errnum = job->file->err_errno;
+    unsigned long long offset = job->file->err_offset;
+    size_t chunk = job->file->err_chunk;
+    pthread_mutex_unlock(&job->mu);
+    if (code != FILE_ERROR_CODE) Py_RETURN_NONE;
+    static const char *const kinds[] = {"", "read", "short", "write", "no_progress", "cancelled"};
+    return Py_BuildValue("(sinK)", kinds[kind], errnum, (Py_ssize_t)chunk, offset);
+}
+
+static PyObject *Job_get_file_direct(PyObject *obj, void *Py_UNUSED(closure)) {
+    JobObject *self = (JobObject *)obj;
+    if (!is_file_job(self)) return NULL;
+    return PyBool_FromLong(atomic_load(&self->job->file->direct));
+}
+
 static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
+    {"cancel", Job_cancel, METH_NOARGS,
+     "cancel() -> bool: a file job's lanes stop claiming chunks and the job fails (False: it had failed already)"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None) -> bool: sleep (GIL released) until done; False on timeout"},
     {"hand_off", (PyCFunction)(void (*)(void))Job_hand_off, METH_VARARGS | METH_KEYWORDS,
@@ -893,6 +1015,12 @@ static PyMethodDef Job_methods[] = {
 
 static PyGetSetDef Job_getset[] = {
     {"error", Job_get_error, NULL, "(code, text, sticky) of the first failure, or None", NULL},
+    {"file_moved", Job_get_file_moved, NULL, "a file job's payload bytes read (or written) so far", NULL},
+    {"file_error", Job_get_file_error, NULL,
+     "a file job's host-side failure: (kind, errno, chunk, file offset), kind 'read', 'short', 'write', "
+     "'no_progress' or 'cancelled'; None if it did not fail so",
+     NULL},
+    {"file_direct", Job_get_file_direct, NULL, "whether a file job still reads through O_DIRECT", NULL},
     {"host_bytes", Job_get_host_bytes, NULL, "bytes the host copied so far", NULL},
     {"nbytes", Job_get_nbytes, NULL, "the payload's size", NULL},
     {"chunks", Job_get_chunks, NULL, "how many chunks the payload was cut into", NULL},

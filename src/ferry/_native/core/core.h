@@ -185,6 +185,7 @@ typedef struct job {
     atomic_llong t_start_first, t_start_last, t_copy_last, t_enqueue_last, t_done;
     atomic_llong n_enqueues, enqueue_ns, lock_wait_ns; /* summed over the lanes' d_enqueue calls */
     struct chunk_trace *trace; /* per chunk, for Job.chunk_times(): NULL above TRACE_CHUNKS chunks */
+    struct file_job *file;     /* a file job's file side (file.c), or NULL */
 } job_t;
 
 /* One chunk's path through its lane (CLOCK_MONOTONIC ns; each chunk is written by its lane only). An upload:
@@ -482,6 +483,51 @@ void d_slot_free(lane_t *L, char *ptr, void *ev);
 #define COOP_CHUNKS 4 /* a cooperative job is cut in this many chunks (within bounds) */
 void *lane_main(void *arg);
 int wake_helpers(lane_t *L, int k);
+/* the slot ring's operations, for file.c (lane thread only) */
+int lane_reap(lane_t *L, slot_t *slot);
+void lane_reap_all(lane_t *L);
+void lane_recover_slots(lane_t *L);
+void lane_finish_share(lane_t *L, share_t *s);
+void lane_hold_wait(engine_t *eng);
+
+/* file.c: file jobs. A chunk reads `length` bytes at file offset `start` into a slot (`need` of them must
+ * arrive), or writes `length` bytes there from a slot; its `ndma` DMAs are the next ones of the job's list.
+ * Both structs are four or three unsigned 64-bit words, as Python packs them. */
+typedef struct file_chunk {
+    unsigned long long start, length, need, ndma;
+} file_chunk_t;
+typedef struct file_dma {
+    unsigned long long slot_off, dev, n;
+} file_dma_t;
+#define FILE_ERROR_CODE (-1) /* err_t.code of a file job failed on the host side (its file_job_t says how) */
+enum { FILE_ERR_NONE, FILE_ERR_READ, FILE_ERR_SHORT, FILE_ERR_WRITE, FILE_ERR_NO_PROGRESS, FILE_ERR_CANCELLED };
+typedef struct file_job {
+    int fd, direct_fd;   /* the caller's, open until the job is done */
+    atomic_int direct;   /* reads (aligned writes) through direct_fd, until the filesystem refuses */
+    char *name;          /* how errors name the file */
+    file_chunk_t *chunks;
+    size_t nchunks;
+    size_t *first; /* chunk k's first DMA */
+    file_dma_t *dmas;
+    size_t ndmas;
+    atomic_size_t next;   /* the next chunk a lane claims */
+    atomic_ullong moved;  /* payload bytes read (or written) so far */
+    /* the first failure, when it was the file's (under the job's mutex; valid once failed) */
+    int err_kind, err_errno;
+    unsigned long long err_offset;
+    size_t err_chunk;
+    long long inject_chunk; /* tests: chunk whose read (write) fails with inject_errno; -1: none */
+    int inject_errno;
+} file_job_t;
+/* A file job (chunks and DMAs copied; fd, direct_fd stay the caller's), planned like job_plan, or NULL. */
+job_t *file_job_plan(const engine_t *eng, int fd, int direct_fd, int direct, const char *name,
+                     const file_chunk_t *chunks, size_t nchunks, const file_dma_t *dmas, size_t ndmas, int *kind,
+                     const char **why);
+void file_job_free(file_job_t *fj);
+/* Fail a file job on the host side (the first failure wins): 1 when this one was first. */
+int file_fail(job_t *job, int kind, int errnum, unsigned long long offset, size_t chunk);
+/* A lane runs a file job's share (lane_main calls it for jobs with a file side). */
+void run_file(lane_t *L, share_t *s);
 
 /* engine.c: an engine's life. engine_start and engine_queue answer 0 or one of these. */
 enum { ENGINE_NO_MEMORY = -1, ENGINE_NO_THREADS = -2, ENGINE_SETUP_FAILED = -3, ENGINE_CLOSED = -4 };

@@ -17,6 +17,7 @@ void job_decref(job_t *job) {
         pthread_mutex_destroy(&job->mu);
         pthread_cond_destroy(&job->cv);
         free(job->trace);
+        file_job_free(job->file);
         free(job);
     }
 }

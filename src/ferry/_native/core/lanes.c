@@ -705,7 +705,9 @@ void *lane_main(void *arg) {
         at_min(&s->job->t_start_first, t);
         at_max(&s->job->t_start_last, t);
         int coop = s->job->coop; /* the share (and maybe the job) is gone once it ran */
-        if (eng->upload)
+        if (s->job->file)
+            run_file(L, s);
+        else if (eng->upload)
             run_upload(L, s);
         else
             run_download(L, s);
@@ -716,3 +718,11 @@ void *lane_main(void *arg) {
     lane_teardown(L);
     return NULL;
 }
+
+/* -- the slot ring's operations, for file jobs (file.c) ------------------------------------------- */
+
+int lane_reap(lane_t *L, slot_t *slot) { return reap(L, slot); }
+void lane_reap_all(lane_t *L) { reap_all(L); }
+void lane_recover_slots(lane_t *L) { lane_recover(L); }
+void lane_finish_share(lane_t *L, share_t *s) { finish_share(L, s); }
+void lane_hold_wait(engine_t *eng) { hold_wait(eng); }
