@@ -8,6 +8,7 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,31 @@ import pytest
 import ferry
 from ferry import testing
 from ferry._routes import _file
+
+PYTHON_ENGINE = ferry.StagingConfig(engine="python")
+"""The pure-Python engine: the reader threads and their ``fill_slot``/``drain_slot`` seam (the compiled
+engine's file jobs are tested in test_files_native.py)."""
+
+
+@pytest.fixture
+def py_emu() -> Iterator[ferry.Runtime]:
+    runtime = ferry.Runtime("emulated", staging=PYTHON_ENGINE)
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+    assert testing.violations(runtime) == []
+
+
+@pytest.fixture
+def py_rt(backend_name: str) -> Iterator[ferry.Runtime]:
+    runtime = ferry.Runtime(backend_name, staging=PYTHON_ENGINE)  # type: ignore[arg-type]
+    try:
+        yield runtime
+        assert testing.violations(runtime) == []
+    finally:
+        runtime.close()
+
 
 
 def _payload(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
@@ -33,7 +59,7 @@ def data_file(tmp_path: Path) -> tuple[Path, np.ndarray[Any, Any]]:
 
 @pytest.mark.parametrize("direct", [None, False, True])
 def test_upload_file_reads_the_bytes_at_the_offset(
-    rt: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], direct: bool | None,
+    py_rt: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], direct: bool | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path, data = data_file
@@ -47,12 +73,12 @@ def test_upload_file_reads_the_bytes_at_the_offset(
 
     monkeypatch.setattr(_file, "fill_slot", watching)
     offset = 4097  # not aligned: O_DIRECT reads the aligned span around it
-    dest = rt.empty(data.size - offset - 11, np.uint8)
-    handle = rt.upload_file(path, dest, offset=offset, direct=direct)
+    dest = py_rt.empty(data.size - offset - 11, np.uint8)
+    handle = py_rt.upload_file(path, dest, offset=offset, direct=direct)
     assert dest.state == "in_flight"
     file, back = handle.wait()
     assert file == path and back is dest and dest.state == "owned"
-    assert np.array_equal(rt.to_host(dest), data[offset:offset + dest.nbytes])
+    assert np.array_equal(py_rt.to_host(dest), data[offset:offset + dest.nbytes])
     assert len(used) > 5
     probe = _file.OpenFile(path, write=False)
     takes_direct = probe.open_direct(write=False)
@@ -75,7 +101,7 @@ def test_upload_file_takes_an_open_file_and_survives_its_closing(
 
 
 def test_many_chunks_and_readers_cover_the_file_once(
-    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    py_emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, data = data_file
     monkeypatch.setattr(_file, "SLOT_BYTES", 64 << 10)
@@ -90,10 +116,10 @@ def test_many_chunks_and_readers_cover_the_file_once(
         real(opened, direct, chunk, ptr)
 
     monkeypatch.setattr(_file, "fill_slot", counting)
-    dest = emu.empty(data.size, np.uint8)
-    handle = emu.upload_file(str(path), dest)
+    dest = py_emu.empty(data.size, np.uint8)
+    handle = py_emu.upload_file(str(path), dest)
     handle.wait()
-    assert np.array_equal(emu.to_host(dest), data)
+    assert np.array_equal(py_emu.to_host(dest), data)
     assert len(reads) > 40 and len(threads) >= 2
     starts = sorted(reads)
     covered = sum(n for _, n in starts)
@@ -166,7 +192,7 @@ def test_refused_submissions_change_nothing(emu: ferry.Runtime, data_file: tuple
 
 
 def test_a_file_truncated_during_the_transfer_fails_it_naming_file_and_offset(
-    emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
+    py_emu: ferry.Runtime, data_file: tuple[Path, np.ndarray[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, data = data_file
     real = _file.fill_slot
@@ -180,12 +206,12 @@ def test_a_file_truncated_during_the_transfer_fails_it_naming_file_and_offset(
 
     monkeypatch.setattr(_file, "fill_slot", truncating)
     monkeypatch.setattr(_file, "SLOT_BYTES", 256 << 10)
-    dest = emu.empty(data.size, np.uint8)
-    handle = emu.upload_file(path, dest)
+    dest = py_emu.empty(data.size, np.uint8)
+    handle = py_emu.upload_file(path, dest)
     with pytest.raises(ferry.TransferFailedError, match=r"data\.bin.* at byte \d+.*ended"):
         handle.wait()
     assert dest.state == "abandoned"
-    stats = emu.stats()
+    stats = py_emu.stats()
     assert stats.failed == 1
     assert stats.abandoned_bytes == dest.nbytes  # the slots were proven idle: back to the pool
     assert stats.pinned_free_bytes == stats.pinned_pool_bytes - stats.staging_pinned_bytes
@@ -246,13 +272,13 @@ def test_a_refused_o_direct_falls_back_to_buffered_reads(
     assert np.array_equal(emu.to_host(dest), data)
 
 
-def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
+def test_a_refused_download_creates_no_file(py_emu: ferry.Runtime, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    source = emu.empty(16, np.uint8)
-    pending = emu.upload(np.zeros(16, np.uint8), source)
+    source = py_emu.empty(16, np.uint8)
+    pending = py_emu.upload(np.zeros(16, np.uint8), source)
     target = tmp_path / "new.bin"
     with pytest.raises(ferry.TransferSubmitError, match="in_flight"):
-        emu.download_file(source, target)
+        py_emu.download_file(source, target)
     pending.wait()
     assert not target.exists()
 
@@ -261,7 +287,7 @@ def test_a_refused_download_creates_no_file(emu: ferry.Runtime, tmp_path: Path,
 
     monkeypatch.setattr(_file.FileJob, "__init__", refuse)
     with pytest.raises(ferry.TransferSubmitError, match="no pinned memory"):
-        emu.download_file(source, target)
+        py_emu.download_file(source, target)
     assert not target.exists() and source.state == "owned"
 
 
@@ -316,7 +342,7 @@ def test_readers_are_made_once_per_runtime_and_stop_with_it(data_file: tuple[Pat
 
     path, data = data_file
     before = set(_reader_threads())
-    runtime = ferry.Runtime("emulated")
+    runtime = ferry.Runtime("emulated", staging=PYTHON_ENGINE)
     try:
         readers = parts_of(runtime).readers
         assert readers.made == 0  # nothing until a file is read
@@ -339,21 +365,21 @@ def test_readers_are_made_once_per_runtime_and_stop_with_it(data_file: tuple[Pat
         runtime.upload_file(path, dest)
 
 
-def test_a_reader_whose_dma_failed_is_never_reused(emu: ferry.Runtime,
+def test_a_reader_whose_dma_failed_is_never_reused(py_emu: ferry.Runtime,
                                                    data_file: tuple[Path, np.ndarray[Any, Any]]) -> None:
     from ferry._runtime import parts_of
 
     path, data = data_file
-    readers = parts_of(emu).readers
-    emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
-    testing.fail_next_copy(emu)
+    readers = parts_of(py_emu).readers
+    py_emu.upload_file(path, py_emu.empty(data.size, np.uint8)).wait()
+    testing.fail_next_copy(py_emu)
     with pytest.raises(ferry.TransferFailedError):
-        emu.upload_file(path, emu.empty(data.size, np.uint8)).wait()
+        py_emu.upload_file(path, py_emu.empty(data.size, np.uint8)).wait()
     broken = [r for r in readers._readers if r.broken]
     assert len(broken) == 1
-    again = emu.empty(data.size, np.uint8)
-    emu.upload_file(path, again).wait()
-    assert np.array_equal(emu.to_host(again), data)
+    again = py_emu.empty(data.size, np.uint8)
+    py_emu.upload_file(path, again).wait()
+    assert np.array_equal(py_emu.to_host(again), data)
     now = readers.take(readers.made)
     assert all(not r.broken for r in now) and broken[0] not in now  # its stream is never used again
 
@@ -439,7 +465,7 @@ def test_readers_broken_by_failed_copies_stop_their_threads(tmp_path: Path) -> N
     path = tmp_path / "blob.bin"
     np.arange(1 << 18, dtype=np.float32).tofile(path)
     before = {t.ident for t in threading.enumerate()}
-    rt = ferry.Runtime(backend="emulated")
+    rt = ferry.Runtime(backend="emulated", staging=PYTHON_ENGINE)
     for _ in range(3):
         device = rt.empty((1 << 18,), np.float32)
         testing.fail_next_copy(rt)

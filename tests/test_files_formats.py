@@ -7,6 +7,7 @@ import json
 import os
 import struct
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import ferry
+from ferry import testing
 from ferry._files import _dtypes
 from ferry._routes import _file
 
@@ -22,6 +24,18 @@ NATIVE = {
     "U32": np.uint32, "I32": np.int32, "F32": np.float32, "U64": np.uint64, "I64": np.int64, "F64": np.float64,
     "C64": np.complex64,
 }
+
+
+@pytest.fixture
+def py_emu() -> Iterator[ferry.Runtime]:
+    """An emulated runtime on the pure-Python engine, whose reader threads' ``fill_slot``/``drain_slot``
+    seam these tests intercept (the compiled engine's file jobs: test_files_native.py)."""
+    runtime = ferry.Runtime("emulated", staging=ferry.StagingConfig(engine="python"))
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+    assert testing.violations(runtime) == []
 
 
 def _write(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], *,
@@ -251,29 +265,29 @@ def _grow_during_read(path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> 
 
 @pytest.mark.parametrize("how", ["grow", "truncate"])
 def test_a_file_changing_during_the_load_fails_it_and_frees_everything(
-    emu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    py_emu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     arrays = _sample(5)
     path = tmp_path / "c.safetensors"
     _by_hand(path, arrays)
-    warm = emu.to_device(np.zeros(3, np.float32))  # the pools warm: stats compare like with like
-    emu.to_host(warm)
-    before = emu.stats()
+    warm = py_emu.to_device(np.zeros(3, np.float32))  # the pools warm: stats compare like with like
+    py_emu.to_host(warm)
+    before = py_emu.stats()
     _grow_during_read(path, monkeypatch, how)
     expected = "changed size" if how == "grow" else r"at byte \d+ \(tensor '[^']+'\).*ended"
     with pytest.raises(ferry.CheckpointError, match=rf"c\.safetensors.*{expected}"):
-        ferry.load_safetensors(path, runtime=emu)
-    after = emu.stats()
+        ferry.load_safetensors(path, runtime=py_emu)
+    after = py_emu.stats()
     assert after.device_bytes == before.device_bytes
     assert after.abandoned == 0 and after.abandoned_bytes == 0
     assert after.pinned_free_bytes == after.pinned_pool_bytes - after.staging_pinned_bytes
 
 
-def test_a_failed_shard_frees_the_shards_loaded_before(emu: ferry.Runtime, tmp_path: Path,
+def test_a_failed_shard_frees_the_shards_loaded_before(py_emu: ferry.Runtime, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     _by_hand(tmp_path / "1.safetensors", {"x": np.arange(1000, dtype=np.float32)})
     _by_hand(tmp_path / "2.safetensors", {"y": np.arange(1000, dtype=np.float32)})
-    before = emu.stats().device_bytes
+    before = py_emu.stats().device_bytes
     real = _file.fill_slot
 
     def failing(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
@@ -283,8 +297,8 @@ def test_a_failed_shard_frees_the_shards_loaded_before(emu: ferry.Runtime, tmp_p
 
     monkeypatch.setattr(_file, "fill_slot", failing)
     with pytest.raises(ferry.CheckpointError, match=r"2\.safetensors.*injected"):
-        ferry.load_safetensors([tmp_path / "1.safetensors", tmp_path / "2.safetensors"], runtime=emu)
-    assert emu.stats().device_bytes == before
+        ferry.load_safetensors([tmp_path / "1.safetensors", tmp_path / "2.safetensors"], runtime=py_emu)
+    assert py_emu.stats().device_bytes == before
 
 
 def test_save_refuses_what_it_cannot_write_and_leaves_no_file(emu: ferry.Runtime, tmp_path: Path) -> None:
@@ -303,16 +317,16 @@ def test_save_refuses_what_it_cannot_write_and_leaves_no_file(emu: ferry.Runtime
     assert os.listdir(tmp_path) == []
 
 
-def test_a_failed_save_removes_its_temporary_file(emu: ferry.Runtime, tmp_path: Path,
+def test_a_failed_save_removes_its_temporary_file(py_emu: ferry.Runtime, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     def failing(opened: Any, direct: list[bool], chunk: Any, ptr: int) -> None:
         raise _file.FileReadError(f"{opened.name!r} at byte {chunk.start}: the write failed: disk full")
 
     monkeypatch.setattr(_file, "drain_slot", failing)
-    source = emu.to_device(np.ones(1000, np.float32))
+    source = py_emu.to_device(np.ones(1000, np.float32))
     path = tmp_path / "f.safetensors"
     with pytest.raises(ferry.CheckpointError, match=r"f\.safetensors.*disk full"):
-        ferry.save_safetensors({"w": source}, path, runtime=emu)
+        ferry.save_safetensors({"w": source}, path, runtime=py_emu)
     assert os.listdir(tmp_path) == [] and source.state == "owned"
 
 
@@ -429,7 +443,7 @@ def test_the_load_command_names_itself_as_run(tmp_path: Path, capsys: pytest.Cap
     assert capsys.readouterr().err.startswith("ferry load: error:")
 
 
-def test_an_interrupted_load_propagates_and_frees_everything(emu: ferry.Runtime, tmp_path: Path,
+def test_an_interrupted_load_propagates_and_frees_everything(py_emu: ferry.Runtime, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "i.safetensors"
     _by_hand(path, {f"w{i}": np.full(300_000, i, np.float32) for i in range(4)})
@@ -441,15 +455,15 @@ def test_an_interrupted_load_propagates_and_frees_everything(emu: ferry.Runtime,
         real(opened, direct, chunk, ptr)
 
     monkeypatch.setattr(_file, "fill_slot", slow)
-    warm = emu.to_device(np.zeros(3, np.float32))
-    before = emu.stats()
+    warm = py_emu.to_device(np.zeros(3, np.float32))
+    before = py_emu.stats()
 
     def interrupt(done: int, total: int) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        ferry.load_safetensors(path, runtime=emu, progress=interrupt)
-    after = emu.stats()
+        ferry.load_safetensors(path, runtime=py_emu, progress=interrupt)
+    after = py_emu.stats()
     assert after.device_bytes == before.device_bytes and after.abandoned == 0
     assert after.pinned_free_bytes == after.pinned_pool_bytes - after.staging_pinned_bytes
     del warm

@@ -2,7 +2,7 @@
 
 A load is all or nothing. Every tensor of a file is checked against the
 file's size before anything is allocated; the device arrays are allocated,
-then one :class:`~ferry._routes._file.FileJob` reads the file once, in large
+then one file job (the compiled lanes', or the reader threads') reads the file once, in large
 sequential reads, each chunk's bytes DMA'd to the tensors they belong to. The
 arrays stay private to the load until it succeeded: when a read fails, the
 file is cut short or changes size meanwhile, or the load is interrupted, every
@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import FerryError, TransferSubmitError
-from .._routes._file import FileJob, FileReadError, OpenFile, Piece, choose_direct, plan_pieces
+from .._routes._file import FileReadError, OpenFile, Piece, choose_direct, make_job, plan_for
 from .._state import ABANDONED, IN_FLIGHT, OWNED
 from ._dtypes import Kind, kind_of_dtype, kind_of_name
 
 if TYPE_CHECKING:
     from .._device_array import DeviceArray
+    from .._routes._file import FileJob, NativeFileJob
     from .._runtime import Runtime
+
+    Job = FileJob | NativeFileJob
 
 __all__ = ["CheckpointError"]
 
@@ -88,7 +91,7 @@ class Entry:
     dtype: np.dtype[Any]  # what the device array carries
 
 
-def _wait(job: FileJob, total: int, progress: Progress | None) -> None:
+def _wait(job: Job, total: int, progress: Progress | None) -> None:
     """Wait for the job, reporting progress; Ctrl-C cancels it, waits for its readers, re-raises."""
     try:
         while not job.wait_done(PROGRESS_PERIOD):
@@ -130,7 +133,7 @@ def load_entries(
                 )
         _allocate(runtime, parts, entries, arrays)
         pieces = [Piece(e.offset, e.nbytes, arrays[e.name]._ptr, e.name) for e in entries]
-        plan = plan_pieces(pieces)
+        plan = plan_for(parts, pieces, upload=True)
         use_direct = choose_direct(opened, direct, plan.span)
         if use_direct:
             opened.open_direct(write=False)
@@ -139,7 +142,7 @@ def load_entries(
             for array in arrays.values():
                 array._state = IN_FLIGHT
             try:
-                job = FileJob(parts, opened, plan, upload=True, direct=use_direct, close_file=False)
+                job = make_job(parts, opened, plan, upload=True, direct=use_direct, close_file=False)
             except BaseException:
                 for array in arrays.values():
                     array._state = OWNED
@@ -179,7 +182,7 @@ def _allocate(runtime: Runtime, parts: Any, entries: Sequence[Entry], arrays: di
             arrays[e.name] = new_device_array(runtime, memory, memory.alloc(nbytes), e.shape, e.dtype, nbytes)
 
 
-def _finish(parts: Any, job: FileJob, arrays: dict[str, DeviceArray], name: str, progress: Progress) -> None:
+def _finish(parts: Any, job: Job, arrays: dict[str, DeviceArray], name: str, progress: Progress) -> None:
     """Wait for a load's job; hand the arrays back owned, or raise with them freed (or abandoned).
 
     An exception while waiting (Ctrl-C, or one raised by ``progress``) cancels the job, waits for its
@@ -333,7 +336,7 @@ def write_pieces(runtime: Runtime, path: Any, head: bytes, sources: Sequence[Sou
         os.ftruncate(opened.fd, end)
         os.pwrite(opened.fd, head, 0)
         pieces = [Piece(off, s.nbytes, s.ptr, s.name) for s, off in zip(sources, offsets, strict=True)]
-        plan = plan_pieces(pieces, aligned=False)
+        plan = plan_for(parts, pieces, upload=False)
         with parts.lock:
             parts.health.check_open()
             for s in sources:
@@ -341,7 +344,7 @@ def write_pieces(runtime: Runtime, path: Any, head: bytes, sources: Sequence[Sou
                     problem = s.owner._submission_problem(runtime, write=False)
                     if problem:
                         raise TransferSubmitError(f"tensor {s.name!r}: {problem}")
-            job = FileJob(parts, opened, plan, upload=False, direct=False, close_file=False)
+            job = make_job(parts, opened, plan, upload=False, direct=False, close_file=False)
             for s in sources:
                 if isinstance(s.owner, DeviceArray):
                     s.owner._leases += 1

@@ -86,6 +86,7 @@ if TYPE_CHECKING:
     from .._backends._base import Backend
     from .._device_array import DeviceArray
     from .._memory._pinned import PinnedPool
+    from ._staged import StagedRoute, StagingConfig
 
 __all__: list[str] = []
 
@@ -106,6 +107,16 @@ class Parts(RuntimeParts, Protocol):
     @property
     def readers(self) -> ReaderPool:
         """The runtime's file readers (threads, streams, events; made on first use)."""
+        ...
+
+    @property
+    def staging(self) -> StagingConfig:
+        """The runtime's staging config (which engine runs, its lanes' slots)."""
+        ...
+
+    @property
+    def staged(self) -> StagedRoute:
+        """The runtime's staged route: its engines run file jobs where they are the compiled ones."""
         ...
 
 ALIGN = 4096
@@ -496,6 +507,15 @@ class ReaderPool:
         self._lock = threading.Lock()
         self._closed = False
         self.made = 0  # readers made (for tests and the probe: it stops growing once warm)
+        self._ordering: Any = None  # emulated: the stream native file jobs are submitted from
+
+    def ordering_stream(self) -> Any:
+        """The stream the emulated device's native file jobs are submitted from (made on first use): a job
+        whose device side waits for a producer starts once that stream ran what was ordered before it."""
+        with self._lock:
+            if self._ordering is None:
+                self._ordering = self.backend.stream_create()
+            return self._ordering
 
     def take(self, count: int) -> list[_Reader]:
         """``count`` readers (made where missing; DeviceError when the device refuses a stream or an event)."""
@@ -546,6 +566,10 @@ class ReaderPool:
                 r.thread.join(max(0.0, deadline - time.monotonic()))
         if not destroy:
             return
+        ordering, self._ordering = self._ordering, None
+        if ordering is not None:
+            with contextlib.suppress(DeviceError):
+                self.backend.stream_destroy(ordering)
         for r in readers:
             if r.broken or (r.thread is not None and r.thread.is_alive()):
                 continue  # the device, or a thread still running, may use them
@@ -728,6 +752,237 @@ class FileJob:
             self.opened.close()
 
 
+# -- the compiled engine's file jobs ----------------------------------------------------------------
+_FAIL_NATIVE_CHUNK: tuple[int, int] | None = None
+"""Tests: ``(chunk, errno)``: that chunk's read (or write) in the next native file job fails with that errno."""
+
+_FILE_WHAT = {
+    "read": "the read failed", "short": "the file ended there (was it truncated?)", "write": "the write failed",
+    "no_progress": "the write made no progress",
+}
+
+
+def native_engine(parts: Parts, upload: bool) -> Any:
+    """The compiled engine of the direction (a ``NativeEngine``) when the runtime runs it, else ``None``.
+
+    Lock held: the engine is made on first use, as a staged transfer makes it."""
+    from ._native import NativeEngine
+    from ._staged import native_module
+
+    if native_module(parts.staging) is None:
+        return None
+    engine = parts.staged.engine(upload)
+    return engine if isinstance(engine, NativeEngine) else None
+
+
+def plan_for(parts: Parts, pieces: Sequence[Piece], *, upload: bool) -> FilePlan:
+    """The plan of a transfer of ``pieces``: chunks of one of the compiled lanes' slots where the native
+    engine runs (its slots are aligned already: a chunk fills a whole slot), else of :data:`SLOT_BYTES`."""
+    from ._staged import native_module
+
+    slot_bytes = parts.staging.slot_bytes + ALIGN if native_module(parts.staging) is not None else None
+    return plan_pieces(pieces, slot_bytes, aligned=upload)
+
+
+def make_job(
+    parts: Parts, opened: OpenFile, plan: FilePlan, *, upload: bool, direct: bool, close_file: bool = True,
+) -> FileJob | NativeFileJob:
+    """The job of a file transfer: on the compiled engine's lanes where it runs, else on the reader threads.
+
+    Lock held. Raises DeviceError or MemoryError with nothing taken."""
+    engine = native_engine(parts, upload)
+    if engine is not None and plan.step <= int(engine.engine.slot_bytes):
+        return NativeFileJob(parts, opened, plan, upload=upload, direct=direct, engine=engine, close_file=close_file)
+    return FileJob(parts, opened, plan, upload=upload, direct=direct, close_file=close_file)
+
+
+class NativeFileJob:
+    """One file transfer on the compiled engine's lanes (``_native/core/file.c``): :class:`FileJob`'s interface.
+
+    The lanes of the direction's engine claim the plan's chunks in file order, ``pread`` each straight into
+    a pinned slot of theirs and enqueue its DMAs (a download: DMAs into the slot, then ``pwrite``); no Python
+    thread is on the data path. On CUDA the job is submitted at :meth:`start`, after the lanes' streams were
+    ordered after the device side's producer; on the emulated device it is submitted from the file route's
+    ordering stream once the work queued there ran. A read or write that fails, or a file cut short, fails
+    the job with :class:`FileReadError` naming the file, the byte and the tensor; the lane that met it gives
+    up its slots as after a failed DMA (counted in the engine's abandoned bytes). The descriptors stay open
+    until the job is done (closed then when ``close_file``).
+    """
+
+    def __init__(
+        self, parts: Parts, opened: OpenFile, plan: FilePlan, *, upload: bool, direct: bool, engine: Any,
+        close_file: bool = True,
+    ) -> None:
+        import numpy as np
+
+        self.backend = parts.backend
+        self.opened = opened
+        self.plan = plan
+        self.upload = upload
+        self.close_file = close_file
+        self.direct = [direct]
+        self.host_bytes = 0  # the kernel reads into the slots: no host copy of ferry's
+        self.abandoned_bytes = 0
+        self.cancelled = False
+        self.engine = engine
+        self._readers = parts.readers
+        self._inner: Any = None
+        self._error: DeviceError | None = None
+        self._started: threading.Event | None = None
+        self._lock = threading.Lock()
+        self._ended = False
+        self._index = [i for i, c in enumerate(plan.chunks) if c.dmas]  # engine chunk -> plan chunk
+        self._targets: list[tuple[int, int]] = []  # emulated: (device address, bytes) in use by the lanes
+        backend = self.backend
+        chunks = np.empty((len(self._index), 4), np.uint64)
+        rows: list[tuple[int, int, int]] = []
+        try:
+            for k, i in enumerate(self._index):
+                chunk = plan.chunks[i]
+                chunks[k] = (chunk.start, chunk.length, chunk.need, len(chunk.dmas))
+                for offset, ptr, n, _ in chunk.dmas:
+                    if not engine.cuda:
+                        real = backend.native_target(ptr, n)  # type: ignore[attr-defined]
+                        self._targets.append((ptr, n))
+                        ptr = real
+                    rows.append((offset, ptr, n))
+        except BaseException:
+            self._give_back()
+            raise
+        self._chunks = chunks.tobytes()
+        self._dmas = np.array(rows, np.uint64).reshape(-1, 3).tobytes()
+        if not self._index:
+            self._end()
+
+    @property
+    def streams(self) -> list[Any]:
+        """The streams to order after the device side's producer before :meth:`start`: the lanes' (CUDA),
+        or the route's ordering stream the job is submitted from (emulated)."""
+        if not self._index:
+            return []
+        if self.engine.cuda:
+            return list(self.engine.streams())
+        return [self._readers.ordering_stream()]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Pinned bytes the job holds of its own: none (the lanes' slots are the engine's)."""
+        return 0
+
+    def start(self) -> None:
+        """Submit the job to the lanes (emulated: from the ordering stream, once its queued work ran)."""
+        if not self._index:
+            return
+        engine = self.engine.engine
+        fail = _FAIL_NATIVE_CHUNK
+        fail_chunk, fail_errno = fail if fail is not None else (-1, 0)
+        opened = self.opened
+
+        def submit() -> None:
+            try:
+                if self.cancelled:
+                    self._error = FileReadError(f"the transfer of {opened.name!r} was cancelled")
+                else:
+                    self._inner = engine.submit_file(
+                        opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
+                        name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
+                    )
+            except Exception as exc:  # a closed engine: the job fails, nothing runs
+                self._error = DeviceError(f"the file transfer of {opened.name!r} could not start: {exc}")
+            finally:
+                if self._started is not None:
+                    self._started.set()
+
+        if self.engine.cuda:
+            submit()
+            return
+        self._started = threading.Event()
+        take = getattr(self.backend, "take_armed_fault", None)
+        armed = take() if take is not None else None
+        if armed is not None:
+            engine.fail_next_copy(armed[0], sticky=armed[1])
+        self.backend.stream_wait_host(self._readers.ordering_stream(), submit)  # type: ignore[attr-defined]
+
+    def is_done(self) -> bool:
+        """Whether the lanes finished the job (its DMAs complete, or it failed). Never blocks."""
+        inner = self._inner
+        done = (self._error is not None or not self._index) if inner is None else bool(inner.done())
+        if done:
+            self._end()
+        return done
+
+    def wait_done(self, timeout: float | None = None, *, poll: bool = True) -> bool:
+        """Sleep (GIL released, signals checked) until done or ``timeout`` seconds passed."""
+        started = self._started
+        if self._inner is None and started is not None and not started.is_set():
+            t0 = time.monotonic()
+            if not started.wait(timeout):
+                return False
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - t0))
+        inner = self._inner
+        if inner is not None and not inner.wait(timeout, poll=poll):
+            return False
+        return self.is_done()
+
+    def cancel(self) -> None:
+        """Stop claiming chunks: the job fails (its destinations are incomplete)."""
+        self.cancelled = True
+        inner = self._inner
+        if inner is not None:
+            inner.cancel()
+
+    @property
+    def moved_bytes(self) -> int:
+        """Payload bytes whose read (or write) finished: the progress."""
+        inner = self._inner
+        return int(inner.file_moved) if inner is not None else 0
+
+    @property
+    def error(self) -> DeviceError | None:
+        """The job's failure (:class:`FileReadError` for the file's side), or ``None``; meaningful once done."""
+        if self._error is None and self._inner is not None:
+            failure = self._inner.error
+            if failure is not None:
+                self._error = self._error_of(failure)
+        return self._error
+
+    def _error_of(self, failure: tuple[int, str, bool]) -> DeviceError:
+        side = self._inner.file_error
+        if side is None:
+            code, text, sticky = failure
+            return DeviceError(f"file transfer of {self.opened.name!r} failed: {text}", code=int(code),
+                               sticky=bool(sticky))
+        kind, errnum, k, offset = side
+        if kind == "cancelled":
+            return FileReadError(f"the transfer of {self.opened.name!r} was cancelled")
+        chunk = self.plan.chunks[self._index[k]] if 0 <= k < len(self._index) else Chunk(offset, 0, 0)
+        what = _FILE_WHAT.get(kind, "failed")
+        if errnum:
+            what = f"{what}: {os.strerror(errnum)} (errno {errnum})"
+        return FileReadError(_where(self.opened, chunk, offset - chunk.start, what))
+
+    def _give_back(self) -> None:
+        targets, self._targets = self._targets, []
+        for ptr, n in targets:
+            self.backend.native_release(ptr, n)  # type: ignore[attr-defined]
+
+    def _end(self) -> None:
+        """Done: the lanes reaped every DMA of the job (a failed lane waited for its slots before giving them
+        up), so the device memory's uses go back and the file closes. Once."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._give_back()
+        if self.close_file:
+            self.opened.close()
+
+    def _release(self, *, abandon: bool) -> None:
+        """Refused before :meth:`start`: give the uses back, close the file (when it is the job's)."""
+        self._end()
+
+
 # -- the runtime's calls ----------------------------------------------------------------------------
 def _offset_arg(offset: Any) -> int:
     if isinstance(offset, bool) or not isinstance(offset, int):
@@ -786,7 +1041,7 @@ def submit_file(
                 f"{opened.name!r} holds {opened.size} bytes; reading {nbytes} bytes at offset {offset} "
                 f"needs {offset + nbytes}"
             )
-        plan = plan_pieces([Piece(offset, nbytes, device._ptr)], aligned=upload)
+        plan = plan_for(parts, [Piece(offset, nbytes, device._ptr)], upload=upload)
         use_direct = choose_direct(opened, direct, plan.span) if upload else bool(direct)
         if use_direct:
             opened.open_direct(write=not upload)
@@ -801,7 +1056,7 @@ def submit_file(
             if completion.maintenance_due():
                 completion.maintain()
             try:
-                job = FileJob(parts, opened, plan, upload=upload, direct=use_direct)
+                job = make_job(parts, opened, plan, upload=upload, direct=use_direct)
             except DeviceError as exc:
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: the device refused the transfer's streams or slots: {exc}") from exc
@@ -814,15 +1069,17 @@ def submit_file(
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: could not order the transfer: {exc}") from exc
             moved, leased = ((device,), ()) if upload else ((), (device,))
+            job.start()  # under the lock: no one sees the device side before its state moves below
             record = completion.job_record(job, ("file", id(job)), moved, leased, result(file, array), nbytes, None)
             cleanup = release_import(device)
             if cleanup is not None:
                 completion.extras(record).cleanups.append(cleanup)
+            if isinstance(job, NativeFileJob):
+                completion.extras(record).cleanups.append(lambda failed: job._end())
             if upload:
                 device._state = IN_FLIGHT
             else:
                 device._leases += 1
-            job.start()
             return record
     except BaseException:
         if device is not array:

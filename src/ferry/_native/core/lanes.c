@@ -195,7 +195,8 @@ static int alloc_slots(lane_t *L, err_t *e) {
  */
 static void lane_recover(lane_t *L) {
     engine_t *eng = L->eng;
-    int n = L->nslots;
+    int n = L->nslots, nends = 0;
+    share_t *ends[MAX_SLOTS]; /* finished once the slots are counted abandoned: a job done has its slots counted */
     for (int j = 0; j < n; j++) {
         slot_t *slot = &L->slots[(L->cursor + (size_t)j) % (size_t)n];
         if (!slot->busy) continue;
@@ -207,9 +208,8 @@ static void lane_recover(lane_t *L) {
             job_fail(slot->job, &e);
         }
         if (slot->ends) {
-            share_t *s = slot->ends;
+            ends[nends++] = slot->ends;
             slot->ends = NULL;
-            finish_share(L, s);
         }
     }
     for (int j = 0; j < n; j++) {
@@ -228,6 +228,7 @@ static void lane_recover(lane_t *L) {
         atomic_fetch_sub(&eng->held_bytes, (long long)eng->slot_bytes * n);
         atomic_fetch_add(&eng->abandoned_bytes, (long long)eng->slot_bytes * n);
     }
+    for (int j = 0; j < nends; j++) finish_share(L, ends[j]);
     L->nslots = 0;
     L->cursor = 0;
     L->cur_last = NULL;
@@ -246,12 +247,10 @@ static int reap(lane_t *L, slot_t *slot) {
         err_t e;
         make_err(L->eng, rc, "waiting for a staging DMA", &e);
         if (slot->job) job_fail(slot->job, &e);
-        if (slot->ends) {
-            share_t *s = slot->ends;
-            slot->ends = NULL;
-            finish_share(L, s);
-        }
-        lane_recover(L);
+        share_t *s = slot->ends;
+        slot->ends = NULL;
+        lane_recover(L); /* before the share ends: its job, once done, has the slots counted */
+        if (s) finish_share(L, s);
         return -1;
     }
     if (slot->ends) {
