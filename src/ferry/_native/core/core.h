@@ -516,7 +516,8 @@ typedef struct file_job {
     int err_kind, err_errno;
     unsigned long long err_offset;
     size_t err_chunk;
-    long long inject_chunk; /* tests: chunk whose read (write) fails with inject_errno; -1: none */
+    long long inject_chunk; /* tests: chunk whose first read (write) fails with inject_errno (through the
+                             * same handling as a real one: EINVAL on O_DIRECT falls back); -1: none */
     int inject_errno;
 } file_job_t;
 /* A file job (chunks and DMAs copied; fd, direct_fd stay the caller's), planned like job_plan, or NULL. */

@@ -175,17 +175,21 @@ static int is_aligned(const void *p, unsigned long long v) {
 static int read_chunk(job_t *job, size_t k, char *dst) {
     file_job_t *fj = job->file;
     const file_chunk_t *c = &fj->chunks[k];
-    if (fj->inject_chunk >= 0 && (size_t)fj->inject_chunk == k) {
-        file_fail(job, FILE_ERR_READ, fj->inject_errno, c->start, k);
-        return -1;
-    }
+    int inject = fj->inject_chunk >= 0 && (size_t)fj->inject_chunk == k; /* its first read fails (tests) */
     size_t got = 0;
     while (got < c->need) {
         int use_direct = atomic_load_explicit(&fj->direct, memory_order_relaxed) && fj->direct_fd >= 0 &&
                          is_aligned(dst + got, c->start + got);
         int fd = use_direct ? fj->direct_fd : fj->fd;
         size_t want = (size_t)(use_direct ? c->length - got : c->need - got);
-        ssize_t n = pread(fd, dst + got, want, (off_t)(c->start + got));
+        ssize_t n;
+        if (inject) {
+            inject = 0;
+            errno = fj->inject_errno;
+            n = -1;
+        } else {
+            n = pread(fd, dst + got, want, (off_t)(c->start + got));
+        }
         if (n < 0) {
             int err = errno;
             if (err == EINTR) continue;
@@ -211,17 +215,21 @@ static int read_chunk(job_t *job, size_t k, char *dst) {
 static int write_chunk(job_t *job, size_t k, const char *src) {
     file_job_t *fj = job->file;
     const file_chunk_t *c = &fj->chunks[k];
-    if (fj->inject_chunk >= 0 && (size_t)fj->inject_chunk == k) {
-        file_fail(job, FILE_ERR_WRITE, fj->inject_errno, c->start, k);
-        return -1;
-    }
+    int inject = fj->inject_chunk >= 0 && (size_t)fj->inject_chunk == k;
     int aligned = is_aligned(src, c->start) && c->length % FILE_ALIGN == 0;
     size_t done = 0;
     while (done < c->length) {
         int use_direct = aligned && done % FILE_ALIGN == 0 && fj->direct_fd >= 0 &&
                          atomic_load_explicit(&fj->direct, memory_order_relaxed);
         int fd = use_direct ? fj->direct_fd : fj->fd;
-        ssize_t n = pwrite(fd, src + done, (size_t)(c->length - done), (off_t)(c->start + done));
+        ssize_t n;
+        if (inject) {
+            inject = 0;
+            errno = fj->inject_errno;
+            n = -1;
+        } else {
+            n = pwrite(fd, src + done, (size_t)(c->length - done), (off_t)(c->start + done));
+        }
         if (n < 0) {
             int err = errno;
             if (err == EINTR) continue;
