@@ -841,11 +841,11 @@ class NativeFileJob:
                 chunk = plan.chunks[i]
                 chunks[k] = (chunk.start, chunk.length, chunk.need, len(chunk.dmas))
                 for offset, ptr, n, _ in chunk.dmas:
-                    if not engine.cuda:
-                        real = backend.native_target(ptr, n)  # type: ignore[attr-defined]
+                    target = ptr
+                    if not engine.cuda:  # the memory behind the emulated device's address, in use meanwhile
+                        target = backend.native_target(ptr, n)  # type: ignore[attr-defined]
                         self._targets.append((ptr, n))
-                        ptr = real
-                    rows.append((offset, ptr, n))
+                    rows.append((offset, target, n))
         except BaseException:
             self._give_back()
             raise
@@ -946,6 +946,10 @@ class NativeFileJob:
             if failure is not None:
                 self._error = self._error_of(failure)
         return self._error
+
+    @error.setter
+    def error(self, value: DeviceError | None) -> None:
+        self._error = value
 
     def _error_of(self, failure: tuple[int, str, bool]) -> DeviceError:
         side = self._inner.file_error
