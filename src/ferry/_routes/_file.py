@@ -31,9 +31,21 @@ wait for the event, :func:`drain_slot` (``os.pwritev``). Many reads are in
 flight at once; a job is complete when every reader synchronized its slots.
 
 ``fill_slot`` and ``drain_slot`` are the one seam between the file and the
-slots: a compiled reader (a native ``pread`` job on the engine's lanes) can
-replace the threads behind them without changing the plan, the contract or
-the formats built on top.
+slots of the reader threads, the pure-Python engine's path.
+
+The compiled engine
+-------------------
+Where the runtime's staging engine is the compiled one, a transfer is a
+:class:`NativeFileJob` instead: the same plan, cut into chunks of one of the
+lanes' slots (``StagingConfig.slot_bytes``), handed to the direction's engine
+as a file job (``_native/core/file.c``). Its lanes claim chunks from one
+counter, ``pread`` each straight into their next slot and enqueue its DMAs
+(downloads: DMAs into the slot, wait, ``pwrite``), with no Python thread and
+no GIL on the data path; read-ahead is bounded by the lanes' slots. The
+descriptors stay open until the job is done; errors are reported as
+:class:`FileReadError` (the file's side, with the errno) or a
+:class:`~ferry._backends._base.DeviceError`, as here; a lane that meets
+either gives its slots up for fresh ones, as after a failed staged DMA.
 
 ``O_DIRECT``
 ------------

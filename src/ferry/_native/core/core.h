@@ -3,7 +3,8 @@
  *
  * The core moves bytes between host memory and a device on native threads: jobs cut into chunks and
  * shares (jobs.c), the host copies (copy.c), the driver seam and the driver thread (driver.c), the
- * lanes and cooperative jobs (lanes.c), an engine's start, plans, queueing and stop (engine.c);
+ * lanes and cooperative jobs (lanes.c), an engine's start, plans, queueing and stop (engine.c), file jobs
+ * (file.c: chunks read from a file into slots, or written to one from them);
  * ../emulated.c is the emulated device behind the same seam. The
  * Python-facing files (engine.c and the rest, through ../native.h) include this header and reach the
  * core only through the functions declared at its end. Nothing here touches a Python object, and no
