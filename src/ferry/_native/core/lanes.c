@@ -190,13 +190,14 @@ static int alloc_slots(lane_t *L, err_t *e) {
 }
 
 /*
- * After an error: wait for every busy slot (oldest first, an error goes to that slot's job), report
- * the shares their events end, abandon every slot, take fresh ones (or mark the lane broken).
+ * After an error: wait for every busy slot (oldest first, an error goes to that slot's job), abandon
+ * every slot, take fresh ones (or mark the lane broken), then report the shares those events end (so a
+ * job seen done already has this lane's slots counted abandoned and replaced).
  */
 static void lane_recover(lane_t *L) {
     engine_t *eng = L->eng;
     int n = L->nslots, nends = 0;
-    share_t *ends[MAX_SLOTS]; /* finished once the slots are counted abandoned: a job done has its slots counted */
+    share_t *ends[MAX_SLOTS]; /* ended last: a job seen done has its lane's slots counted and replaced */
     for (int j = 0; j < n; j++) {
         slot_t *slot = &L->slots[(L->cursor + (size_t)j) % (size_t)n];
         if (!slot->busy) continue;
@@ -228,7 +229,6 @@ static void lane_recover(lane_t *L) {
         atomic_fetch_sub(&eng->held_bytes, (long long)eng->slot_bytes * n);
         atomic_fetch_add(&eng->abandoned_bytes, (long long)eng->slot_bytes * n);
     }
-    for (int j = 0; j < nends; j++) finish_share(L, ends[j]);
     L->nslots = 0;
     L->cursor = 0;
     L->cur_last = NULL;
@@ -237,6 +237,7 @@ static void lane_recover(lane_t *L) {
         L->broken = 1;
         L->broken_err = e;
     }
+    for (int j = 0; j < nends; j++) finish_share(L, ends[j]);
 }
 
 /* Wait for one busy slot; report the share it ends. Returns 0, or -1 after a recovery. */
