@@ -9,6 +9,7 @@ test_files.py and test_files_formats.py.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -322,11 +323,12 @@ def test_load_safetensors_reads_the_file_once_in_large_sequential_reads(
     assert jobs[0].moved_bytes == plan.nbytes == payload
     starts = [c.start for c in plan.chunks]
     assert starts == sorted(starts)
-    for a, b in zip(plan.chunks, plan.chunks[1:], strict=False):
+    for a, b in itertools.pairwise(plan.chunks):
         assert a.start + a.need <= b.start  # never a byte read twice
     assert len(plan.chunks) == -(-(plan.span[1] - plan.span[0] // 4096 * 4096) // SLOT)  # whole slots
     assert max(len(c.dmas) for c in plan.chunks) > 1  # small tensors share one read
     assert seen[-1] == (payload, payload)
+    assert all(a[0] <= b[0] for a, b in itertools.pairwise(seen))  # progress only grows
 
 
 def test_a_load_whose_read_fails_frees_every_tensor(nemu: ferry.Runtime, tmp_path: Path, jobs: list[Any],
@@ -387,3 +389,32 @@ def test_an_interrupted_load_cancels_its_job_and_frees_everything(tmp_path: Path
     finally:
         runtime.close()
     assert testing.violations(runtime) == []
+
+
+def test_the_engine_refuses_a_file_plan_that_does_not_add_up(tmp_path: Path) -> None:
+    path, _ = _file_of(tmp_path, 10_000)
+    engine = _native.load().Engine("upload", lanes=2, slots_per_lane=2, slot_bytes=SLOT)  # type: ignore[union-attr]
+    dest = np.zeros(10_000, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def submit(chunks: list[tuple[int, ...]], dmas: list[tuple[int, ...]]) -> Any:
+            return engine.submit_file(fd, -1, np.array(chunks, np.uint64).tobytes(),
+                                      np.array(dmas, np.uint64).reshape(-1, 3).tobytes())
+
+        ptr = dest.ctypes.data
+        with pytest.raises(ValueError, match="slot_bytes"):
+            submit([(0, SLOT + 4096, 100, 1)], [(0, ptr, 100)])  # larger than a slot
+        with pytest.raises(ValueError, match="DMA"):
+            submit([(0, 4096, 100, 1)], [(50, ptr, 100)])  # past the bytes the read brings
+        with pytest.raises(ValueError, match="more DMAs"):
+            submit([(0, 4096, 100, 2)], [(0, ptr, 100)])
+        with pytest.raises(ValueError, match="packed"):
+            engine.submit_file(fd, -1, b"\0" * 31, b"")
+        job = submit([(0, 12288, 10_000, 1)], [(0, ptr, 10_000)])
+        assert job.wait(10) and job.error is None and job.file_moved == 10_000
+        assert np.array_equal(dest, np.fromfile(path, np.uint8))
+        with pytest.raises(TypeError, match="not a file job"):
+            _ = engine.submit(ptr, ptr, 8, (8,), (1,), 1).file_moved
+    finally:
+        os.close(fd)
+        engine.close()
