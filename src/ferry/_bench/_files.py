@@ -372,6 +372,19 @@ def _fastsafetensors() -> Any:
         return None
 
 
+def route_note(rt: Any) -> str:
+    """Who carries a file load on ``rt``: the compiled lanes (their count and slots) or the reader threads."""
+    from .._routes._file import MAX_READERS, SLOT_BYTES, SLOTS_PER_READER
+    from .._routes._staged import native_module
+    from .._runtime import parts_of
+
+    config = parts_of(rt).staging
+    if native_module(config) is not None:
+        return (f"compiled lanes: {config.lanes} lanes x {config.slots_per_lane} slots x "
+                f"{config.slot_bytes >> 20} MiB")
+    return f"reader threads: up to {MAX_READERS} x {SLOTS_PER_READER} slots x {SLOT_BYTES >> 20} MiB"
+
+
 def group_files(ctx: Any) -> None:
     """Run the group (see the module docstring)."""
     import ferry
@@ -443,7 +456,7 @@ def group_files(ctx: Any) -> None:
             del loaded
             record("ferry", "load_safetensors", "warm",
                    timed(lambda: ferry.load_safetensors(path, runtime=rt), reps, after=lambda out: out.clear()),
-                   valid)
+                   valid, route_note(rt))
 
         def ferry_cold() -> None:
             direct = None if cold.evicts else True
@@ -456,7 +469,8 @@ def group_files(ctx: Any) -> None:
             samples = timed(lambda: ferry.load_safetensors(path, runtime=rt, direct=direct), cold_reps, cold.before,
                             after=check)
             honest = cold.honest()
-            record("ferry", "load_safetensors", "cold", samples, all(checked) and honest, cold.note())
+            record("ferry", "load_safetensors", "cold", samples, all(checked) and honest,
+                   f"{cold.note()}; {route_note(rt)}")
 
         def ferry_memory() -> None:
             warm_up()
@@ -503,7 +517,7 @@ def group_files(ctx: Any) -> None:
 
             once()
             valid = verify_file(ref, saved)
-            record("ferry", "save_safetensors", "save", timed(once, reps), valid)
+            record("ferry", "save_safetensors", "save", timed(once, reps), valid, route_note(rt))
             loaded.clear()
             os.unlink(saved)
 
