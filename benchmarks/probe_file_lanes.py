@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--emulated", action="store_true", help="a toy checkpoint on the emulated device (a smoke test)")
     ap.add_argument("--lanes", type=int, nargs="*", default=[4, 8, 12, 16])
-    ap.add_argument("--slot-mib", type=int, nargs="*", default=[2, 4, 8, 16])
+    ap.add_argument("--slot-mib", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--slots", type=int, nargs="*", default=[2, 3, 4])
     args = ap.parse_args()
     folder = tempfile.mkdtemp(prefix="ferry-probe-", dir=os.environ.get("FERRY_BENCH_DIR") or None)
