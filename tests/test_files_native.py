@@ -418,3 +418,16 @@ def test_the_engine_refuses_a_file_plan_that_does_not_add_up(tmp_path: Path) -> 
     finally:
         os.close(fd)
         engine.close()
+
+
+def test_a_cancel_after_the_end_leaves_a_job_succeeded(nemu: ferry.Runtime, tmp_path: Path,
+                                                       jobs: list[Any]) -> None:
+    path, data = _file_of(tmp_path, 5 * SLOT)
+    dest = nemu.empty(data.size, np.uint8)
+    handle = nemu.upload_file(path, dest)
+    assert jobs[0].wait_done(30)
+    assert jobs[0]._inner.cancel() is False  # too late: nothing to stop
+    jobs[0].cancel()
+    assert jobs[0].error is None
+    handle.wait()
+    assert np.array_equal(nemu.to_host(dest), data)

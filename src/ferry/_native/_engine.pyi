@@ -55,7 +55,7 @@ class Job:
     def file_direct(self) -> bool:
         """Whether a file job still reads through its ``O_DIRECT`` descriptor."""
     def cancel(self) -> bool:
-        """A file job: stop claiming chunks, fail the job (``False``: it had failed already)."""
+        """A file job: stop claiming chunks, fail the job (``False``: it had failed or finished already)."""
     def done(self) -> bool:
         """Whether the job is complete (one atomic load; never blocks, never raises)."""
     def wait(self, timeout: float | None = None, *, poll: bool = True) -> bool:

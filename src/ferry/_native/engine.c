@@ -993,7 +993,8 @@ static PyObject *Job_get_file_direct(PyObject *obj, void *Py_UNUSED(closure)) {
 static PyMethodDef Job_methods[] = {
     {"done", Job_done, METH_NOARGS, "done() -> bool: one atomic load, never blocks"},
     {"cancel", Job_cancel, METH_NOARGS,
-     "cancel() -> bool: a file job's lanes stop claiming chunks and the job fails (False: it had failed already)"},
+     "cancel() -> bool: a file job's lanes stop claiming chunks and the job fails (False: it had failed or "
+     "finished already)"},
     {"wait", (PyCFunction)(void (*)(void))Job_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None) -> bool: sleep (GIL released) until done; False on timeout"},
     {"hand_off", (PyCFunction)(void (*)(void))Job_hand_off, METH_VARARGS | METH_KEYWORDS,

@@ -526,7 +526,8 @@ job_t *file_job_plan(const engine_t *eng, int fd, int direct_fd, int direct, con
                      const file_chunk_t *chunks, size_t nchunks, const file_dma_t *dmas, size_t ndmas, int *kind,
                      const char **why);
 void file_job_free(file_job_t *fj);
-/* Fail a file job on the host side (the first failure wins): 1 when this one was first. */
+/* Fail a file job on the host side (the first failure wins; a cancel of a job done is ignored): 1 when this
+ * one took effect. */
 int file_fail(job_t *job, int kind, int errnum, unsigned long long offset, size_t chunk);
 /* A lane runs a file job's share (lane_main calls it for jobs with a file side). */
 void run_file(lane_t *L, share_t *s);

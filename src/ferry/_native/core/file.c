@@ -147,7 +147,9 @@ int file_fail(job_t *job, int kind, int errnum, unsigned long long offset, size_
     file_job_t *fj = job->file;
     int first = 0;
     pthread_mutex_lock(&job->mu);
-    if (!atomic_load_explicit(&job->failed, memory_order_relaxed)) {
+    /* a cancel comes too late for a job done (done is set under the mutex): it stays a success */
+    int late = kind == FILE_ERR_CANCELLED && atomic_load_explicit(&job->done, memory_order_relaxed);
+    if (!late && !atomic_load_explicit(&job->failed, memory_order_relaxed)) {
         first = 1;
         job->err.code = FILE_ERROR_CODE;
         job->err.sticky = 0;
