@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._errors import FerryError, TransferSubmitError
-from .._routes._file import FileReadError, OpenFile, Piece, choose_direct, make_job, plan_for
+from .._routes._file import FileReadError, OpenFile, Piece, choose_direct, make_job, plan_for, span_of
 from .._state import ABANDONED, IN_FLIGHT, OWNED
 from ._dtypes import Kind, kind_of_dtype, kind_of_name
 
@@ -133,8 +133,8 @@ def load_entries(
                 )
         _allocate(runtime, parts, entries, arrays)
         pieces = [Piece(e.offset, e.nbytes, arrays[e.name]._ptr, e.name) for e in entries]
-        plan = plan_for(parts, pieces, upload=True)
-        use_direct = choose_direct(opened, direct, plan.span)
+        use_direct = choose_direct(opened, direct, span_of(pieces))
+        plan = plan_for(parts, pieces, upload=True, direct=use_direct)
         if use_direct:
             opened.open_direct(write=False)
         with parts.lock:

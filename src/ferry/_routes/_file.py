@@ -787,13 +787,34 @@ def native_engine(parts: Parts, upload: bool) -> Any:
     return engine if isinstance(engine, NativeEngine) else None
 
 
-def plan_for(parts: Parts, pieces: Sequence[Piece], *, upload: bool) -> FilePlan:
-    """The plan of a transfer of ``pieces``: chunks of one of the compiled lanes' slots where the native
-    engine runs (its slots are aligned already: a chunk fills a whole slot), else of :data:`SLOT_BYTES`."""
+FILE_CHUNK_BYTES = 1 << 20
+"""The compiled lanes' chunk for reads through the page cache (at most a slot; ``O_DIRECT`` reads and writes
+take whole slots). Each byte of such a load crosses host memory up to three times: the page cache's copy
+reads it and writes the slot, the DMA reads the slot. While the lanes' chunks in flight (lanes x slots per
+lane x this) fit in the last-level cache, the slot's lines are written and DMA'd there and never go to
+memory: one crossing, not three. A parallel ``preadv`` into pinned 16 MiB buffers followed by a DMA of each
+reached 0.68x of the reads alone on an H200 machine, about what three crossings against two predict.
+``benchmarks/probe_file_lanes.py`` sweeps it."""
+
+
+def span_of(pieces: Sequence[Piece]) -> tuple[int, int]:
+    """The file range ``[lo, hi)`` the non-empty pieces cover."""
+    live = [p for p in pieces if p.nbytes > 0]
+    return (min(p.offset for p in live), max(p.offset + p.nbytes for p in live)) if live else (0, 0)
+
+
+def plan_for(parts: Parts, pieces: Sequence[Piece], *, upload: bool, direct: bool = False) -> FilePlan:
+    """The plan of a transfer of ``pieces``. Where the compiled engine runs: chunks of :data:`FILE_CHUNK_BYTES`
+    for reads through the page cache, of one of the lanes' slots for ``O_DIRECT`` reads and for writes (the
+    slots are aligned already: a chunk may fill a whole slot); else chunks of :data:`SLOT_BYTES`."""
     from ._staged import native_module
 
-    slot_bytes = parts.staging.slot_bytes + ALIGN if native_module(parts.staging) is not None else None
-    return plan_pieces(pieces, slot_bytes, aligned=upload)
+    if native_module(parts.staging) is None:
+        return plan_pieces(pieces, aligned=upload)
+    chunk = parts.staging.slot_bytes
+    if upload and not direct:
+        chunk = min(chunk, max(ALIGN, FILE_CHUNK_BYTES))
+    return plan_pieces(pieces, chunk + ALIGN, aligned=upload)
 
 
 def make_job(
@@ -1057,8 +1078,9 @@ def submit_file(
                 f"{opened.name!r} holds {opened.size} bytes; reading {nbytes} bytes at offset {offset} "
                 f"needs {offset + nbytes}"
             )
-        plan = plan_for(parts, [Piece(offset, nbytes, device._ptr)], upload=upload)
-        use_direct = choose_direct(opened, direct, plan.span) if upload else bool(direct)
+        pieces = [Piece(offset, nbytes, device._ptr)]
+        use_direct = choose_direct(opened, direct, span_of(pieces)) if upload else bool(direct)
+        plan = plan_for(parts, pieces, upload=upload, direct=use_direct)
         if use_direct:
             opened.open_direct(write=not upload)
         with parts.lock:
