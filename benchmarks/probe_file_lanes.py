@@ -7,7 +7,8 @@ it once to warm the page cache, then for each configuration opens a runtime with
 (and ``_file.FILE_CHUNK_BYTES``, the read chunk) and times ``ferry.load_safetensors`` (median of ``--reps``,
 after one warm-up load, every load verified against the file's bytes once), beside the machine's warm
 parallel ``pread`` ceiling (the bench's 12 threads into pinned 16 MiB buffers, no GPU) and the pure-Python
-engine's reader threads, in the same run. ``--cold`` adds one cold load per configuration (the page cache dropped first; needs root).
+engine's reader threads, in the same run. ``--cold`` adds one cold load per configuration (the page cache
+dropped first; needs root).
 Prints one table; the default configuration (``StagingConfig()``, ``FILE_CHUNK_BYTES``) is marked ``*``.
 """
 
