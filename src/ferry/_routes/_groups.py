@@ -13,7 +13,15 @@ of leaf need no per-leaf machinery at all:
   them into it and enqueues one batched copy, a download enqueues the batched
   copy and copies each leaf out of the block when the tree is waited for.
 
-Both need C-contiguous host arrays and ferry device arrays of the runtime (a
+- *pageable* leaves on the compiled engine (:func:`submit_pieces`): every
+  leaf of the tree is one piece of one staging job. The caller's thread
+  copies nothing: one compiled call reads every leaf's addresses and sizes
+  and checks them, the job is queued in microseconds, and the staging lanes
+  copy and enqueue its chunks in parallel, in both directions. Leaves that
+  follow each other on the device (a tree uploaded into fresh arrays, then
+  reused) share chunks, so many small leaves travel as few large DMAs.
+
+All need C-contiguous host arrays and ferry device arrays of the runtime (a
 missing upload destination is allocated here). A group is one record: its
 ``moved`` / ``leased`` objects are every leaf's, its result the leaves'
 objects in order, and it completes, fails or is abandoned as one transfer
@@ -32,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .._backends._base import DeviceError
 from .._completion import Extras
 from .._device_array import DeviceArray, new_device_array
@@ -41,6 +50,7 @@ from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
 from ._base import array_ptr
 from ._direct import _raise_queued
+from ._native import NativeEngine, NativeJob
 
 __all__: list[str] = []
 
@@ -374,3 +384,108 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
             for device in devices:
                 completion.memory.note_stream(device._ptr, stream)
     return devices
+
+
+def pieces_ready(rt: Any, upload: bool) -> bool:
+    """Whether :func:`submit_pieces` may take a tree here: the compiled staging engine runs, no batch is
+    open on this thread, and no pinned memory is registered (a pinned leaf needs no staging)."""
+    routes = rt._parts.host
+    if routes.registrations.active or routes.pinned_leaves.active or _native.load() is None:
+        return False
+    if routes.completion.batches.get(threading.get_ident()) is not None:
+        return False
+    return bool(routes.config.engine != "python")
+
+
+def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
+    """The emulated device: each piece's device address as the memory behind it (one queued use each,
+    given back by the returned function)."""
+    rows = np.frombuffer(pieces, np.uint64).reshape(-1, 3).tolist()
+    taken: list[tuple[int, int]] = []
+    try:
+        for row in rows:
+            ptr, nbytes = row[1], row[2]
+            row[1] = backend.native_target(ptr, nbytes)
+            taken.append((ptr, nbytes))
+    except BaseException:
+        for ptr, nbytes in taken:
+            backend.native_release(ptr, nbytes)
+        raise
+
+    def release() -> None:
+        for ptr, nbytes in taken:
+            backend.native_release(ptr, nbytes)
+
+    return np.array(rows, np.uint64).tobytes(), release
+
+
+def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+    """One record and one staging job for every leaf (pageable host arrays, ferry device arrays); the
+    handle, or None where a leaf is not the common case or the compiled engine is not there (then
+    nothing changed: the caller takes the leaves one by one, which names any problem)."""
+    routes = rt._parts.host
+    completion = routes.completion
+    staged = routes.staged
+    module = _native.load()
+    if module is None:
+        return None
+    with routes.lock:
+        _check_open(rt)
+        engine = staged.engine(upload)
+        if not isinstance(engine, NativeEngine):
+            return None
+        found = module.leaf_pieces(hosts, devices, rt, OWNED, upload)
+        if found is None:
+            return None
+        pieces, total = found
+        if completion.maintenance_due():
+            completion.maintain()
+        job = NativeJob(tuple(hosts), 0, total)  # type: ignore[arg-type]  # keeps every host array alive
+        if not engine.cuda:
+            try:
+                pieces, job._release = _emulated_targets(completion.backend, pieces)
+            except DeviceError as exc:
+                completion.health.note(exc)
+                raise TransferSubmitError(f"the device refused a leaf's memory: {exc}") from exc
+            engine._arm_fault()
+        try:
+            inner = engine.engine.submit_pieces(pieces, hand_off=engine.cuda)
+        except (RuntimeError, MemoryError, ValueError, OverflowError) as exc:
+            if job._release is not None:
+                job._release()
+                job._release = None
+            raise TransferSubmitError(f"the staging engine refused the tree: {exc}") from exc
+        job._start(inner)
+        # from here on nothing raises: the job is queued
+        staged.tree_jobs += 1
+        staged.tree_leaves += len(hosts)
+        extra = Extras()
+        extra.order_after = lambda stream: engine.order_after(job, stream)
+        extra.ready_to_order = job.wait_posted
+        extra.export_stream = routes.h2d if upload else routes.d2h
+        devs: tuple[Any, ...] = tuple(devices)
+        if upload:
+            moved, leased, result = devs, (), (tuple(handed), devs)
+        else:
+            moved, leased, result = (), devs, (devs, tuple(handed))
+        record = completion.job_record(job, engine, moved, leased, result, total, extra)
+        leases = routes.direct.leases
+        for host in hosts:
+            leases.take(host)
+        give = leases.give
+
+        def cleanup(failed: bool) -> None:
+            with staged._lock:
+                staged.host_copied += job.host_bytes
+            job.finished()
+            for host in hosts:
+                give(host)
+
+        extra.cleanups.append(cleanup)
+        if upload:
+            for device in devices:
+                device._state = IN_FLIGHT
+            return PendingUpload(completion, record)
+        for device in devices:
+            device._leases += 1
+        return PendingDownload(completion, record)

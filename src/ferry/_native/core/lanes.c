@@ -475,7 +475,7 @@ static void run_upload(lane_t *L, share_t *s) {
         slot->ends = NULL;
         slot->busy = 1; /* from here on a DMA may touch it */
         const char *op = "";
-        int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+        int rc = d_enqueue(L, slot, slot->ptr, c.dev, c.nbytes, &op);
         trace_at(job, k, L->index, 3);
         if (rc) {
             fail_with(L, job, rc, op);
@@ -527,7 +527,7 @@ static void run_download(lane_t *L, share_t *s) {
             slot->busy = 1;
             const char *op = "";
             trace_at(job, s->first + issued * s->stride, L->index, 0);
-            int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+            int rc = d_enqueue(L, slot, slot->ptr, c.dev, c.nbytes, &op);
             trace_at(job, s->first + issued * s->stride, L->index, 1);
             if (rc) {
                 fail_with(L, job, rc, op);
