@@ -608,8 +608,10 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
         _same_paths(call, paths, theirs, "out")
     pairs = list(zip(sources, outs, strict=True))
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    fast = (_submit_pieces(rt, False, pairs, outs, sources) if len(pairs) > 1 and not pinned
-            and pieces_ready(rt, False) else None)
+    if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
+        outs = _pinned_outputs(rt, call, paths, sources)
+        pairs = list(zip(sources, outs, strict=True))
+    fast = _submit_pieces(rt, False, pairs, outs, sources) if len(pairs) > 1 and pieces_ready(rt, False) else None
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -619,7 +621,7 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
                 if not host.flags.writeable:
                     raise _refuse(call, path, "out is read-only (or the output of another pending download)")
             _unique(call, paths, outs, "out array")
-        elif pinned:
+        elif pinned and all(o is None for o in outs):
             outs = _pinned_outputs(rt, call, paths, sources)
             pairs = list(zip(sources, outs, strict=True))
         sizes = [_nbytes_of(d) for d in sources]

@@ -387,10 +387,10 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
 
 
 def pieces_ready(rt: Any, upload: bool) -> bool:
-    """Whether :func:`submit_pieces` may take a tree here: the compiled staging engine runs, no batch is
-    open on this thread, and no pinned memory is registered (a pinned leaf needs no staging)."""
+    """Whether :func:`submit_pieces` may take a tree here: the compiled extension runs (and the staging
+    engine is the compiled one) and no batch is open on this thread."""
     routes = rt._parts.host
-    if routes.registrations.active or routes.pinned_leaves.active or _native.load() is None:
+    if _native.load() is None:
         return False
     if routes.completion.batches.get(threading.get_ident()) is not None:
         return False
@@ -425,67 +425,135 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
     nothing changed: the caller takes the leaves one by one, which names any problem)."""
     routes = rt._parts.host
     completion = routes.completion
-    staged = routes.staged
     module = _native.load()
     if module is None:
         return None
     with routes.lock:
         _check_open(rt)
-        engine = staged.engine(upload)
-        if not isinstance(engine, NativeEngine):
-            return None
-        found = module.leaf_pieces(hosts, devices, rt, OWNED, upload)
+        engine = routes.staged.engine(upload)
+        found = module.leaf_pieces(hosts, devices, rt, OWNED, upload) if isinstance(engine, NativeEngine) else None
         if found is None:
             return None
         pieces, total = found
         if completion.maintenance_due():
             completion.maintain()
-        job = NativeJob(tuple(hosts), 0, total)  # type: ignore[arg-type]  # keeps every host array alive
-        if not engine.cuda:
-            try:
-                pieces, job._release = _emulated_targets(completion.backend, pieces)
-            except DeviceError as exc:
-                completion.health.note(exc)
-                raise TransferSubmitError(f"the device refused a leaf's memory: {exc}") from exc
-            engine._arm_fault()
+        if routes.registrations.active or routes.pinned_leaves.active:
+            runs = _runs(pieces)
+            regs = [_covering(routes, h, n) for h, n in zip(runs[0], runs[2], strict=True)]
+            if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
+                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed)
+            if any(reg is not None for reg in regs):
+                return None  # some pinned, some not: leaf by leaf
+        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed)
+
+
+def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, total: int, hosts: list[Any],
+                   devices: list[Any], handed: list[Any]) -> Any:
+    """One staging job for pageable leaves (checked by ``leaf_pieces``): its record and handle. Lock held."""
+    routes = rt._parts.host
+    completion = routes.completion
+    staged = routes.staged
+    job = NativeJob(tuple(hosts), 0, total)  # type: ignore[arg-type]  # keeps every host array alive
+    if not engine.cuda:
         try:
-            inner = engine.engine.submit_pieces(pieces, hand_off=engine.cuda)
-        except (RuntimeError, MemoryError, ValueError, OverflowError) as exc:
-            if job._release is not None:
-                job._release()
-                job._release = None
-            raise TransferSubmitError(f"the staging engine refused the tree: {exc}") from exc
-        job._start(inner)
-        # from here on nothing raises: the job is queued
-        staged.tree_jobs += 1
-        staged.tree_leaves += len(hosts)
-        extra = Extras()
-        extra.order_after = lambda stream: engine.order_after(job, stream)
-        extra.ready_to_order = job.wait_posted
-        extra.export_stream = routes.h2d if upload else routes.d2h
-        devs: tuple[Any, ...] = tuple(devices)
-        if upload:
-            moved, leased, result = devs, (), (tuple(handed), devs)
-        else:
-            moved, leased, result = (), devs, (devs, tuple(handed))
-        record = completion.job_record(job, engine, moved, leased, result, total, extra)
-        leases = routes.direct.leases
+            pieces, job._release = _emulated_targets(completion.backend, pieces)
+        except DeviceError as exc:
+            completion.health.note(exc)
+            raise TransferSubmitError(f"the device refused a leaf's memory: {exc}") from exc
+        engine._arm_fault()
+    try:
+        inner = engine.engine.submit_pieces(pieces, hand_off=engine.cuda)
+    except (RuntimeError, MemoryError, ValueError, OverflowError) as exc:
+        if job._release is not None:
+            job._release()
+            job._release = None
+        raise TransferSubmitError(f"the staging engine refused the tree: {exc}") from exc
+    job._start(inner)
+    # from here on nothing raises: the job is queued
+    staged.tree_jobs += 1
+    staged.tree_leaves += len(hosts)
+    extra = Extras()
+    extra.order_after = lambda stream: engine.order_after(job, stream)
+    extra.ready_to_order = job.wait_posted
+    extra.export_stream = routes.h2d if upload else routes.d2h
+    devs: tuple[Any, ...] = tuple(devices)
+    if upload:
+        moved, leased, result = devs, (), (tuple(handed), devs)
+    else:
+        moved, leased, result = (), devs, (devs, tuple(handed))
+    record = completion.job_record(job, engine, moved, leased, result, total, extra)
+    leases = routes.direct.leases
+    for host in hosts:
+        leases.take(host)
+    give = leases.give
+
+    def cleanup(failed: bool) -> None:
+        with staged._lock:
+            staged.host_copied += job.host_bytes
+        job.finished()
         for host in hosts:
-            leases.take(host)
-        give = leases.give
+            give(host)
 
-        def cleanup(failed: bool) -> None:
-            with staged._lock:
-                staged.host_copied += job.host_bytes
-            job.finished()
-            for host in hosts:
-                give(host)
-
-        extra.cleanups.append(cleanup)
-        if upload:
-            for device in devices:
-                device._state = IN_FLIGHT
-            return PendingUpload(completion, record)
+    extra.cleanups.append(cleanup)
+    if upload:
         for device in devices:
-            device._leases += 1
-        return PendingDownload(completion, record)
+            device._state = IN_FLIGHT
+        return PendingUpload(completion, record)
+    for device in devices:
+        device._leases += 1
+    return PendingDownload(completion, record)
+
+
+def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
+    """The pieces (host, device, bytes) merged where they follow each other on both sides; empty ones
+    dropped: (hosts, devices, sizes)."""
+    table = np.frombuffer(pieces, np.uint64).reshape(-1, 3)
+    table = table[table[:, 2] > 0]
+    if len(table) < 2:
+        return table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist()
+    h, d, n = table[:, 0], table[:, 1], table[:, 2]
+    ends_h, ends_d = h[:-1] + n[:-1], d[:-1] + n[:-1]
+    starts = np.concatenate(([0], np.flatnonzero((ends_h != h[1:]) | (ends_d != d[1:])) + 1))
+    return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+
+
+def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
+                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+    """One record for leaves in pinned memory (checked by ``leaf_pieces``, merged into runs): each large
+    run one DMA, the small ones one batched copy, one event. Lock held."""
+    routes = rt._parts.host
+    completion = routes.completion
+    backend = completion.backend
+    stream = routes.h2d if upload else routes.d2h
+    run_h, run_d, run_n = runs
+    small: tuple[list[int], list[int], list[int]] = ([], [], [])
+    big: list[tuple[int, int, int]] = []
+    for h, d, n in zip(run_h, run_d, run_n, strict=True):
+        dst, src = (d, h) if upload else (h, d)
+        if n < SMALL_BYTES:
+            small[0].append(dst)
+            small[1].append(src)
+            small[2].append(n)
+        else:
+            big.append((dst, src, n))
+    one = backend.htod_record if upload else backend.dtoh_record
+
+    def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+        queued = False
+        if small[0]:
+            backend.copy_batch(upload, small[0], small[1], small[2], stream, None if big else event)
+            queued = True
+        last = len(big) - 1
+        for j, (dst, src, nbytes) in enumerate(big):
+            try:
+                one(dst, src, nbytes, stream, event if j == last else None)
+            except DeviceError as exc:
+                _raise_queued(exc, after_first=queued)
+            queued = True
+
+    if not big and not small[0]:  # every leaf empty: an event alone
+        def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+            backend.copy_batch(upload, [], [], [], stream, event)
+
+    return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, routes.direct.leases,
+                    regs, None)
