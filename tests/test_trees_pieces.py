@@ -10,6 +10,7 @@ import pytest
 
 import ferry
 from ferry import _native, testing
+from conftest import eventually as wait_for
 from ferry._runtime import parts_of
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -79,7 +80,7 @@ def test_a_failed_chunk_fails_the_tree_and_abandons_its_destinations(native: fer
     rt = native
     state = _state(12, 300 * KiB, 3)
     _, device = rt.upload_tree(state).wait()
-    testing.fail_next_copy(rt, after=2)
+    testing.fail_next_copy(rt, after=1)  # the second chunk's copy (the leaves are back to back: few chunks)
     pending = rt.upload_tree({k: v + 1 for k, v in state.items()}, device)
     with pytest.raises(ferry.TransferFailedError, match=r"leaf .* failed on the device"):
         pending.wait()
@@ -188,3 +189,50 @@ def test_the_engine_packs_pieces_that_follow_each_other_on_the_device() -> None:
     assert not device[offsets[4] - 17:offsets[4]].any()
     with pytest.raises(ValueError, match="triples"):
         module.Engine("upload", mode="emulated").submit_pieces(b"\0" * 5)
+
+
+def test_a_fresh_tree_is_one_allocation_freed_with_its_last_leaf(emu: ferry.Runtime) -> None:
+    rt = emu
+    start = rt.stats().device_bytes
+    state = _state(5, 1000, 9)  # 1000 bytes each: every leaf starts at a multiple of 256
+    _, device = rt.upload_tree(state).wait()
+    ptrs = [d.ptr for d in device.values()]
+    assert [b - a for a, b in zip(ptrs, ptrs[1:], strict=False)] == [1024] * 4  # back to back
+    assert rt.stats().device_bytes == start + 5 * 1024
+    back = rt.download_tree(device).wait()[1]
+    assert all(np.array_equal(back[k], v) for k, v in state.items())
+    views = list(device.values())
+    del device
+    views[0].close()
+    assert views[0].state == "closed" and rt.stats().device_bytes == start + 5 * 1024  # the others use it
+    assert np.array_equal(rt.to_host(views[4]), state["layer4.weight"])
+    for view in views[1:3]:
+        view.close()
+    del view
+    del views  # the last two collected: the allocation is freed at the next call
+    gc.collect()
+    rt.poll()
+    assert rt.stats().device_bytes == start
+    # a dropped upload of a fresh tree frees it once the copy is proven complete
+    rt.upload_tree(state)
+    gc.collect()
+    assert wait_for(lambda: (rt.poll(), rt.stats().device_bytes == start)[1])
+    # the runtime closes with live leaves: each is closed, the allocation freed once (no violation)
+    _, kept = rt.upload_tree(state).wait()
+    rt.close()
+    assert {d.state for d in kept.values()} == {"closed"}
+
+
+def test_an_abandoned_leaf_keeps_the_whole_allocation(emu: ferry.Runtime) -> None:
+    rt = emu
+    state = _state(4, 64 * KiB, 10)
+    testing.fail_next_copy(rt)
+    pending = rt.upload_tree(state)
+    with pytest.raises(ferry.TransferFailedError):
+        pending.wait()
+    held = rt.stats().device_bytes
+    assert held >= 4 * 64 * KiB
+    del pending
+    gc.collect()
+    rt.poll()
+    assert rt.stats().device_bytes == held  # never freed: the device may still touch it

@@ -46,6 +46,7 @@ from .._completion import Extras
 from .._device_array import DeviceArray, new_device_array
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import order_before
+from .._memory._slab import DeviceSlab, slab_layout
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
 from ._base import array_ptr
@@ -145,7 +146,12 @@ def gc_paused() -> Iterator[None]:
 
 def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[DeviceArray]:
     """Fresh device arrays from the device pool for ``(shape, dtype)`` pairs (checked NumPy ones), under
-    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError)."""
+    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError).
+
+    Several arrays are views of one allocation (:mod:`ferry._memory._slab`), back to back on the device:
+    one pool call for all of them, and a tree's leaves then move as few large DMAs. The allocation is
+    freed once every one of them was freed.
+    """
     parts = rt._parts
     parts.health.check_open()
     memory, completion = parts.memory, parts.completion
@@ -153,6 +159,13 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
     with parts.lock:
         if completion.maintenance_due():
             completion.maintain()
+        if len(specs) > 1:
+            offsets, sizes, total = slab_layout(specs)
+            base = memory.alloc(total)
+            slab = DeviceSlab(memory, base, total, len(specs))
+            memory.arrays.add(slab)
+            return [new_device_array(rt, slab, base + off, shape, dtype, nbytes)  # type: ignore[arg-type]
+                    for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
         try:
             for shape, dtype in specs:
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -382,7 +395,7 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
             completion.extras(record).cleanups.append(forget)
         if stream is not None:
             for device in devices:
-                completion.memory.note_stream(device._ptr, stream)
+                device._memory.note_stream(device._ptr, stream)
     return devices
 
 
@@ -398,15 +411,23 @@ def pieces_ready(rt: Any, upload: bool) -> bool:
 
 
 def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
-    """The emulated device: each piece's device address as the memory behind it (one queued use each,
-    given back by the returned function)."""
-    rows = np.frombuffer(pieces, np.uint64).reshape(-1, 3).tolist()
+    """The emulated device: each piece's device address as the memory behind it (one queued use for
+    each run of pieces that follow each other on the device, given back by the returned function)."""
+    table = np.frombuffer(pieces, np.uint64).reshape(-1, 3).copy()
+    dev, size = table[:, 1], table[:, 2]
+    if len(table) > 1:
+        starts = np.concatenate(([0], np.flatnonzero(dev[:-1] + size[:-1] != dev[1:]) + 1))
+    else:
+        starts = np.zeros(len(table), np.int64)
+    ends = np.append(starts[1:], len(table))
     taken: list[tuple[int, int]] = []
     try:
-        for row in rows:
-            ptr, nbytes = row[1], row[2]
-            row[1] = backend.native_target(ptr, nbytes)
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            ptr = int(dev[a])
+            nbytes = int(dev[b - 1] + size[b - 1]) - ptr
+            real = backend.native_target(ptr, nbytes)
             taken.append((ptr, nbytes))
+            dev[a:b] += np.uint64((real - ptr) % (1 << 64))  # wraps: the difference, either sign
     except BaseException:
         for ptr, nbytes in taken:
             backend.native_release(ptr, nbytes)
@@ -416,7 +437,7 @@ def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
         for ptr, nbytes in taken:
             backend.native_release(ptr, nbytes)
 
-    return np.array(rows, np.uint64).tobytes(), release
+    return table.tobytes(), release
 
 
 def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
