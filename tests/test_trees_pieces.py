@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import _native, testing
 from conftest import eventually as wait_for
+from ferry import _native, testing
 from ferry._runtime import parts_of
 
 KiB, MiB = 1 << 10, 1 << 20
