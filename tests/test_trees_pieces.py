@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 from typing import Any
 
 import numpy as np
@@ -197,7 +198,7 @@ def test_a_fresh_tree_is_one_allocation_freed_with_its_last_leaf(emu: ferry.Runt
     state = _state(5, 1000, 9)  # 1000 bytes each: every leaf starts at a multiple of 256
     _, device = rt.upload_tree(state).wait()
     ptrs = [d.ptr for d in device.values()]
-    assert [b - a for a, b in zip(ptrs, ptrs[1:], strict=False)] == [1024] * 4  # back to back
+    assert [b - a for a, b in itertools.pairwise(ptrs)] == [1024] * 4  # back to back
     assert rt.stats().device_bytes == start + 5 * 1024
     back = rt.download_tree(device).wait()[1]
     assert all(np.array_equal(back[k], v) for k, v in state.items())
