@@ -8,9 +8,14 @@ one transfer per leaf and returns one handle.
 
 How a tree is a handle
 ----------------------
-Each leaf is an ordinary transfer (its route picked as for
-:meth:`Runtime.upload` / :meth:`Runtime.download`), submitted inside one
-``rt.batch()`` so that many small leaves go to the device as batched copies.
+The common tree (pageable NumPy leaves and ferry device arrays, or leaves in
+pinned memory) is one record: one compiled call reads and checks every leaf,
+and the leaves become the pieces of one staging job, or DMAs behind one event
+(:func:`ferry._routes._groups.submit_pieces`), so that submission costs no
+per-leaf Python and the caller's thread copies nothing. Any other tree goes
+leaf by leaf: each leaf an ordinary transfer (its route picked as for
+:meth:`Runtime.upload` / :meth:`Runtime.download`), the small ones in groups
+or inside one ``rt.batch()`` so that they go to the device as batched copies.
 The returned :class:`~ferry.PendingUpload` / :class:`~ferry.PendingDownload`
 holds a :class:`TreeRecord` (the leaves' handles and how to build the result)
 and talks to :class:`TreePort`, which answers the handle protocol for the
@@ -21,7 +26,9 @@ drops every leaf's handle (each retires on its own, never blocking).
 Outcomes
 --------
 Every check (structure, shapes, dtypes, states, duplicates) runs before the
-first leaf is submitted, so a refused tree changes nothing. Should a leaf's
+first leaf is submitted, so a refused tree changes nothing (the compiled call
+answers "not the common case" for anything odd, and the Python checks then
+name the problem). Should a leaf's
 submission still be refused (the device refused an allocation), the leaves
 already submitted are waited for, so that every leaf is owned again, and the
 refusal is raised. When a leaf fails on the device the tree fails: ``wait()``

@@ -40,7 +40,9 @@
  * _staging.py) and deals them round-robin to min(lanes, chunks) lanes,
  * starting at a rotating lane. A share is (job, first chunk, stride), so the
  * plan costs O(lanes) at submit time, whatever the array's size; a chunk's
- * geometry is computed by the lane when it gets to it. On an engine with
+ * geometry is computed by the lane when it gets to it (a job of many pieces,
+ * core/pieces.c, is planned into a chunk table instead: each chunk a run of
+ * pieces that follow each other on the device, at chunk.dev). On an engine with
  * helpers a contiguous job of up to cooperative_max_bytes is one share
  * instead, a lead lane's, whose chunk copies idle lanes help with piece by
  * piece (cooperative jobs: see the essay above wake_helpers).
