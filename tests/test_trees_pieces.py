@@ -38,8 +38,16 @@ def native(emu: ferry.Runtime) -> ferry.Runtime:
     return emu
 
 
-def test_a_state_dict_is_one_job_each_way(native: ferry.Runtime) -> None:
-    rt = native
+@pytest.fixture
+def any_native(rt: ferry.Runtime) -> ferry.Runtime:
+    """Each backend (the GPU where there is one), on the compiled engine."""
+    if not _compiled(rt):
+        pytest.skip("one job for a tree needs the compiled engine")
+    return rt
+
+
+def test_a_state_dict_is_one_job_each_way(any_native: ferry.Runtime) -> None:
+    rt = any_native
     state = _state(40, 100 * KiB + 3, 1)  # odd sizes: chunks cut across leaves
     jobs = _jobs(rt)
     source, device = rt.upload_tree(state).wait()
@@ -117,8 +125,8 @@ def test_odd_leaves_take_the_checked_way_and_change_nothing_when_refused(native:
     assert all(np.array_equal(got[k], v) for k, v in strided.items())
 
 
-def test_pinned_leaves_of_a_tree_go_as_dmas_from_one_block(native: ferry.Runtime) -> None:
-    rt = native
+def test_pinned_leaves_of_a_tree_go_as_dmas_from_one_block(any_native: ferry.Runtime) -> None:
+    rt = any_native
     state = _state(50, 64 * KiB, 6)
     _, device = rt.upload_tree(state).wait()
     copied = rt.stats().host_copied_bytes
@@ -140,8 +148,8 @@ def test_pinned_leaves_of_a_tree_go_as_dmas_from_one_block(native: ferry.Runtime
     assert rt.stats().pinned_pool_bytes == pool  # the block goes back and is reused
 
 
-def test_a_view_of_one_pinned_leaf_keeps_the_tree_block(native: ferry.Runtime) -> None:
-    rt = native
+def test_a_view_of_one_pinned_leaf_keeps_the_tree_block(any_native: ferry.Runtime) -> None:
+    rt = any_native
     state = _state(4, 64 * KiB, 7)
     _, device = rt.upload_tree(state).wait()
     _, host = rt.download_tree(device, pinned=True).wait()
@@ -192,8 +200,7 @@ def test_the_engine_packs_pieces_that_follow_each_other_on_the_device() -> None:
         module.Engine("upload", mode="emulated").submit_pieces(b"\0" * 5)
 
 
-def test_a_fresh_tree_is_one_allocation_freed_with_its_last_leaf(emu: ferry.Runtime) -> None:
-    rt = emu
+def test_a_fresh_tree_is_one_allocation_freed_with_its_last_leaf(rt: ferry.Runtime) -> None:
     start = rt.stats().device_bytes
     state = _state(5, 1000, 9)  # 1000 bytes each: every leaf starts at a multiple of 256
     _, device = rt.upload_tree(state).wait()
@@ -237,3 +244,25 @@ def test_an_abandoned_leaf_keeps_the_whole_allocation(emu: ferry.Runtime) -> Non
     gc.collect()
     rt.poll()
     assert rt.stats().device_bytes == held  # never freed: the device may still touch it
+
+
+def test_large_trees_move_as_one_job_with_every_byte_right(any_native: ferry.Runtime) -> None:
+    rt = any_native
+    big = rt.backend == "cuda"
+    odd = {f"odd{i}": v for i, v in enumerate(_state(3, 8 * MiB + 1, 12).values())}  # unaligned sizes
+    state = _state(64 if big else 8, MiB, 11) | odd | {"tiny": np.arange(3, dtype=np.int64)}
+    jobs = _jobs(rt)
+    _, device = rt.upload_tree(state).wait()
+    out = {k: np.empty_like(v) for k, v in state.items()}
+    _, filled = rt.download_tree(device, out).wait()
+    assert all(np.array_equal(filled[k], v) for k, v in state.items())
+    _, back = rt.download_tree(device).wait()
+    assert all(np.array_equal(back[k], v) for k, v in state.items())
+    assert _jobs(rt)[0] == jobs[0] + 3
+    # handed off to a consumer stream, as a whole tree: ordered after every chunk on the device
+    pending = rt.upload_tree({k: v[::-1].copy() for k, v in state.items()}, device)
+    handed = pending.hand_off()
+    assert handed is device
+    _, again = rt.download_tree(device).wait()
+    assert all(np.array_equal(again[k], v[::-1]) for k, v in state.items())
+    pending.wait()
