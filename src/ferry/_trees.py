@@ -671,7 +671,7 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
         total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     what = f"{len(specs)} leaves, {total} bytes"
     try:
-        made = leaves.arrays(specs)
+        made = leaves.shared(specs) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
     except (MemoryError, ValueError) as exc:
         raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
                                   "submitted") from exc

@@ -89,14 +89,8 @@ class PinnedLeaves:
 
     def arrays(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
         """:meth:`array` for every ``(shape, dtype)`` pair, all or none: when a block cannot be had the
-        blocks taken so far go back to the pool and the error is raised.
-
-        Several arrays share one block (each at an offset aligned to :data:`ALIGN` bytes, back to back,
-        so that a tree's leaves move as few large DMAs): it goes back to the pool once every one of
-        them, and every view of them, was collected.
-        """
-        if len(specs) > 1:
-            return self._shared(specs)
+        blocks taken so far go back to the pool and the error is raised. Each array has a block of its
+        own (see :meth:`shared` for one block for all)."""
         blocks: list[Any] = []
         sizes: list[int] = []
         try:
@@ -133,8 +127,11 @@ class PinnedLeaves:
             self.made += len(made)
         return out
 
-    def _shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
-        """Every array of ``specs`` on one pooled block (see :meth:`arrays`)."""
+    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
+        """:meth:`array` for every ``(shape, dtype)`` pair, all on one pooled block, each at an offset
+        aligned to :data:`ALIGN` bytes, back to back (a tree's leaves then move as few large DMAs). The
+        block goes back to the pool once every one of the arrays, and every view of them, was collected.
+        Raises as :meth:`array` (nothing taken)."""
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
         offsets: list[int] = []
         total = 0

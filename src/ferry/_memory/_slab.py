@@ -30,7 +30,6 @@ import numpy as np
 from .._state import ABANDONED, CLOSED, OWNED, State
 
 if TYPE_CHECKING:
-    from .._device_array import DeviceArray
     from ._device import DeviceMemory
 
 __all__: list[str] = []
@@ -52,7 +51,7 @@ class DeviceSlab:
         self._ptr = ptr
         self._nbytes = nbytes
         self._live = list(range(views))  # one token per live view: the one that pops 0 was the last
-        self.arrays: weakref.WeakSet[DeviceArray] = weakref.WeakSet()  # the views (new_device_array adds them)
+        self.arrays: weakref.WeakSet[Any] = weakref.WeakSet()  # the views, device arrays (new_device_array adds them)
 
     # -- the allocation, as the runtime's device memory sees it ------------------------------------
     @property
