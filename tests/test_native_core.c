@@ -341,6 +341,63 @@ static void test_a_failed_read_fails_its_file_job(void) {
     free(dev);
 }
 
+/* A job of many pieces: 300 host arrays of odd sizes to back-to-back device ranges (a gap before every 50th),
+ * up and back down, with a hand-off; pieces that follow each other share chunks, no byte of a gap is written. */
+static void test_a_job_of_many_pieces(void) {
+    size_t count = 300, total = 0, span = 0;
+    piece_t *up_pieces = malloc(count * sizeof(piece_t)), *down_pieces = malloc(count * sizeof(piece_t));
+    char **hosts = malloc(count * sizeof(char *)), **backs = malloc(count * sizeof(char *));
+    size_t *sizes = malloc(count * sizeof(size_t)), *offsets = malloc(count * sizeof(size_t));
+    for (size_t i = 0; i < count; i++) {
+        sizes[i] = i % 7 == 3 ? 0 : 1000 + (i * 7919) % 70000;
+        span += i % 50 == 49 ? 64 : 0;
+        offsets[i] = span;
+        span += sizes[i];
+        total += sizes[i];
+    }
+    char *dev = calloc(1, span + 1);
+    for (size_t i = 0; i < count; i++) {
+        hosts[i] = malloc(sizes[i] + 1);
+        backs[i] = calloc(1, sizes[i] + 1);
+        for (size_t j = 0; j < sizes[i]; j++) hosts[i][j] = (char)(i * 31 + j * 7 + 1);
+        up_pieces[i] = (piece_t){hosts[i], (CUdeviceptr)(uintptr_t)(dev + offsets[i]), sizes[i]};
+        down_pieces[i] = (piece_t){backs[i], (CUdeviceptr)(uintptr_t)(dev + offsets[i]), sizes[i]};
+    }
+    engine_t *up = make(1, 4, 0, 1), *down = make(0, 3, 0, 0);
+    int kind;
+    const char *why;
+    job_t *job = job_plan_pieces(up, up_pieces, count, 0, 1, &kind, &why); /* takes the pieces */
+    CHECK(job != NULL && job->nbytes == total && job->nchunks < count);
+    CHECK(engine_queue(up, job, 1) == 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->host_bytes) == total && job->nposted == job->nlanes);
+    job_decref(job);
+    for (size_t i = 0; i < count; i++) CHECK(memcmp(hosts[i], dev + offsets[i], sizes[i]) == 0);
+    for (size_t i = 49; i < count; i += 50) /* the 64 bytes before piece i: a gap, never written */
+        for (size_t j = offsets[i] - 64; j < offsets[i]; j++) CHECK(dev[j] == 0);
+    job = job_plan_pieces(down, down_pieces, count, 4096, 0, &kind, &why); /* small chunks: pieces cut */
+    CHECK(job != NULL && job->nchunks > count);
+    CHECK(engine_queue(down, job, 0) == 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed));
+    job_decref(job);
+    for (size_t i = 0; i < count; i++) CHECK(memcmp(hosts[i], backs[i], sizes[i]) == 0);
+    piece_t *bad = malloc(sizeof(piece_t));
+    *bad = (piece_t){NULL, (CUdeviceptr)(uintptr_t)dev, 8};
+    CHECK(job_plan_pieces(up, bad, 1, 0, 0, &kind, &why) == NULL && kind == PLAN_VALUE); /* takes it too */
+    stop(up);
+    stop(down);
+    for (size_t i = 0; i < count; i++) {
+        free(hosts[i]);
+        free(backs[i]);
+    }
+    free(hosts);
+    free(backs);
+    free(sizes);
+    free(offsets);
+    free(dev);
+}
+
 int main(void) {
     test_contiguous_upload_and_download(1);
     test_contiguous_upload_and_download(0);
@@ -351,6 +408,7 @@ int main(void) {
     test_a_plan_that_does_not_add_up_is_refused();
     test_a_file_round_trip();
     test_a_failed_read_fails_its_file_job();
+    test_a_job_of_many_pieces();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

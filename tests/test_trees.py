@@ -169,6 +169,7 @@ def test_a_leaf_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime, monke
 
     emu.upload = refusing  # type: ignore[method-assign]
     monkeypatch.setattr(_leafgroups, "SMALL_BYTES", 0)  # every leaf one by one, through rt.upload
+    monkeypatch.setattr(_trees, "pieces_ready", lambda rt, upload: False)  # not one job for the tree
     try:
         with pytest.raises(ferry.TransferSubmitError, match="every leaf is owned"):
             emu.upload_tree(tree, device)
@@ -194,6 +195,7 @@ def test_a_group_refused_midway_leaves_every_leaf_owned(emu: ferry.Runtime, monk
 
     monkeypatch.setattr(_leafgroups, "GROUP_BYTES", 1)  # one leaf a group: the third group is refused
     monkeypatch.setattr(_trees, "submit_small", refusing)
+    monkeypatch.setattr(_trees, "pieces_ready", lambda rt, upload: False)  # not one job for the tree
     with pytest.raises(ferry.TransferSubmitError, match="every leaf is owned"):
         emu.upload_tree(tree, device)
     assert calls[0] == 3
@@ -294,7 +296,8 @@ def test_hand_off_gives_the_device_tree_before_the_copies_are_waited(rt: ferry.R
     assert pending.wait()[0] is tree
 
 
-def test_many_small_leaves_go_to_the_device_as_batches(rt: ferry.Runtime) -> None:
+def test_many_small_leaves_go_to_the_device_as_batches(rt: ferry.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_trees, "pieces_ready", lambda rt, upload: False)  # the pure-Python engine's way
     blocks = {f"block{i}": np.full(16 * KiB, i % 251, dtype=np.uint8) for i in range(300)}
     before = testing.fast_path_counts(rt)
     _, device = rt.upload_tree(blocks).wait()

@@ -10,10 +10,17 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import testing
+from ferry import _trees, testing
 from ferry._routes import _groups as _leafgroups
 
 KiB = 1 << 10
+
+
+@pytest.fixture(autouse=True)
+def _groups_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group route: what a tree takes when one job of many pieces cannot carry it (the pure-Python
+    engine, a mix of pinned and pageable leaves); tests/test_trees_pieces.py covers the one-job route."""
+    monkeypatch.setattr(_trees, "pieces_ready", lambda rt, upload: False)
 
 
 def small_tree(n: int, size: int = 4 * KiB, seed: int = 0) -> dict[str, np.ndarray]:

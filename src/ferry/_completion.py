@@ -1009,7 +1009,7 @@ class Completion:
                 record.moved = tuple(o for o in record.moved if o is not destination)
                 self.extras(record).handed = destination
             if stream is not None and isinstance(destination, DeviceArray):
-                self.memory.note_stream(destination._ptr, stream)  # its free waits for that stream's work
+                destination._memory.note_stream(destination._ptr, stream)  # its free waits for that stream's work
             return destination
 
     def order_after(self, record: Record, stream: Any) -> None:
@@ -1080,7 +1080,7 @@ class Completion:
             obj._release_for_close()
         elif obj._state is not CLOSED:
             obj._state = CLOSED
-            self.memory.release(obj._ptr, obj._nbytes)
+            obj._memory.release(obj._ptr, obj._nbytes)  # its own memory: the runtime's, or a slab's
 
     def maintenance_due(self) -> bool:
         """The cheap test every submission makes before :meth:`maintain`. Lock held."""

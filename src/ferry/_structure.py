@@ -137,6 +137,25 @@ def take_apart(
     return lambda new: new[position]
 
 
+def take_flat(tree: Any, kind: type, leaves: list[Any], paths: list[Path]) -> Builder | None:
+    """:func:`take_apart` for the common state dict: a plain ``dict`` whose values are all exactly of
+    type ``kind`` (each a kept leaf, as the leaf function would keep it). Appends the values and their
+    paths and returns the builder; ``None`` (nothing appended) for any other structure. A walk of
+    thousands of leaves then costs tens of nanoseconds each."""
+    if type(tree) is not dict or not tree:
+        return None
+    values = list(tree.values())
+    if not all(type(v) is kind for v in values):
+        return None
+    keys = list(tree)
+    leaves.extend(values)
+    paths.extend((key,) for key in keys)
+    start = len(leaves) - len(values)
+    if start:
+        return lambda new: dict(zip(keys, new[start:], strict=True))
+    return lambda new: dict(zip(keys, new, strict=True))
+
+
 def describe(path: Path) -> str:
     """A leaf's path as a user reads it: ``['layers'][0]['weight']`` (``<root>`` for the structure itself)."""
     return "".join(f"[{key!r}]" for key in path) or "<root>"

@@ -8,9 +8,14 @@ one transfer per leaf and returns one handle.
 
 How a tree is a handle
 ----------------------
-Each leaf is an ordinary transfer (its route picked as for
-:meth:`Runtime.upload` / :meth:`Runtime.download`), submitted inside one
-``rt.batch()`` so that many small leaves go to the device as batched copies.
+The common tree (pageable NumPy leaves and ferry device arrays, or leaves in
+pinned memory) is one record: one compiled call reads and checks every leaf,
+and the leaves become the pieces of one staging job, or DMAs behind one event
+(:func:`ferry._routes._groups.submit_pieces`), so that submission costs no
+per-leaf Python and the caller's thread copies nothing. Any other tree goes
+leaf by leaf: each leaf an ordinary transfer (its route picked as for
+:meth:`Runtime.upload` / :meth:`Runtime.download`), the small ones in groups
+or inside one ``rt.batch()`` so that they go to the device as batched copies.
 The returned :class:`~ferry.PendingUpload` / :class:`~ferry.PendingDownload`
 holds a :class:`TreeRecord` (the leaves' handles and how to build the result)
 and talks to :class:`TreePort`, which answers the handle protocol for the
@@ -21,7 +26,9 @@ drops every leaf's handle (each retires on its own, never blocking).
 Outcomes
 --------
 Every check (structure, shapes, dtypes, states, duplicates) runs before the
-first leaf is submitted, so a refused tree changes nothing. Should a leaf's
+first leaf is submitted, so a refused tree changes nothing (the compiled call
+answers "not the common case" for anything odd, and the Python checks then
+name the problem). Should a leaf's
 submission still be refused (the device refused an allocation), the leaves
 already submitted are waited for, so that every leaf is owned again, and the
 refusal is raised. When a leaf fails on the device the tree fails: ``wait()``
@@ -47,11 +54,11 @@ from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._pending import PendingDownload, PendingUpload
-from ._routes._groups import empty_many, gc_paused, submit_pinned, submit_small
+from ._routes._groups import empty_many, gc_paused, pieces_ready, submit_pieces, submit_pinned, submit_small
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
-from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart
+from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart, take_flat
 
 if TYPE_CHECKING:
     from ._pending import _Pending
@@ -349,6 +356,13 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
 def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
+    flat = take_flat(tree, np.ndarray, leaves, paths)
+    if flat is not None:
+        if any(array.dtype.hasobject or not array.dtype.itemsize for array in leaves):  # the checks below name it
+            leaves.clear()
+            paths.clear()
+        else:
+            return flat, leaves, paths
     try:
         build = take_apart(tree, leaves, host_array, paths)
     except (TypeError, ValueError, BufferError) as exc:
@@ -366,6 +380,9 @@ def _device_leaf(leaf: Any) -> Any:
 def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], list[Path]]:
     leaves: list[Any] = []
     paths: list[Path] = []
+    flat = take_flat(tree, DeviceArray, leaves, paths)
+    if flat is not None:
+        return flat, leaves, paths
 
     def leaf(x: Any) -> Any:
         found = _device_leaf(x)
@@ -502,6 +519,38 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
     return handles, spans, grouped
 
 
+def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
+                   devices: list[Any]) -> Any:
+    """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
+    handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
+    outputs are made first (and closed again when the leaves go another way)."""
+    fresh: list[Any] = []
+    if upload:
+        missing = [i for i, d in enumerate(devices) if d is None]
+        if missing:
+            made = empty_many(rt, [(hosts[i].shape, hosts[i].dtype) for i in missing])
+            fresh = made
+            devices = list(devices)
+            for i, device in zip(missing, made, strict=True):
+                devices[i] = device
+        handed = [p[0] for p in pairs]
+    else:
+        hosts = [np.empty(d.shape, d.dtype) if h is None and isinstance(d, DeviceArray) else h
+                 for h, d in zip(hosts, devices, strict=True)]
+        handed = hosts
+    try:
+        handle = submit_pieces(rt, upload, hosts, devices, handed)
+    except BaseException:
+        for device in fresh:
+            if device._state is OWNED:
+                device.close()
+        raise
+    if handle is None:
+        for device in fresh:
+            device.close()
+    return handle
+
+
 def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
     """See :meth:`ferry.Runtime.upload_tree`."""
     with gc_paused():
@@ -517,12 +566,19 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
     if destination is not None:
         _, targets, theirs = _flatten_device(call, destination, require=False)
         _same_paths(call, paths, theirs, "destination")
+    keep_destination = destination is not None and convert is None
+    pairs = list(zip(sources, targets, strict=True))
+    # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
+    fast = _submit_pieces(rt, True, pairs, sources, targets) if len(pairs) > 1 and pieces_ready(rt, True) else None
+    if fast is not None:
+        handles: list[Any] = [fast]
+        spans, grouped = [list(range(len(pairs)))], [True]
+    if destination is not None and fast is None:
         for path, host, device in zip(paths, sources, targets, strict=True):
             _check_device(rt, call, path, device, write=True)
             _check_match(call, path, host, device, "destination")
         _unique(call, paths, targets, "destination")
-    nbytes = sum(int(a.nbytes) for a in sources)
-    keep_destination = destination is not None and convert is None
+    nbytes = fast.nbytes if fast is not None else sum(int(a.nbytes) for a in sources)
 
     def finish(results: list[Any]) -> tuple[Any, Any]:
         devices = [r[1] for r in results]
@@ -532,9 +588,9 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
             devices = [convert(d) for d in devices]
         return tree, build(devices)
 
-    sizes = [int(a.nbytes) for a in sources]
-    handles, spans, grouped = _submit_all(rt, rt.upload, list(zip(sources, targets, strict=True)), call, paths,
-                                          sizes, upload=True)
+    if fast is None:
+        sizes = [int(a.nbytes) for a in sources]
+        handles, spans, grouped = _submit_all(rt, rt.upload, pairs, call, paths, sizes, upload=True)
     record = TreeRecord(True, handles, paths, nbytes, finish, spans, grouped)
     return PendingUpload(PORT, record)  # type: ignore[arg-type]
 
@@ -553,35 +609,48 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
         raise TransferSubmitError(f"{call}: pinned=True makes fresh host leaves; it cannot fill out= (pass one)")
     rt._health.check_open()
     build, sources, paths = _flatten_device(call, tree, require=False)
-    for path, device in zip(paths, sources, strict=True):
-        _check_device(rt, call, path, device, write=False)
     outs: list[Any] = [None] * len(sources)
     if out is not None:
         _, outs, theirs = _flatten_host(call, out)
         _same_paths(call, paths, theirs, "out")
-        for path, host, device in zip(paths, outs, sources, strict=True):
-            _check_match(call, path, host, device, "source")
-            if not host.flags.writeable:
-                raise _refuse(call, path, "out is read-only (or the output of another pending download)")
-        _unique(call, paths, outs, "out array")
-    elif pinned:
+    pairs = list(zip(sources, outs, strict=True))
+    # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
+    if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
         outs = _pinned_outputs(rt, call, paths, sources)
-    sizes = [_nbytes_of(d) for d in sources]
-    nbytes = sum(sizes)
+        pairs = list(zip(sources, outs, strict=True))
+    fast = _submit_pieces(rt, False, pairs, outs, sources) if len(pairs) > 1 and pieces_ready(rt, False) else None
+    if fast is None:
+        for path, device in zip(paths, sources, strict=True):
+            _check_device(rt, call, path, device, write=False)
+        if out is not None:
+            for path, host, device in zip(paths, outs, sources, strict=True):
+                _check_match(call, path, host, device, "source")
+                if not host.flags.writeable:
+                    raise _refuse(call, path, "out is read-only (or the output of another pending download)")
+            _unique(call, paths, outs, "out array")
+        elif pinned and all(o is None for o in outs):
+            outs = _pinned_outputs(rt, call, paths, sources)
+            pairs = list(zip(sources, outs, strict=True))
+        sizes = [_nbytes_of(d) for d in sources]
+        nbytes = sum(sizes)
+    else:
+        nbytes = fast.nbytes
     torch = sys.modules.get("torch")
-    kinds = [torch is not None and isinstance(d, torch.Tensor) for d in sources]
+    kinds = [isinstance(d, torch.Tensor) for d in sources] if torch is not None and fast is None else None
     keep_out = out is not None
 
     def finish(results: list[Any]) -> tuple[Any, Any]:
         if keep_out:
             return tree, out
         hosts = [r[1] for r in results]
-        if torch is not None:
+        if torch is not None and kinds is not None:
             hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
         return tree, build(hosts)
 
-    handles, spans, grouped = _submit_all(rt, rt.download, list(zip(sources, outs, strict=True)), call, paths,
-                                          sizes, upload=False)
+    if fast is None:
+        handles, spans, grouped = _submit_all(rt, rt.download, pairs, call, paths, sizes, upload=False)
+    else:
+        handles, spans, grouped = [fast], [list(range(len(pairs)))], [True]
     record = TreeRecord(False, handles, paths, nbytes, finish, spans, grouped)
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 
@@ -602,7 +671,7 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
         total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     what = f"{len(specs)} leaves, {total} bytes"
     try:
-        made = leaves.arrays(specs)
+        made = leaves.shared(specs) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
     except (MemoryError, ValueError) as exc:
         raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
                                   "submitted") from exc

@@ -57,6 +57,20 @@ remembers what may still be running there:
   everything that died before the synchronization began. A later
   ``record_stream`` declares the streams and lifts the rule.
 
+Small blocks
+------------
+A fresh small array (``rt.upload(a)`` of a few bytes, ``rt.empty((4,))``)
+would cost an allocation and a stream synchronization, and its free one more
+driver call: more than the copy itself. Blocks of up to
+:data:`SMALL_CACHE_BYTES` are therefore allocated in size classes (512 B to
+4 KiB) and, when freed with no user beyond ferry's own (completed) copies, kept
+for the next array of their class instead of freed, up to
+:data:`SMALL_CACHE_BLOCKS` of them: that is what PyTorch's caching allocator
+does for every size. A kept block is reused only once it is freed exactly as
+:meth:`DeviceMemory._free_now` would have freed it, so reuse is never early. Kept
+blocks count neither in ``device_bytes`` nor in the pool's used bytes;
+``trim()`` and ``close()`` free them.
+
 Nothing is ever freed from a finalizer: a collected array appends its address
 to :attr:`DeviceMemory.deferred` (a list append, atomic under the GIL), and
 the runtime's next ordinary call frees it as above. ``close()`` may block:
@@ -90,6 +104,15 @@ _LEGACY = 1  # CU_STREAM_LEGACY; the NULL stream (0) is the same one
 REAP_LOOKAHEAD = 4  # awaiting frees still running an allocation looks at before it stops
 OOM_WAIT = 5.0  # s: what an allocation that found the device full waits for other libraries' consumers
 _UNKNOWN_HANDLES = (2, -1)  # the per-thread default stream is another stream on every thread; -1 names none
+SMALL_CACHE_BYTES = 4096
+"""Pool blocks of up to this many bytes are kept for reuse when freed (see "Small blocks")."""
+SMALL_CACHE_BLOCKS = 256
+"""The most small blocks a runtime keeps."""
+
+
+def small_class(nbytes: int) -> int:
+    """The block a small allocation of ``nbytes`` (at most :data:`SMALL_CACHE_BYTES`) gets: 512 B to 4 KiB."""
+    return 512 if nbytes <= 512 else 1 << (nbytes - 1).bit_length()
 
 
 class Allocation(Protocol):
@@ -146,6 +169,9 @@ class DeviceMemory:
         self.legacy_bytes = 0  # allocated by cuMemAlloc where there is no pool, not yet freed
         self._count = threading.Lock()  # legacy_bytes is also updated by the reaper's thread
         self._closed = False
+        self._small: dict[int, list[int]] = {}  # class -> kept small blocks (see "Small blocks")
+        self._small_blocks = 0
+        self._small_bytes = 0
         why = "the device has no memory pools (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED is 0)"
         try:
             self.pool = backend.mem_pool_create(pool_limit)
@@ -185,10 +211,19 @@ class DeviceMemory:
             with self._count:
                 self.legacy_bytes += nbytes
         else:
+            size = nbytes
+            if nbytes <= SMALL_CACHE_BYTES:  # a small block: a kept one of its class, or a new one
+                size = small_class(nbytes)
+                kept = self._small.get(size)
+                if kept:
+                    self._small_blocks -= 1
+                    self._small_bytes -= size
+                    self.bytes += nbytes
+                    return kept.pop()
             if self.awaiting:
                 self.reap()
             try:
-                ptr = self.backend.mem_pool_alloc(self.pool, nbytes, self.alloc_stream)
+                ptr = self.backend.mem_pool_alloc(self.pool, size, self.alloc_stream)
             except DeviceError as exc:
                 if exc.code != _OOM:
                     raise
@@ -200,7 +235,7 @@ class DeviceMemory:
                 # counts them complete (a trim gives back only frees the host has observed)
                 self.backend.stream_synchronize(self.alloc_stream)
                 self.backend.mem_pool_trim(self.pool, 0)
-                ptr = self.backend.mem_pool_alloc(self.pool, nbytes, self.alloc_stream)
+                ptr = self.backend.mem_pool_alloc(self.pool, size, self.alloc_stream)
         self.bytes += nbytes
         return ptr
 
@@ -213,6 +248,7 @@ class DeviceMemory:
         """
         if self.pool is not None and self.health.device_usable:
             self.reap()
+            self.free_kept()
             self.backend.stream_synchronize(self.alloc_stream)
             self.backend.mem_pool_trim(self.pool, keep_bytes)
 
@@ -224,7 +260,8 @@ class DeviceMemory:
             return self.legacy_bytes, self.legacy_bytes
         try:
             self.reap()
-            return self.backend.mem_pool_usage(self.pool)
+            reserved, used = self.backend.mem_pool_usage(self.pool)
+            return reserved, max(0, used - self._small_bytes)  # kept small blocks are not in use
         except DeviceError as exc:
             self.health.note(exc)
             return 0, 0
@@ -314,11 +351,30 @@ class DeviceMemory:
         if not self.health.device_usable:  # forked, poisoned or left at exit: never touch the device
             return
         if users is None or not (users.unknown or users.streams):
-            self._free_now(ptr, nbytes)
+            if not self._keep(ptr, nbytes):
+                self._free_now(ptr, nbytes)
         elif users.unknown or self.pool is None:
             self._after_idle(ptr, nbytes)
         else:
             self._free_after(ptr, nbytes, users)
+
+    def free_kept(self) -> None:
+        """Free the kept small blocks (see "Small blocks"). Lock held."""
+        kept, self._small = self._small, {}
+        self._small_blocks = self._small_bytes = 0
+        for ptrs in kept.values():
+            for ptr in ptrs:
+                self._free_now(ptr, 0)
+
+    def _keep(self, ptr: int, nbytes: int) -> bool:
+        """Keep a freed small pool block for reuse (lock held): whether it was kept."""
+        if self.pool is None or nbytes > SMALL_CACHE_BYTES or self._small_blocks >= SMALL_CACHE_BLOCKS or self._closed:
+            return False
+        size = small_class(nbytes)
+        self._small.setdefault(size, []).append(ptr)
+        self._small_blocks += 1
+        self._small_bytes += size
+        return True
 
     def _free_now(self, ptr: int, nbytes: int) -> None:
         """Free memory nothing uses any more: on the allocation stream (or ``cuMemFree``). Any thread."""
@@ -432,6 +488,9 @@ class DeviceMemory:
         # the process, and a reaper stuck in a device synchronization (a daemon) is not joined.
         exiting = not threading.main_thread().is_alive()
         leftover = self.reaper.stop(join=usable and not exiting) if self.reaper is not None else []
+        if usable:
+            self.free_kept()
+        self._small.clear()
         self._closed = True
         dying = list(self.deferred)
         self.deferred.clear()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from ._pinned import PinnedPool
 
 __all__: list[str] = []
+
+ALIGN = 256
+"""Where each of several arrays sharing one block starts (a multiple of this many bytes)."""
 
 
 class Leaf:
@@ -85,7 +89,8 @@ class PinnedLeaves:
 
     def arrays(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
         """:meth:`array` for every ``(shape, dtype)`` pair, all or none: when a block cannot be had the
-        blocks taken so far go back to the pool and the error is raised."""
+        blocks taken so far go back to the pool and the error is raised. Each array has a block of its
+        own (see :meth:`shared` for one block for all)."""
         blocks: list[Any] = []
         sizes: list[int] = []
         try:
@@ -120,6 +125,37 @@ class PinnedLeaves:
                 self._starts = [leaf.ptr for leaf in self._leaves]
             self.live_bytes += held
             self.made += len(made)
+        return out
+
+    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
+        """:meth:`array` for every ``(shape, dtype)`` pair, all on one pooled block, each at an offset
+        aligned to :data:`ALIGN` bytes, back to back (a tree's leaves then move as few large DMAs). The
+        block goes back to the pool once every one of the arrays, and every view of them, was collected.
+        Raises as :meth:`array` (nothing taken)."""
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        offsets: list[int] = []
+        total = 0
+        for nbytes in sizes:
+            offsets.append(total)
+            total += -(-nbytes // ALIGN) * ALIGN
+        block = self.pool.acquire(max(total, 1))
+        try:
+            raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
+            base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
+            out = [base[off:off + nbytes].view(dtype).reshape(shape)
+                   for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+        except BaseException:
+            self.pool.release(block)
+            raise
+        leaf = Leaf(block.ptr, block.capacity)
+        weakref.finalize(base, self._died, leaf, block)
+        with self._lock:
+            self._purge()
+            at = bisect.bisect_left(self._starts, leaf.ptr)
+            self._leaves.insert(at, leaf)
+            self._starts.insert(at, leaf.ptr)
+            self.live_bytes += block.capacity
+            self.made += len(specs)
         return out
 
     def _died(self, leaf: Leaf, block: Any) -> None:

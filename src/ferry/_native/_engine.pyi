@@ -218,6 +218,11 @@ class Engine:
         ``pread`` each into a slot and enqueue its DMAs (a download: DMAs, then ``pwrite``). The caller keeps
         ``fd``/``direct_fd`` open and the device memory alive until the job is done. ``fail_chunk`` and
         ``fail_errno`` (tests): that chunk's read or write fails with that errno."""
+    def submit_pieces(self, pieces: Any, *, chunk_bytes: int = 0, hand_off: bool = False) -> Job:
+        """Queue one transfer of many pieces: ``pieces`` is a buffer of native-endian uint64 triples
+        (host address, device address, bytes). Pieces that follow each other on the device share
+        chunks (one DMA each); a piece larger than a chunk is cut. Returns at once; the caller keeps
+        every piece's memory alive until the job is done."""
     def chunk_bytes(self, nbytes: int, /) -> int:
         """The chunk size ``submit`` picks for a payload of ``nbytes``."""
     def streams(self) -> list[int]:
@@ -330,6 +335,12 @@ class BlockFields: ...
 class HealthFields: ...
 class ExtrasFields: ...
 class SlotFields(ExtrasFields): ...
+
+def leaf_pieces(
+    hosts: list[Any], devices: list[Any], runtime: Any, owned: Any, upload: bool, /
+) -> tuple[bytes, int] | None:
+    """A tree's leaves (host arrays and ferry device arrays, pairwise) as :meth:`Engine.submit_pieces`
+    takes them, with their total bytes; ``None`` where a leaf is not the common case (``tree.c``)."""
 
 def set_hot_types(buffer: type, array: type, block: type, health: type, slot: type, /) -> None:
     """The exact classes whose fields the compiled entries read (each derives from its fields type)."""

@@ -449,6 +449,67 @@ refused:
     return NULL;
 }
 
+/* submit_pieces(pieces, *, chunk_bytes=0, hand_off=False) -> Job: one job of many pieces (core/pieces.c);
+ * `pieces` is a buffer of native-endian uint64 triples (host address, device address, bytes). */
+static PyObject *Engine_submit_pieces(PyObject *obj, PyObject *args, PyObject *kwds) {
+    EngineObject *self = (EngineObject *)obj;
+    static char *kwlist[] = {"pieces", "chunk_bytes", "hand_off", NULL};
+    PyObject *buf_obj;
+    Py_ssize_t chunk_bytes = 0;
+    int hand_off = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|$np", kwlist, &buf_obj, &chunk_bytes, &hand_off)) return NULL;
+    if (check_open(self)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(buf_obj, &view, PyBUF_SIMPLE)) return NULL;
+    if (view.len % (Py_ssize_t)(3 * sizeof(uint64_t))) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "pieces must be (host, device, nbytes) uint64 triples");
+        return NULL;
+    }
+    size_t n = (size_t)view.len / (3 * sizeof(uint64_t));
+    piece_t *pieces = malloc((n ? n : 1) * sizeof(piece_t));
+    if (!pieces) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    const char *raw = view.buf;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t t[3];
+        memcpy(t, raw + i * sizeof t, sizeof t);
+        pieces[i].host = (char *)(uintptr_t)t[0];
+        pieces[i].dev = (CUdeviceptr)t[1];
+        pieces[i].nbytes = (size_t)t[2];
+    }
+    PyBuffer_Release(&view);
+    int kind;
+    const char *why;
+    job_t *job = job_plan_pieces(self->eng, pieces, n, chunk_bytes, hand_off, &kind, &why); /* takes pieces */
+    if (!job) {
+        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
+        return NULL;
+    }
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
+    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
+    if (!jo) {
+        atomic_store(&job->refs, 1);
+        job_decref(job);
+        return NULL;
+    }
+    jo->job = job;
+    Py_INCREF(obj);
+    jo->engine = obj;
+    int rc = engine_queue(self->eng, job, hand_off);
+    if (rc) { /* nothing was queued */
+        atomic_store(&job->refs, 1);
+        Py_DECREF(jo); /* frees the job */
+        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return NULL;
+    }
+    return (PyObject *)jo;
+}
+
 static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
     EngineObject *self = (EngineObject *)obj;
     if (check_open(self)) return NULL;
@@ -616,6 +677,9 @@ static PyMethodDef Engine_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))Engine_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(host_ptr, device_ptr, nbytes, shape, strides, itemsize, chunk_bytes=0, *, hand_off=False)"
      " -> Job"},
+    {"submit_pieces", (PyCFunction)(void (*)(void))Engine_submit_pieces, METH_VARARGS | METH_KEYWORDS,
+     "submit_pieces(pieces, *, chunk_bytes=0, hand_off=False) -> Job: one job of many pieces (uint64 triples: "
+     "host address, device address, bytes); pieces that follow each other on the device share chunks"},
     {"chunk_bytes", Engine_chunk_bytes, METH_O, "chunk_bytes(nbytes) -> the chunk size submit picks"},
     {"submit_file", (PyCFunction)(void (*)(void))Engine_submit_file, METH_VARARGS | METH_KEYWORDS,
      "submit_file(fd, direct_fd, chunks, dmas, *, direct=False, name='', fail_chunk=-1, fail_errno=0) -> Job: "

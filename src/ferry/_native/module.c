@@ -83,6 +83,9 @@ static PyMethodDef module_methods[] = {
     {"address_of", (PyCFunction)(void (*)(void))mod_address_of, METH_FASTCALL,
      "address_of(array, capacity[, nbytes]) -> address of a writable C-contiguous array of at most capacity "
      "bytes, or 0"},
+    {"leaf_pieces", (PyCFunction)(void (*)(void))mod_leaf_pieces, METH_FASTCALL,
+     "leaf_pieces(hosts, devices, runtime, owned, upload) -> (pieces, nbytes) or None: a tree's leaves as "
+     "Engine.submit_pieces takes them, or None where a leaf is not the common case (tree.c)"},
     {"set_hot_types", (PyCFunction)(void (*)(void))mod_set_hot_types, METH_FASTCALL,
      "set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the classes whose fields the entries read"},
     {"array_fields", mod_array_fields, METH_NOARGS,

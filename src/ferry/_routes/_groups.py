@@ -13,7 +13,15 @@ of leaf need no per-leaf machinery at all:
   them into it and enqueues one batched copy, a download enqueues the batched
   copy and copies each leaf out of the block when the tree is waited for.
 
-Both need C-contiguous host arrays and ferry device arrays of the runtime (a
+- *pageable* leaves on the compiled engine (:func:`submit_pieces`): every
+  leaf of the tree is one piece of one staging job. The caller's thread
+  copies nothing: one compiled call reads every leaf's addresses and sizes
+  and checks them, the job is queued in microseconds, and the staging lanes
+  copy and enqueue its chunks in parallel, in both directions. Leaves that
+  follow each other on the device (a tree uploaded into fresh arrays, then
+  reused) share chunks, so many small leaves travel as few large DMAs.
+
+All need C-contiguous host arrays and ferry device arrays of the runtime (a
 missing upload destination is allocated here). A group is one record: its
 ``moved`` / ``leased`` objects are every leaf's, its result the leaves'
 objects in order, and it completes, fails or is abandoned as one transfer
@@ -32,15 +40,18 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .._backends._base import DeviceError
 from .._completion import Extras
 from .._device_array import DeviceArray, new_device_array
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import order_before
+from .._memory._slab import DeviceSlab, slab_layout
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
 from ._base import array_ptr
 from ._direct import _raise_queued
+from ._native import NativeEngine, NativeJob
 
 __all__: list[str] = []
 
@@ -135,7 +146,12 @@ def gc_paused() -> Iterator[None]:
 
 def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[DeviceArray]:
     """Fresh device arrays from the device pool for ``(shape, dtype)`` pairs (checked NumPy ones), under
-    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError)."""
+    one lock; all or none (a refusal frees those made and raises MemoryError or FerryError).
+
+    Several arrays are views of one allocation (:mod:`ferry._memory._slab`), back to back on the device:
+    one pool call for all of them, and a tree's leaves then move as few large DMAs. The allocation is
+    freed once every one of them was freed.
+    """
     parts = rt._parts
     parts.health.check_open()
     memory, completion = parts.memory, parts.completion
@@ -143,6 +159,13 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
     with parts.lock:
         if completion.maintenance_due():
             completion.maintain()
+        if len(specs) > 1:
+            offsets, sizes, total = slab_layout(specs)
+            base = memory.alloc(total)
+            slab = DeviceSlab(memory, base, total, len(specs))
+            memory.arrays.add(slab)
+            return [new_device_array(rt, slab, base + off, shape, dtype, nbytes)  # type: ignore[arg-type]
+                    for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
         try:
             for shape, dtype in specs:
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -372,5 +395,186 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
             completion.extras(record).cleanups.append(forget)
         if stream is not None:
             for device in devices:
-                completion.memory.note_stream(device._ptr, stream)
+                device._memory.note_stream(device._ptr, stream)
     return devices
+
+
+def pieces_ready(rt: Any, upload: bool) -> bool:
+    """Whether :func:`submit_pieces` may take a tree here: the compiled extension runs (and the staging
+    engine is the compiled one) and no batch is open on this thread."""
+    routes = rt._parts.host
+    if _native.load() is None:
+        return False
+    if routes.completion.batches.get(threading.get_ident()) is not None:
+        return False
+    return bool(routes.config.engine != "python")
+
+
+def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
+    """The emulated device: each piece's device address as the memory behind it (one queued use for
+    each run of pieces that follow each other on the device, given back by the returned function)."""
+    table = np.frombuffer(pieces, np.uint64).reshape(-1, 3).copy()
+    dev, size = table[:, 1], table[:, 2]
+    if len(table) > 1:
+        starts = np.concatenate(([0], np.flatnonzero(dev[:-1] + size[:-1] != dev[1:]) + 1))
+    else:
+        starts = np.zeros(len(table), np.int64)
+    ends = np.append(starts[1:], len(table))
+    taken: list[tuple[int, int]] = []
+    try:
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            ptr = int(dev[a])
+            nbytes = int(dev[b - 1] + size[b - 1]) - ptr
+            real = backend.native_target(ptr, nbytes)
+            taken.append((ptr, nbytes))
+            dev[a:b] += np.uint64((real - ptr) % (1 << 64))  # wraps: the difference, either sign
+    except BaseException:
+        for ptr, nbytes in taken:
+            backend.native_release(ptr, nbytes)
+        raise
+
+    def release() -> None:
+        for ptr, nbytes in taken:
+            backend.native_release(ptr, nbytes)
+
+    return table.tobytes(), release
+
+
+def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+    """One record and one staging job for every leaf (pageable host arrays, ferry device arrays); the
+    handle, or None where a leaf is not the common case or the compiled engine is not there (then
+    nothing changed: the caller takes the leaves one by one, which names any problem)."""
+    routes = rt._parts.host
+    completion = routes.completion
+    module = _native.load()
+    if module is None:
+        return None
+    with routes.lock:
+        _check_open(rt)
+        engine = routes.staged.engine(upload)
+        found = module.leaf_pieces(hosts, devices, rt, OWNED, upload) if isinstance(engine, NativeEngine) else None
+        if found is None:
+            return None
+        pieces, total = found
+        if completion.maintenance_due():
+            completion.maintain()
+        if routes.registrations.active or routes.pinned_leaves.active:
+            runs = _runs(pieces)
+            regs = [_covering(routes, h, n) for h, n in zip(runs[0], runs[2], strict=True)]
+            if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
+                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed)
+            if any(reg is not None for reg in regs):
+                return None  # some pinned, some not: leaf by leaf
+        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed)
+
+
+def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, total: int, hosts: list[Any],
+                   devices: list[Any], handed: list[Any]) -> Any:
+    """One staging job for pageable leaves (checked by ``leaf_pieces``): its record and handle. Lock held."""
+    routes = rt._parts.host
+    completion = routes.completion
+    staged = routes.staged
+    job = NativeJob(tuple(hosts), 0, total)  # type: ignore[arg-type]  # keeps every host array alive
+    if not engine.cuda:
+        try:
+            pieces, job._release = _emulated_targets(completion.backend, pieces)
+        except DeviceError as exc:
+            completion.health.note(exc)
+            raise TransferSubmitError(f"the device refused a leaf's memory: {exc}") from exc
+        engine._arm_fault()
+    try:
+        inner = engine.engine.submit_pieces(pieces, hand_off=engine.cuda)
+    except (RuntimeError, MemoryError, ValueError, OverflowError) as exc:
+        if job._release is not None:
+            job._release()
+            job._release = None
+        raise TransferSubmitError(f"the staging engine refused the tree: {exc}") from exc
+    job._start(inner)
+    # from here on nothing raises: the job is queued
+    staged.tree_jobs += 1
+    staged.tree_leaves += len(hosts)
+    extra = Extras()
+    extra.order_after = lambda stream: engine.order_after(job, stream)
+    extra.ready_to_order = job.wait_posted
+    extra.export_stream = routes.h2d if upload else routes.d2h
+    devs: tuple[Any, ...] = tuple(devices)
+    if upload:
+        moved, leased, result = devs, (), (tuple(handed), devs)
+    else:
+        moved, leased, result = (), devs, (devs, tuple(handed))
+    record = completion.job_record(job, engine, moved, leased, result, total, extra)
+    leases = routes.direct.leases
+    for host in hosts:
+        leases.take(host)
+    give = leases.give
+
+    def cleanup(failed: bool) -> None:
+        with staged._lock:
+            staged.host_copied += job.host_bytes
+        job.finished()
+        for host in hosts:
+            give(host)
+
+    extra.cleanups.append(cleanup)
+    if upload:
+        for device in devices:
+            device._state = IN_FLIGHT
+        return PendingUpload(completion, record)
+    for device in devices:
+        device._leases += 1
+    return PendingDownload(completion, record)
+
+
+def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
+    """The pieces (host, device, bytes) merged where they follow each other on both sides; empty ones
+    dropped: (hosts, devices, sizes)."""
+    table = np.frombuffer(pieces, np.uint64).reshape(-1, 3)
+    table = table[table[:, 2] > 0]
+    if len(table) < 2:
+        return table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist()
+    h, d, n = table[:, 0], table[:, 1], table[:, 2]
+    ends_h, ends_d = h[:-1] + n[:-1], d[:-1] + n[:-1]
+    starts = np.concatenate(([0], np.flatnonzero((ends_h != h[1:]) | (ends_d != d[1:])) + 1))
+    return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+
+
+def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
+                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+    """One record for leaves in pinned memory (checked by ``leaf_pieces``, merged into runs): each large
+    run one DMA, the small ones one batched copy, one event. Lock held."""
+    routes = rt._parts.host
+    completion = routes.completion
+    backend = completion.backend
+    stream = routes.h2d if upload else routes.d2h
+    run_h, run_d, run_n = runs
+    small: tuple[list[int], list[int], list[int]] = ([], [], [])
+    big: list[tuple[int, int, int]] = []
+    for h, d, n in zip(run_h, run_d, run_n, strict=True):
+        dst, src = (d, h) if upload else (h, d)
+        if n < SMALL_BYTES:
+            small[0].append(dst)
+            small[1].append(src)
+            small[2].append(n)
+        else:
+            big.append((dst, src, n))
+    one = backend.htod_record if upload else backend.dtoh_record
+
+    def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+        queued = False
+        if small[0]:
+            backend.copy_batch(upload, small[0], small[1], small[2], stream, None if big else event)
+            queued = True
+        last = len(big) - 1
+        for j, (dst, src, nbytes) in enumerate(big):
+            try:
+                one(dst, src, nbytes, stream, event if j == last else None)
+            except DeviceError as exc:
+                _raise_queued(exc, after_first=queued)
+            queued = True
+
+    if not big and not small[0]:  # every leaf empty: an event alone
+        def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+            backend.copy_batch(upload, [], [], [], stream, event)
+
+    return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, routes.direct.leases,
+                    regs, None)

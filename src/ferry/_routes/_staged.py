@@ -601,6 +601,8 @@ class StagedRoute:
         self.engines: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.host_copied = 0
+        self.tree_jobs = 0  # jobs of many pieces (a tree's leaves: _groups.submit_pieces)
+        self.tree_leaves = 0  # the leaves those jobs carried
         self._abandoned_before = 0  # abandoned by engines already closed
         self._order_stream: Any = None  # emulated device: where native jobs wait for their producers
 

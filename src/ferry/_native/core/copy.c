@@ -123,6 +123,21 @@ static inline void copy_row(char *img, char *host, size_t e, ptrdiff_t m, ptrdif
 /* Move a chunk between the array and `img` (its C-order bytes): gather=1 array -> img. */
 void chunk_copy(const job_t *job, const chunk_t *c, char *img, int gather) {
     int nt = job->nontemporal;
+    if (c->lc) { /* a run of pieces: each piece's part in turn, back to back in the image */
+        size_t left = c->nbytes, i = c->lc->first, skip = c->lc->skip;
+        while (left) {
+            const piece_t *p = &job->pieces[i++];
+            size_t m = p->nbytes - skip < left ? p->nbytes - skip : left;
+            if (gather)
+                copy_bytes(img, p->host + skip, m, nt && m >= NT_MIN_BYTES);
+            else
+                copy_bytes(p->host + skip, img, m, nt && m >= NT_MIN_BYTES);
+            img += m;
+            left -= m;
+            skip = 0;
+        }
+        return;
+    }
     if (c->nd == 0) {
         if (gather)
             copy_bytes(img, c->host, c->nbytes, nt);

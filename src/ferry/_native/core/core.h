@@ -187,7 +187,27 @@ typedef struct job {
     atomic_llong n_enqueues, enqueue_ns, lock_wait_ns; /* summed over the lanes' d_enqueue calls */
     struct chunk_trace *trace; /* per chunk, for Job.chunk_times(): NULL above TRACE_CHUNKS chunks */
     struct file_job *file;     /* a file job's file side (file.c), or NULL */
+    /* a job of many pieces (job_plan_pieces): NULL for a job of one array */
+    struct piece *pieces;
+    size_t npieces;
+    struct lchunk *lchunks; /* nchunks of them: each a device-contiguous run of pieces */
 } job_t;
+
+/* One piece of a job of many (core/pieces.c): a host range and the device range it moves to or from. */
+typedef struct piece {
+    char *host;
+    CUdeviceptr dev;
+    size_t nbytes;
+} piece_t;
+
+/* One chunk of a job of many pieces: `nbytes` from piece `first`, `skip` bytes into it, on through the
+ * pieces after it, which follow it on the device without a gap (one DMA at `dev`). */
+typedef struct lchunk {
+    size_t first;
+    size_t skip;
+    size_t nbytes;
+    CUdeviceptr dev;
+} lchunk_t;
 
 /* One chunk's path through its lane (CLOCK_MONOTONIC ns; each chunk is written by its lane only). An upload:
  * the lane took it up, its copy began (after any wait for the slot) and ended, its enqueue was answered. A
@@ -229,6 +249,8 @@ typedef struct {
     size_t offset; /* in the C-order image (and on the device) */
     size_t nbytes;
     char *host;    /* strided: the sub-array's first element */
+    CUdeviceptr dev; /* where the chunk's DMA goes on the device (or comes from) */
+    const lchunk_t *lc; /* a job of many pieces: the chunk's run of pieces (nd is then -1) */
     int nd;        /* strided: the sub-array's dims */
     ptrdiff_t len[MAX_DIMS];
     ptrdiff_t str[MAX_DIMS];
@@ -549,6 +571,11 @@ int engine_start(engine_t *eng, int driver_thread, int one_stream, err_t *e);
 job_t *job_plan(const engine_t *eng, char *host, CUdeviceptr dev, long long nbytes, int ndim, const ptrdiff_t *shape,
                const ptrdiff_t *strides, long long itemsize, long long chunk_bytes, int hand_off, int *kind,
                const char **why);
+/* A job of many pieces (core/pieces.c): each piece a contiguous host range and a device range; pieces
+ * that follow each other on the device share chunks (one DMA each), a piece larger than a chunk is cut.
+ * The job takes `pieces` (malloc'd, npieces of them) whatever the outcome. As job_plan otherwise. */
+job_t *job_plan_pieces(const engine_t *eng, piece_t *pieces, size_t npieces, long long chunk_bytes, int hand_off,
+                       int *kind, const char **why);
 /* Deal a planned job's shares to the lanes and wake them: 0, or ENGINE_CLOSED / ENGINE_NO_MEMORY with
  * nothing queued (the caller then drops the job: refs to 1, job_decref). */
 int engine_queue(engine_t *eng, job_t *job, int hand_off);

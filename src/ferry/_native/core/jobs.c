@@ -18,6 +18,8 @@ void job_decref(job_t *job) {
         pthread_cond_destroy(&job->cv);
         free(job->trace);
         file_job_free(job->file);
+        free(job->pieces);
+        free(job->lchunks);
         free(job);
     }
 }
@@ -39,10 +41,22 @@ void job_complete(job_t *job) {
     pthread_mutex_unlock(&job->mu);
 }
 void job_chunk(const job_t *job, size_t k, chunk_t *c) {
+    c->lc = NULL;
+    if (job->lchunks) { /* a job of many pieces */
+        const lchunk_t *lc = &job->lchunks[k];
+        c->offset = 0;
+        c->nbytes = lc->nbytes;
+        c->host = job->pieces[lc->first].host + lc->skip;
+        c->dev = lc->dev;
+        c->lc = lc;
+        c->nd = -1;
+        return;
+    }
     if (job->contiguous) {
         c->offset = k * job->chunk_bytes;
         c->nbytes = job->nbytes - c->offset < job->chunk_bytes ? job->nbytes - c->offset : job->chunk_bytes;
         c->host = job->host + c->offset;
+        c->dev = job->dev + c->offset;
         c->nd = 0;
         return;
     }
@@ -62,6 +76,7 @@ void job_chunk(const job_t *job, size_t k, chunk_t *c) {
     host_off += (ptrdiff_t)start * job->strides[job->axis];
     image_off += start * job->step[job->axis];
     c->offset = image_off;
+    c->dev = job->dev + image_off;
     c->nbytes = count * job->step[job->axis];
     c->host = job->host + host_off;
     c->nd = job->ndim - job->axis;

@@ -40,7 +40,9 @@
  * _staging.py) and deals them round-robin to min(lanes, chunks) lanes,
  * starting at a rotating lane. A share is (job, first chunk, stride), so the
  * plan costs O(lanes) at submit time, whatever the array's size; a chunk's
- * geometry is computed by the lane when it gets to it. On an engine with
+ * geometry is computed by the lane when it gets to it (a job of many pieces,
+ * core/pieces.c, is planned into a chunk table instead: each chunk a run of
+ * pieces that follow each other on the device, at chunk.dev). On an engine with
  * helpers a contiguous job of up to cooperative_max_bytes is one share
  * instead, a lead lane's, whose chunk copies idle lanes help with piece by
  * piece (cooperative jobs: see the essay above wake_helpers).
@@ -475,7 +477,7 @@ static void run_upload(lane_t *L, share_t *s) {
         slot->ends = NULL;
         slot->busy = 1; /* from here on a DMA may touch it */
         const char *op = "";
-        int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+        int rc = d_enqueue(L, slot, slot->ptr, c.dev, c.nbytes, &op);
         trace_at(job, k, L->index, 3);
         if (rc) {
             fail_with(L, job, rc, op);
@@ -527,7 +529,7 @@ static void run_download(lane_t *L, share_t *s) {
             slot->busy = 1;
             const char *op = "";
             trace_at(job, s->first + issued * s->stride, L->index, 0);
-            int rc = d_enqueue(L, slot, slot->ptr, job->dev + c.offset, c.nbytes, &op);
+            int rc = d_enqueue(L, slot, slot->ptr, c.dev, c.nbytes, &op);
             trace_at(job, s->first + issued * s->stride, L->index, 1);
             if (rc) {
                 fail_with(L, job, rc, op);
