@@ -27,6 +27,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import pickle
 import select
 import signal
 import sys
@@ -36,15 +37,17 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
 from .._device_array import DeviceArray
-from .._errors import FerryError, TransferFailedError
+from .._errors import FerryError, RuntimeClosedError, TransferFailedError
 from .._memory._ring import PAGE, Ring, round_up
-from .._prefetch import _TOKEN, Prefetcher
+from .._prefetch import _TOKEN, Prefetcher, _Flight
 from .._runtime import Runtime
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._worker import LoaderWorkerError, worker_loop
+from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
 
@@ -416,9 +419,68 @@ class _LoaderPrefetcher(Prefetcher):
         self._engine = engine
 
     def _submit(self, index: int, batch: Any) -> Any:
-        flight = super()._submit(index, batch)
-        self._engine.submitted(list(flight.handles))
+        if type(batch) is not _SlotBatch:  # a batch that came back as arrays: prefetch's own way
+            flight = super()._submit(index, batch)
+            self._engine.submitted(list(flight.handles))
+            return flight
+        # a slot's views: already flattened, each leaf registered (one DMA); no structure to take apart
+        handles: list[Any] = []
+        upload = self._rt.upload
+        try:
+            for leaf in batch.leaves:
+                handles.append(upload(leaf))
+        except RuntimeClosedError:
+            self._engine.submitted(handles)  # what was submitted still reads the slot
+            raise
+        except (FerryError, MemoryError, TypeError, ValueError) as exc:
+            self._engine.submitted(handles)  # the slot is free again once those copies completed
+            handles.clear()  # they retire (the error's frames keep the flight)
+            return self._failed(index, exc, wrap=True)
+        self._engine.submitted(list(handles))
+        self._next_index = index + 1
+        flight = _Flight(index)
+        flight.build = batch.build
+        flight.handles = handles
         return flight
+
+
+class _SlotBatch:
+    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views, in
+    the order of the batch's structure, and what puts the structure together around device leaves."""
+
+    __slots__ = ("build", "leaves")
+
+    def __init__(self, leaves: list[np.ndarray[Any, Any]], build: Callable[[list[Any]], Any]) -> None:
+        self.leaves = leaves
+        self.build = build
+
+
+class _Plan:
+    """A worker's batch layout, decoded once: the skeleton's builder, each leaf's dtype, shape and
+    offset, and the views of each slot it was used with (kept: the same views serve every batch of
+    this layout in that slot)."""
+
+    __slots__ = ("build", "specs", "views")
+
+    def __init__(self, plan: tuple[Any, Any]) -> None:
+        skeleton, layout = plan
+        self.specs = [(np.dtype(dtype), tuple(shape), int(offset)) for dtype, shape, offset in layout]
+        self.build: Callable[[list[Any]], Any] = _builder(skeleton)
+        self.views: dict[int, list[np.ndarray[Any, Any]]] = {}
+
+    def leaves(self, ring: Ring, slot: int) -> list[np.ndarray[Any, Any]]:
+        views = self.views.get(slot)
+        if views is None:
+            views = self.views[slot] = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in self.specs]
+        return views
+
+
+def _builder(skeleton: Any) -> Callable[[list[Any]], Any]:
+    if skeleton[0] == "l" and all(child[0] == "a" for child in skeleton[1]):  # (x, y) and the like
+        positions = [child[1] for child in skeleton[1]]
+        if positions == list(range(len(positions))):
+            return list
+    return lambda leaves: build(skeleton, leaves)
 
 
 class _Epoch:
@@ -530,6 +592,8 @@ class _Engine:
         self.local_epoch = -1
         self._poller: Any = None
         self._watched: dict[int, tuple[bool, int]] = {}  # fd -> (is the process's sentinel, worker)
+        self._plans: dict[int, _Plan] = {}  # each worker's last batch layout, decoded (0: this process's)
+        self._local_plan: Any = None  # this process's last (skeleton, layout) (num_workers=0)
 
     # -- workers -------------------------------------------------------------------------------------
     def start(self, loader: DataLoader) -> None:
@@ -590,7 +654,6 @@ class _Engine:
     def _next_message(self, state: _EpochState) -> Any:
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while True:
-            self._reclaim()
             if self.workers:
                 self._dispatch(state)
             ready = state.ready.pop(state.next_out, None)
@@ -646,6 +709,15 @@ class _Engine:
             inflight.popleft()
             self.table.completed(slot)
 
+    def _take_slot(self, worker: int, batch: int) -> int | None:
+        """A free slot for ``batch``; the slots whose copies completed are reclaimed only when none is
+        free (most are proven complete by then: asking costs nothing)."""
+        slot = self.table.take(worker, batch)
+        if slot is None and self.inflight:
+            self._reclaim()
+            slot = self.table.take(worker, batch)
+        return slot
+
     def _wait_for_slot(self) -> None:
         """No slot is free and no batch is being loaded: wait for the oldest copies to complete."""
         if not self.inflight:
@@ -672,13 +744,13 @@ class _Engine:
     def _host_batch(self, message: tuple[Any, ...]) -> Any:
         kind, batch = message[0], message[1]
         if kind == "ok":
-            _, _, _, slot, skeleton, layout, _ = message
+            slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in layout]
+            leaves = plan.leaves(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            return build(skeleton, leaves)
+            return _SlotBatch(leaves, plan.build)
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
@@ -708,7 +780,7 @@ class _Engine:
                 return
             slot = None
             if ring.sized:
-                slot = self.table.take(worker, state.next_task)
+                slot = self._take_slot(worker, state.next_task)
                 if slot is None:
                     return
             if self.iterable:
@@ -724,7 +796,7 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                self.tasks[worker].send((state.number, batch, indices, slot, ring.slot_bytes, ring.slots))
+                self.tasks[worker].send_bytes(encode((state.number, batch, indices, slot, ring.slot_bytes, ring.slots)))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -757,7 +829,7 @@ class _Engine:
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = self.results[worker].recv()
+                message: Any = pickle.loads(self.results[worker].recv_bytes())
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
@@ -766,7 +838,7 @@ class _Engine:
             conn = self.results[worker]
             with contextlib.suppress(EOFError, OSError):
                 while conn.poll():
-                    self._file(state, conn.recv())
+                    self._file(state, pickle.loads(conn.recv_bytes()))
             self._died(state, worker)
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:
@@ -782,6 +854,10 @@ class _Engine:
             self._size_ring(int(message[5]))
         if kind == "end":
             state.retire(worker)
+        elif kind == "ok":  # decoded here, in the order the worker sent it (None: as its previous batch)
+            plan = message[4]
+            decoded = self._plans[worker] = _Plan(plan) if plan is not None else self._plans[worker]
+            message = ("ok", batch, worker, slot, decoded)
         state.ready[batch] = message
 
     def _size_ring(self, nbytes: int) -> None:
@@ -827,7 +903,7 @@ class _Engine:
         assert ring is not None
         slot = None
         if ring.sized:
-            slot = self.table.take(0, state.next_task)
+            slot = self._take_slot(0, state.next_task)
             if slot is None:
                 return False
         batch = state.next_task
@@ -869,7 +945,11 @@ class _Engine:
         state.next_task += 1
         if fresh is None:
             self.table.filled(slot, 0, batch)  # type: ignore[arg-type]
-            state.ready[batch] = ("ok", batch, 0, slot, skeleton, layout, nbytes)
+            plan = (skeleton, layout)
+            if not same_plan(plan, self._local_plan) or 0 not in self._plans:
+                self._local_plan = plan
+                self._plans[0] = _Plan(plan)
+            state.ready[batch] = ("ok", batch, 0, slot, self._plans[0])
         else:
             if slot is not None:
                 self.table.filled(slot, 0, batch)
@@ -928,6 +1008,7 @@ class _Engine:
                 self._drain(10.0)
         self.inflight.clear()
         self.awaiting.clear()
+        self._plans.clear()  # their views of the ring: the mapping is closed below
         ring, self.ring = self.ring, None
         if ring is not None:
             # a failed copy keeps the ring's registration in use for good (the device may still read its
