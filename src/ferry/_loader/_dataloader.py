@@ -43,7 +43,10 @@ from .._device_array import DeviceArray
 from .._errors import FerryError, RuntimeClosedError, TransferFailedError
 from .._memory._ring import PAGE, Ring, round_up
 from .._prefetch import _TOKEN, Prefetcher, _Flight
-from .._runtime import Runtime
+from .._routes._groups import empty_many, submit_pinned
+from .._routes._groups import hand_off as hand_group
+from .._runtime import Runtime, parts_of
+from .._state import OWNED
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
@@ -411,48 +414,91 @@ def _context(value: Any) -> Any:
 
 
 class _LoaderPrefetcher(Prefetcher):
-    """The prefetcher over the ring: tells the engine which uploads read each slot."""
+    """The prefetcher over the ring: tells the engine which uploads read each slot.
+
+    A batch in a slot is uploaded as one group (every leaf one DMA straight from the registered slot,
+    all behind one event: one record, one hand-off and one completion to ask about per batch); a batch
+    that came back as arrays goes prefetch's own way, leaf by leaf.
+    """
 
     def __init__(self, engine: _Engine, source: Iterator[Any], depth: int, runtime: Runtime, to: Any,
                  stream: Any) -> None:
         super().__init__(source, depth, runtime, to, stream, _token=_TOKEN)
         self._engine = engine
+        self._completion = parts_of(runtime).completion
 
     def _submit(self, index: int, batch: Any) -> Any:
         if type(batch) is not _SlotBatch:  # a batch that came back as arrays: prefetch's own way
             flight = super()._submit(index, batch)
             self._engine.submitted(list(flight.handles))
             return flight
-        # a slot's views: already flattened, each leaf registered (one DMA); no structure to take apart
-        handles: list[Any] = []
-        upload = self._rt.upload
+        rt = self._rt
+        leaves = batch.leaves
+        devices: list[DeviceArray] = []
         try:
-            for leaf in batch.leaves:
-                handles.append(upload(leaf))
-        except RuntimeClosedError:
-            self._engine.submitted(handles)  # what was submitted still reads the slot
-            raise
-        except (FerryError, MemoryError, TypeError, ValueError) as exc:
-            self._engine.submitted(handles)  # the slot is free again once those copies completed
-            handles.clear()  # they retire (the error's frames keep the flight)
+            devices = empty_many(rt, batch.specs)
+            handle = submit_pinned(rt, True, leaves, devices, leaves)
+        except BaseException as exc:
+            for device in devices:  # made for this batch, never handed out
+                if device._state is OWNED:
+                    device.close()
+            self._engine.submitted([])  # nothing reads the slot
+            if isinstance(exc, RuntimeClosedError) or not isinstance(
+                    exc, (FerryError, MemoryError, TypeError, ValueError)):
+                raise
             return self._failed(index, exc, wrap=True)
-        self._engine.submitted(list(handles))
+        self._engine.submitted([handle])
         self._next_index = index + 1
-        flight = _Flight(index)
+        flight = _SlotFlight(index)
         flight.build = batch.build
-        flight.handles = handles
+        flight.handles = [handle]
         return flight
+
+    def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
+        if type(flight) is not _SlotFlight:
+            return super()._hand_off(flight, stream)
+        handle = flight.handles[0]
+        try:
+            return [hand_group(self._completion, handle, stream)], []
+        except (TransferFailedError, RuntimeClosedError):
+            raise
+        except FerryError:  # the engine cannot hand this copy off: the host waits for it instead
+            devices = handle.wait()[1]
+            flight.waits.add(0)
+            if stream is not None:
+                for device in devices:
+                    device.record_stream(stream)  # the consumer's work on it precedes its free
+            return [devices], []
+
+    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
+        if type(flight) is not _SlotFlight:
+            return super()._finish(flight, devices, stream)
+        convert = self._convert
+        leaves = [convert(device, stream) for device in devices[0]]
+        self._yielded += 1
+        if not flight.waits:  # proven complete (or failed) at a later step
+            confirm = _Flight(flight.index)
+            confirm.handles = flight.handles
+            self._unconfirmed.append(confirm)
+        return flight.build(leaves)
+
+
+class _SlotFlight(_Flight):
+    """The flight of a batch uploaded from its slot: one group handle for all its leaves."""
+
+    __slots__ = ()
 
 
 class _SlotBatch:
     """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views, in
     the order of the batch's structure, and what puts the structure together around device leaves."""
 
-    __slots__ = ("build", "leaves")
+    __slots__ = ("build", "leaves", "specs")
 
-    def __init__(self, leaves: list[np.ndarray[Any, Any]], build: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, leaves: list[np.ndarray[Any, Any]], plan: _Plan) -> None:
         self.leaves = leaves
-        self.build = build
+        self.build = plan.build
+        self.specs = plan.shapes
 
 
 class _Plan:
@@ -460,11 +506,12 @@ class _Plan:
     offset, and the views of each slot it was used with (kept: the same views serve every batch of
     this layout in that slot)."""
 
-    __slots__ = ("build", "specs", "views")
+    __slots__ = ("build", "shapes", "specs", "views")
 
     def __init__(self, plan: tuple[Any, Any]) -> None:
         skeleton, layout = plan
         self.specs = [(np.dtype(dtype), tuple(shape), int(offset)) for dtype, shape, offset in layout]
+        self.shapes = [(shape, dtype) for dtype, shape, _ in self.specs]  # what the device arrays are made of
         self.build: Callable[[list[Any]], Any] = _builder(skeleton)
         self.views: dict[int, list[np.ndarray[Any, Any]]] = {}
 
@@ -473,6 +520,11 @@ class _Plan:
         if views is None:
             views = self.views[slot] = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in self.specs]
         return views
+
+
+def build_plan(plan: _Plan, leaves: list[np.ndarray[Any, Any]]) -> Any:
+    """The host batch a plan describes, around its slot's views."""
+    return plan.build(list(leaves))
 
 
 def _builder(skeleton: Any) -> Callable[[list[Any]], Any]:
@@ -750,7 +802,9 @@ class _Engine:
             leaves = plan.leaves(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            return _SlotBatch(leaves, plan.build)
+            if not leaves or not all(leaf.nbytes for leaf in leaves):  # nothing to copy for some: leaf by leaf
+                return build_plan(plan, leaves)
+            return _SlotBatch(leaves, plan)
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
