@@ -454,6 +454,15 @@ class _LoaderPrefetcher(Prefetcher):
         flight.handles = [handle]
         return flight
 
+    # The loader's waits sleep: its main thread also launches the consumer's kernels, and a wait that
+    # spins would take that thread's CPU from them.
+    _blocking_marks = True
+
+    def _wait_upload(self, handle: Any) -> None:
+        """Backpressure on a yielded batch's upload: sleep until the runtime's watcher (asleep on the
+        device, never polling) settles it."""
+        handle.future().result()
+
     def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
         if type(flight) is not _SlotFlight:
             return super()._hand_off(flight, stream)
