@@ -16,6 +16,7 @@ import ferry
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
+from ferry._routes._groups import submit_pinned
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -124,7 +125,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
     nothing of it stays in flight and the loader still closes clean."""
     calls = []
-    original = _dataloader.submit_pinned
+    original = submit_pinned
 
     def refuse_third(*args: Any) -> Any:
         calls.append(threading.get_ident())
