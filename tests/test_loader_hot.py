@@ -142,3 +142,23 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     assert info.value.index == 3  # the first batch came back as arrays: the third slot batch is batch 3
     assert isinstance(info.value.__cause__, TransferSubmitError)
     assert got == [0, 4, 8]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_workers_load_the_batch_sampler_s_batches(rt: ferry.Runtime, leaks: _Baseline, shuffle: bool,
+                                                  drop_last: bool) -> None:
+    """The indices the workers are given (ranges, or slices of the permutation) are exactly the batches
+    the loader's batch_sampler yields, epoch after epoch."""
+    seeded = [np.random.default_rng(7), np.random.default_rng(7)]
+    loader = ferry.DataLoader(Pairs(), batch_size=5, shuffle=shuffle, drop_last=drop_last, num_workers=2,
+                              runtime=rt, generator=seeded[0], persistent_workers=True)
+    twin = ferry.DataLoader(Pairs(), batch_size=5, shuffle=shuffle, drop_last=drop_last, generator=seeded[1])
+    with loader:
+        for _ in range(2):
+            seeded[1].integers(0, 2**62)  # the base seed each epoch draws first
+            expected = [list(batch) for batch in twin.batch_sampler]  # type: ignore[union-attr]
+            got = [_host(rt, y).tolist() for _, y in loader]
+            assert got == expected
+            assert len(got) == (6 if drop_last else 7)
+    twin.close()

@@ -697,7 +697,9 @@ class _Engine:
             indices: Iterator[Any] | None = None
         else:
             order = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-            indices = iter(order)  # type: ignore[arg-type]
+            packed = order.packed() if type(order) is BatchSampler and self.workers else None
+            # (index list, packed) per batch: packed ones are int64 bytes, decoded by the worker
+            indices = packed if packed is not None else ((batch, False) for batch in order)  # type: ignore[union-attr]
         return self._batches(loader, number, indices)
 
     def _batches(self, loader: DataLoader, number: int, indices: Iterator[Any] | None) -> Iterator[Any]:
@@ -847,11 +849,11 @@ class _Engine:
                 if slot is None:
                     return
             if self.iterable:
-                indices = None
+                indices, packed = None, False
             else:
                 assert state.indices is not None
                 try:
-                    indices = next(state.indices)
+                    indices, packed = next(state.indices)
                 except StopIteration:
                     state.exhausted = True
                     if slot is not None:
@@ -859,7 +861,8 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                self.tasks[worker].send_bytes(encode((state.number, batch, indices, slot, ring.slot_bytes, ring.slots)))
+                self.tasks[worker].send_bytes(
+                    encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -982,7 +985,7 @@ class _Engine:
                         raise StopIteration
             else:
                 assert state.indices is not None
-                indices = next(state.indices)
+                indices = next(state.indices)[0]
                 samples = [self.dataset[i] for i in indices] if self.auto_batch else self.dataset[indices]
         except StopIteration:
             state.exhausted = True

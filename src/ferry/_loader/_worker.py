@@ -4,8 +4,9 @@ A worker makes no device call: it maps the ring's shared file and writes
 bytes. Messages (pickled, over one pipe each way):
 
 main -> worker
-    ``(epoch, batch, indices, slot, slot_bytes, slots)``: load ``batch``
-    (``indices`` for a map-style dataset, ``None`` for an iterable one: its next
+    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)``: load ``batch``
+    (``indices`` for a map-style dataset, int64 bytes when ``packed``;
+    ``None`` for an iterable one: its next
     batch) into ``slot`` (``None``: no slot, send the batch itself). ``None``
     ends the worker.
 worker -> main
@@ -239,7 +240,9 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
             task = inbox.get()
             if task is None:
                 return
-            task_epoch, batch, indices, slot, slot_bytes, slots = task
+            task_epoch, batch, indices, packed, slot, slot_bytes, slots = task
+            if packed:  # a slice of the loader's permutation, as int64 bytes
+                indices = np.frombuffer(indices, np.int64).tolist()
             if init_failed is not None:
                 results.send(("error", batch, worker_id, slot, *init_failed[4:]))
                 continue
