@@ -26,8 +26,10 @@ compared with the resident run's: a batch that was wrong, late or out of order f
 
 The main thread's CPU time inside the loader (``time.thread_time`` around taking the next batch
 and, for PyTorch's loaders, its ``.cuda()`` calls; waiting excluded, as the clock excludes it)
-is reported per batch as a second row per contender. The ring's pinned size is reported after
-each epoch and must not grow after the first.
+is reported per batch as a second row per contender (the median batch; its note gives each epoch's
+mean, where a rare long batch shows). ferry's loader waits by sleeping (poll on the workers' pipes,
+blocking-sync events), so none of its waiting is counted as CPU. The ring's pinned size is reported
+after each epoch and must not grow after the first.
 
 On the emulated device (no PyTorch needed) the sizes are tiny, the step is the checksum
 alone (computed after a download: the emulated device cannot compute), and only the resident
@@ -144,6 +146,13 @@ class _Row:
             ctx.results.append(self.cpu)
         self.checksums_ok = True
         self.ring: list[int] = []
+        self.cpu_means: list[float] = []  # per timed epoch: the mean main-thread CPU per batch
+
+    def describe_cpu(self) -> None:
+        """The CPU row's note: the mean per batch too (the row's figure is the median: a rare long batch,
+        such as a garbage collection, shows here)."""
+        if self.cpu_means:
+            self.cpu.note = "mean per batch " + ", ".join(f"{m * 1e3:.3f}" for m in self.cpu_means) + " ms"
 
 
 def _epoch(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total: int, warmup: int,
@@ -168,6 +177,7 @@ def _epoch(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total:
     if row is not None:
         row.step.samples.append(elapsed / (total - warmup))
         row.cpu.samples.append(statistics.median(cpu))
+        row.cpu_means.append(statistics.fmean(cpu))
 
 
 # -- the GPU, with PyTorch ----------------------------------------------------------------------------------
@@ -261,6 +271,7 @@ def _on_gpu(ctx: Any, p: Plan, workload: Workload, torch: Any) -> None:
         if not row.checksums_ok:
             row.step.note = "a batch's checksum differs from the resident run's"
         row.cpu.valid = None
+        row.describe_cpu()
         if route == "dataloader":
             row.step.note = (row.step.note + "; " if row.step.note else "") + (
                 f"ring {max(row.ring) / MiB:.1f} MiB pinned, after each epoch: "
@@ -335,6 +346,7 @@ def _emulated(ctx: Any, p: Plan, workload: Workload) -> None:
             continue
         row.step.valid = row.checksums_ok and bool(row.step.samples)
         row.cpu.valid = None
+        row.describe_cpu()
         if route == "dataloader":
             row.step.note = (f"ring {max(row.ring) / MiB:.2f} MiB pinned, after each epoch: "
                              f"{', '.join(str(r) for r in row.ring)} bytes; {fallback} batch(es) not through the ring")
@@ -344,8 +356,8 @@ def _emulated(ctx: Any, p: Plan, workload: Workload) -> None:
 def loader_checks(results: Iterable[Result], Check: Any, _find: Any) -> list[Any]:  # noqa: N803
     """The targets: image <= 1.15x resident and >= 2x faster than DataLoader(pin_memory=True) +
     non_blocking; tabular <= 1.05x resident; the main thread's CPU in ferry's loader <= 0.3 ms per
-    48 MiB batch; the ring's size constant after the first epoch. ``Check`` and ``_find`` are the
-    report's (handed in: the report imports this module)."""
+    48 MiB image batch (and per 32 MiB tabular one); the ring's size constant after the first epoch.
+    ``Check`` and ``_find`` are the report's (handed in: the report imports this module)."""
 
     rows = [r for r in results if r.group == "loader"]
     checks: list[Any] = []
@@ -371,13 +383,14 @@ def loader_checks(results: Iterable[Result], Check: Any, _find: Any) -> list[Any
           get("torch", "image: pinned_non_blocking"), 2.0, ">= 2x", inverse=True)
     ratio("loader tabular: ferry.DataLoader vs resident data", get("ferry", "tabular: dataloader"),
           get("floor", "tabular: resident"), 1.05, "<= 1.05x")
-    cpu = next((r for r in rows if r.impl == "ferry" and r.route.startswith("image: dataloader,") and r.samples), None)
-    if cpu is None:
-        checks.append(Check("loader image: main-thread CPU per 48 MiB batch in ferry.DataLoader", "not measured",
-                            "<= 0.3 ms", None))
-    else:
-        checks.append(Check("loader image: main-thread CPU per 48 MiB batch in ferry.DataLoader",
-                            f"{cpu.median * 1e3:.3f} ms", "<= 0.3 ms", cpu.median <= 0.3e-3))
+    for workload, size in (("image", "48 MiB"), ("tabular", "32 MiB")):
+        name = f"loader {workload}: main-thread CPU per {size} batch in ferry.DataLoader"
+        cpu = next((r for r in rows if r.impl == "ferry" and r.route.startswith(f"{workload}: dataloader,")
+                    and r.samples), None)
+        if cpu is None:
+            checks.append(Check(name, "not measured", "<= 0.3 ms", None))
+        else:
+            checks.append(Check(name, f"{cpu.median * 1e3:.3f} ms", "<= 0.3 ms", cpu.median <= 0.3e-3))
     for r in rows:
         if r.impl == "ferry" and r.route.endswith(": dataloader") and "after each epoch:" in r.note:
             sizes = r.note.split("after each epoch: ")[1].split(";")[0]
