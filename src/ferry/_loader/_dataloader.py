@@ -41,6 +41,7 @@ import numpy as np
 
 from .._device_array import DeviceArray
 from .._errors import FerryError, RuntimeClosedError, TransferFailedError
+from .._interop._dlpack import export_capsule
 from .._memory._ring import PAGE, Ring, round_up
 from .._prefetch import _TOKEN, Prefetcher, _Flight
 from .._routes._groups import empty_many, submit_pinned
@@ -482,8 +483,15 @@ class _LoaderPrefetcher(Prefetcher):
     def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
         if type(flight) is not _SlotFlight:
             return super()._finish(flight, devices, stream)
-        convert = self._convert
-        leaves = [convert(device, stream) for device in devices[0]]
+        if self._to == "torch" and stream is not None:
+            # the hand-off ordered this stream after the copies and noted it on every array: the capsule
+            # needs neither again (what __dlpack__(stream=...) would add: a second stream wait per leaf)
+            from_dlpack = self._library.from_dlpack
+            leaves = [from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype,
+                                                 device.__dlpack_device__())) for device in devices[0]]
+        else:
+            convert = self._convert
+            leaves = [convert(device, stream) for device in devices[0]]
         self._yielded += 1
         if not flight.waits:  # proven complete (or failed) at a later step
             confirm = _Flight(flight.index)
