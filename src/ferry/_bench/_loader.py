@@ -39,10 +39,12 @@ and ``ferry.DataLoader`` contenders run, so that CI exercises the group.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import gc
 import importlib
 import importlib.util
 import os
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -147,12 +149,15 @@ class _Row:
         self.checksums_ok = True
         self.ring: list[int] = []
         self.cpu_means: list[float] = []  # per timed epoch: the mean main-thread CPU per batch
+        self.profile = ""  # where that CPU goes, from one more (profiled) epoch
 
     def describe_cpu(self) -> None:
         """The CPU row's note: the mean per batch too (the row's figure is the median: a rare long batch,
         such as a garbage collection, shows here)."""
         if self.cpu_means:
             self.cpu.note = "mean per batch " + ", ".join(f"{m * 1e3:.3f}" for m in self.cpu_means) + " ms"
+        if self.profile:
+            self.cpu.note += ("; " if self.cpu.note else "") + self.profile
 
 
 def _epoch(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total: int, warmup: int,
@@ -178,6 +183,47 @@ def _epoch(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total:
         row.step.samples.append(elapsed / (total - warmup))
         row.cpu.samples.append(statistics.median(cpu))
         row.cpu_means.append(statistics.fmean(cpu))
+
+
+def _where(filename: str, function: str) -> str:
+    """The module a profiled function belongs to: ferry's by file, the others by package."""
+    if filename == "~":
+        return "builtins (system calls, C functions)"
+    parts = filename.replace("\\", "/").split("/")
+    if "ferry" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("ferry"):])
+    for package in ("torch", "numpy", "multiprocessing", "threading", "cuda"):
+        if package in parts or parts[-1] == f"{package}.py":
+            return package
+    return parts[-1]
+
+
+def _profiled(batches: Iterator[Any], step: Callable[[Any, Any, int], None], total: int, warmup: int,
+              sync: Callable[[], None]) -> str:
+    """One more epoch with ``cProfile`` (on the thread's CPU clock) around taking each batch from
+    ``warmup`` on: the shares of that CPU time by module, largest first (the profiler adds its own
+    cost per call, so the shares are what it shows, not the timed figure)."""
+    profile = cProfile.Profile(time.thread_time)
+    for k in range(total):
+        if k >= warmup:
+            profile.enable()
+        x, y = next(batches)
+        if k >= warmup:
+            profile.disable()
+        step(x, y, k)
+    sync()
+    with contextlib.suppress(StopIteration):
+        next(batches)
+    shares: dict[str, float] = {}
+    for (filename, _, function), (_, _, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        where = _where(filename, function)
+        shares[where] = shares.get(where, 0.0) + own
+    spent = sum(shares.values())
+    if spent <= 0:
+        return ""
+    top = sorted(shares.items(), key=lambda kv: -kv[1])[:8]
+    return "profiled epoch, main-thread CPU in the loader by module: " + ", ".join(
+        f"{where} {100 * own / spent:.0f}%" for where, own in top)
 
 
 # -- the GPU, with PyTorch ----------------------------------------------------------------------------------
@@ -260,6 +306,9 @@ def _on_gpu(ctx: Any, p: Plan, workload: Workload, torch: Any) -> None:
                 _run(rows[route], source(route), step, total, p.warmup, sync, sums, expected, timed=True)
                 if route == "dataloader":
                     rows[route].ring.append(ours.ring_bytes)
+        ctx.progress(f"loader: {workload.name}: dataloader (profiled epoch)")
+        with contextlib.suppress(Exception):  # a report, not a contender: it never fails the row
+            rows["dataloader"].profile = _profiled(source("dataloader"), step, total, p.warmup, sync)
     finally:
         ours.close()
         loaders.clear()
@@ -336,6 +385,7 @@ def _emulated(ctx: Any, p: Plan, workload: Workload) -> None:
             _epoch(iter(ours), step, total, p.warmup, sync, row if timed else None)
             row.ring.append(ours.ring_bytes)
             row.checksums_ok &= bool((sums == expected).all())
+        rows["dataloader"].profile = _profiled(iter(ours), step, total, p.warmup, sync)
     finally:
         fallback = ours.fallback_batches
         ours.close()
