@@ -677,6 +677,7 @@ def test_ten_spawn_epochs_leave_nothing_behind(rt: ferry.Runtime, leaks: _Baseli
     for _ in range(10):
         assert sum(int(_host(rt, b["y"]).sum()) for b in loader) == sum(range(16))
         assert rt.stats().registered_bytes == 0 and loader.ring_bytes == 0
+        assert _shm() == leaks.shm  # no /dev/shm entry after any epoch
         assert [p for p in multiprocessing.active_children() if p.name.startswith("ferry")] == []
         gc.collect()
         rss.append(int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
