@@ -162,3 +162,28 @@ def test_workers_load_the_batch_sampler_s_batches(rt: ferry.Runtime, leaks: _Bas
             assert got == expected
             assert len(got) == (6 if drop_last else 7)
     twin.close()
+
+
+class Blocks:
+    """Sample i: 64 KiB of float32 holding i."""
+
+    def __len__(self) -> int:
+        return 160
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full(16384, i, np.float32)
+
+
+def test_device_memory_stays_with_the_batches_alive(rt: ferry.Runtime, leaks: _Baseline) -> None:
+    """A batch's device memory is let go once the consumer drops it and its copies are proven complete:
+    nothing of the loader (its slots' bookkeeping included) keeps the batches before it alive."""
+    batch = 4 * 16384 * 4
+    peak = 0
+    with ferry.DataLoader(Blocks(), batch_size=4, num_workers=2, prefetch_factor=8, depth=2, runtime=rt) as loader:
+        for k, x in enumerate(loader):
+            if k >= 4:  # past the first batches (the ring is sized, the pool warm)
+                peak = max(peak, rt.stats().device_bytes)
+            del x
+    # depth + 1 uploading ahead, the one just yielded, and those dropped whose frees wait for the device
+    # (the copies of 8 x 2 slots in the ring are far more)
+    assert peak <= 8 * batch, peak // batch

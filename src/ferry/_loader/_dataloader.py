@@ -725,6 +725,9 @@ class _Engine:
     def _next_message(self, state: _EpochState) -> Any:
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while True:
+            # the handles the prefetcher waited are let go at once: each keeps its batch's device arrays
+            # alive (they return to the pool when the consumer drops them only if nothing else holds them)
+            self._reclaim(ask=False)
             if self.workers:
                 self._dispatch(state)
             ready = state.ready.pop(state.next_out, None)
@@ -763,14 +766,16 @@ class _Engine:
             + (f" from worker {worker}" if worker is not None else ""), batch, worker)
 
     # -- the main process's side of the protocol ---------------------------------------------------------------
-    def _reclaim(self) -> None:
-        """Slots whose copies completed go back to the workers (oldest first; never blocks)."""
+    def _reclaim(self, ask: bool = True) -> None:
+        """Slots whose copies completed go back to the workers (oldest first; never blocks). With
+        ``ask=False`` only those the prefetcher has already proven complete (waited): no device query."""
         inflight = self.inflight
         while inflight:
             slot, handles = inflight[0]
             try:
                 while handles:
-                    if not handles[0].is_ready():
+                    handle = handles[0]
+                    if not (handle._waited or (ask and handle.is_ready())):
                         return
                     handles.pop(0)
             except (TransferFailedError, FerryError):
@@ -781,8 +786,8 @@ class _Engine:
             self.table.completed(slot)
 
     def _take_slot(self, worker: int, batch: int) -> int | None:
-        """A free slot for ``batch``; the slots whose copies completed are reclaimed only when none is
-        free (most are proven complete by then: asking costs nothing)."""
+        """A free slot for ``batch``; the device is asked about the slots whose copies may have completed
+        only when none is free."""
         slot = self.table.take(worker, batch)
         if slot is None and self.inflight:
             self._reclaim()
