@@ -6,12 +6,16 @@ The main process owns a ring of slots in one shared file, mapped and
 registered once with the runtime (``_memory/_ring.py``). It hands each worker
 a batch to load and a free slot (``_slots.py`` says who may touch a slot
 when); the worker fetches the samples and collates them straight into the
-slot, then sends back a descriptor of a few hundred bytes
-(``_worker.py``). The main process makes NumPy views of the slot from the
-descriptor (no copy, no page fault: the memory is resident and pinned) and
-feeds them to a :class:`~ferry.Prefetcher`, which uploads each leaf with one
-DMA, hands the batch to the consumer's stream and converts it as ``to=``
-asks. A slot is given back to the workers once its copies are complete.
+slot, then sends back a descriptor of a few hundred bytes, or only "as
+before" when the batch's layout repeats (``_worker.py``). The main process
+decodes each worker's layout once and keeps the NumPy views of each slot it
+used (no copy, no page fault: the memory is resident and pinned); it feeds
+them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
+(one DMA per leaf, one event), hands it to the consumer's stream and converts
+it as ``to=`` asks. A slot is given back to the workers once its copies are
+complete. Every wait of the main process sleeps (the workers' pipes, the
+blocking-sync events of its backpressure): it also launches the consumer's
+kernels.
 
 The ring is sized from the first batch: the first batch of the loader's
 first epoch comes back as arrays (and is uploaded as any pageable batch is);
