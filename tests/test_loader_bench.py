@@ -43,6 +43,9 @@ def test_the_group_runs_resident_and_ferry_dataloader_and_verifies_every_batch(e
     assert checks["loader tabular: ring size constant after the first epoch"].passed is True
     assert "x" in checks["loader tabular: ferry.DataLoader vs resident data"].measured
     assert checks["loader image: ferry.DataLoader vs resident data"].passed is None  # not measured here
+    tabular_cpu = checks["loader tabular: main-thread CPU per 32 MiB batch in ferry.DataLoader"]
+    assert tabular_cpu.measured.endswith(" ms") and tabular_cpu.target == "<= 0.3 ms"
+    assert cpu.note.startswith("mean per batch ") and "by module: ferry/" in cpu.note
     report = markdown({"backend": "emulated"}, ctx.results, compute_checks(ctx.results))
     assert "tabular: dataloader" in report
     assert emu.stats().registered_bytes == 0
@@ -86,3 +89,4 @@ def test_the_checks_hold_the_targets(ours: float, pinned: float, cpu: float, pas
             checks["loader image: ferry.DataLoader faster than DataLoader(pin_memory=True) + non_blocking"],
             checks["loader image: main-thread CPU per 48 MiB batch in ferry.DataLoader"]) == passed
     assert checks["loader tabular: ferry.DataLoader vs resident data"] is None
+    assert checks["loader tabular: main-thread CPU per 32 MiB batch in ferry.DataLoader"] is None  # not measured

@@ -464,7 +464,7 @@ class Prefetcher:
             return
         backend = self._backend
         try:
-            event = self._spare.pop() if self._spare else backend.event_create()
+            event = self._spare.pop() if self._spare else backend.event_create(blocking=self._blocking_marks)
             backend.event_record(event, backend.stream_from_handle(stream_handle_of(stream)))
         except DeviceError as exc:
             raise FerryError(f"could not mark the consumer's stream: {exc}") from exc
@@ -477,10 +477,19 @@ class Prefetcher:
             kind, what = overdue
             if kind == "upload":
                 with _failure_of(what):
-                    what.handles[0].wait()
+                    self._wait_upload(what.handles[0])
                 what.handles.pop(0)
             else:
                 self._synchronize(what)
+
+    _blocking_marks = False
+    """Whether the consumer's stream is marked with blocking-sync events (a host wait on one sleeps
+    instead of spinning)."""
+
+    def _wait_upload(self, handle: Any) -> None:
+        """Backpressure: the host waits for a yielded batch's upload (``wait()``: it spins about as long
+        as the copy should take, then sleeps)."""
+        handle.wait()
 
     async def _apace(self, stream: Any) -> None:
         self._mark(stream)

@@ -6,12 +6,16 @@ The main process owns a ring of slots in one shared file, mapped and
 registered once with the runtime (``_memory/_ring.py``). It hands each worker
 a batch to load and a free slot (``_slots.py`` says who may touch a slot
 when); the worker fetches the samples and collates them straight into the
-slot, then sends back a descriptor of a few hundred bytes
-(``_worker.py``). The main process makes NumPy views of the slot from the
-descriptor (no copy, no page fault: the memory is resident and pinned) and
-feeds them to a :class:`~ferry.Prefetcher`, which uploads each leaf with one
-DMA, hands the batch to the consumer's stream and converts it as ``to=``
-asks. A slot is given back to the workers once its copies are complete.
+slot, then sends back a descriptor of a few hundred bytes, or only "as
+before" when the batch's layout repeats (``_worker.py``). The main process
+decodes each worker's layout once and keeps the NumPy views of each slot it
+used (no copy, no page fault: the memory is resident and pinned); it feeds
+them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
+(one DMA per leaf, one event), hands it to the consumer's stream and converts
+it as ``to=`` asks. A slot is given back to the workers once its copies are
+complete. Every wait of the main process sleeps (the workers' pipes, the
+blocking-sync events of its backpressure): it also launches the consumer's
+kernels.
 
 The ring is sized from the first batch: the first batch of the loader's
 first epoch comes back as arrays (and is uploaded as any pageable batch is);
@@ -27,6 +31,7 @@ import math
 import multiprocessing
 import numbers
 import os
+import pickle
 import select
 import signal
 import sys
@@ -36,15 +41,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
 from .._device_array import DeviceArray
-from .._errors import FerryError, TransferFailedError
+from .._errors import FerryError, RuntimeClosedError, TransferFailedError
+from .._interop._dlpack import export_capsule
 from .._memory._ring import PAGE, Ring, round_up
-from .._prefetch import _TOKEN, Prefetcher
-from .._runtime import Runtime
+from .._prefetch import _TOKEN, Prefetcher, _Flight
+from .._routes._groups import empty_many, submit_pinned
+from .._routes._groups import hand_off as hand_group
+from .._runtime import Runtime, parts_of
+from .._state import OWNED
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._worker import LoaderWorkerError, worker_loop
+from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
 
@@ -408,17 +419,141 @@ def _context(value: Any) -> Any:
 
 
 class _LoaderPrefetcher(Prefetcher):
-    """The prefetcher over the ring: tells the engine which uploads read each slot."""
+    """The prefetcher over the ring: tells the engine which uploads read each slot.
+
+    A batch in a slot is uploaded as one group (every leaf one DMA straight from the registered slot,
+    all behind one event: one record, one hand-off and one completion to ask about per batch); a batch
+    that came back as arrays goes prefetch's own way, leaf by leaf.
+    """
 
     def __init__(self, engine: _Engine, source: Iterator[Any], depth: int, runtime: Runtime, to: Any,
                  stream: Any) -> None:
         super().__init__(source, depth, runtime, to, stream, _token=_TOKEN)
         self._engine = engine
+        self._completion = parts_of(runtime).completion
 
     def _submit(self, index: int, batch: Any) -> Any:
-        flight = super()._submit(index, batch)
-        self._engine.submitted(list(flight.handles))
+        if type(batch) is not _SlotBatch:  # a batch that came back as arrays: prefetch's own way
+            flight = super()._submit(index, batch)
+            self._engine.submitted(list(flight.handles))
+            return flight
+        rt = self._rt
+        leaves = batch.leaves
+        devices: list[DeviceArray] = []
+        try:
+            devices = empty_many(rt, batch.specs)
+            handle = submit_pinned(rt, True, leaves, devices, leaves)
+        except BaseException as exc:
+            for device in devices:  # made for this batch, never handed out
+                if device._state is OWNED:
+                    device.close()
+            self._engine.submitted([])  # nothing reads the slot
+            if isinstance(exc, RuntimeClosedError) or not isinstance(
+                    exc, (FerryError, MemoryError, TypeError, ValueError)):
+                raise
+            return self._failed(index, exc, wrap=True)
+        self._engine.submitted([handle])
+        self._next_index = index + 1
+        flight = _SlotFlight(index)
+        flight.build = batch.build
+        flight.handles = [handle]
         return flight
+
+    # The loader's waits sleep: its main thread also launches the consumer's kernels, and a wait that
+    # spins would take that thread's CPU from them.
+    _blocking_marks = True
+
+    def _wait_upload(self, handle: Any) -> None:
+        """Backpressure on a yielded batch's upload: sleep until the runtime's watcher (asleep on the
+        device, never polling) settles it."""
+        handle.future().result()
+
+    def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
+        if type(flight) is not _SlotFlight:
+            return super()._hand_off(flight, stream)
+        handle = flight.handles[0]
+        try:
+            return [hand_group(self._completion, handle, stream)], []
+        except (TransferFailedError, RuntimeClosedError):
+            raise
+        except FerryError:  # the engine cannot hand this copy off: the host waits for it instead
+            devices = handle.wait()[1]
+            flight.waits.add(0)
+            if stream is not None:
+                for device in devices:
+                    device.record_stream(stream)  # the consumer's work on it precedes its free
+            return [devices], []
+
+    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
+        if type(flight) is not _SlotFlight:
+            return super()._finish(flight, devices, stream)
+        if self._to == "torch" and stream is not None:
+            # the hand-off ordered this stream after the copies and noted it on every array: the capsule
+            # needs neither again (what __dlpack__(stream=...) would add: a second stream wait per leaf)
+            from_dlpack = self._library.from_dlpack
+            leaves = [from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype,
+                                                 device.__dlpack_device__())) for device in devices[0]]
+        else:
+            convert = self._convert
+            leaves = [convert(device, stream) for device in devices[0]]
+        self._yielded += 1
+        if not flight.waits:  # proven complete (or failed) at a later step
+            confirm = _Flight(flight.index)
+            confirm.handles = flight.handles
+            self._unconfirmed.append(confirm)
+        return flight.build(leaves)
+
+
+class _SlotFlight(_Flight):
+    """The flight of a batch uploaded from its slot: one group handle for all its leaves."""
+
+    __slots__ = ()
+
+
+class _SlotBatch:
+    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views, in
+    the order of the batch's structure, and what puts the structure together around device leaves."""
+
+    __slots__ = ("build", "leaves", "specs")
+
+    def __init__(self, leaves: list[np.ndarray[Any, Any]], plan: _Plan) -> None:
+        self.leaves = leaves
+        self.build = plan.build
+        self.specs = plan.shapes
+
+
+class _Plan:
+    """A worker's batch layout, decoded once: the skeleton's builder, each leaf's dtype, shape and
+    offset, and the views of each slot it was used with (kept: the same views serve every batch of
+    this layout in that slot)."""
+
+    __slots__ = ("build", "shapes", "specs", "views")
+
+    def __init__(self, plan: tuple[Any, Any]) -> None:
+        skeleton, layout = plan
+        self.specs = [(np.dtype(dtype), tuple(shape), int(offset)) for dtype, shape, offset in layout]
+        self.shapes = [(shape, dtype) for dtype, shape, _ in self.specs]  # what the device arrays are made of
+        self.build: Callable[[list[Any]], Any] = _builder(skeleton)
+        self.views: dict[int, list[np.ndarray[Any, Any]]] = {}
+
+    def leaves(self, ring: Ring, slot: int) -> list[np.ndarray[Any, Any]]:
+        views = self.views.get(slot)
+        if views is None:
+            views = self.views[slot] = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in self.specs]
+        return views
+
+
+def build_plan(plan: _Plan, leaves: list[np.ndarray[Any, Any]]) -> Any:
+    """The host batch a plan describes, around its slot's views."""
+    return plan.build(list(leaves))
+
+
+def _builder(skeleton: Any) -> Callable[[list[Any]], Any]:
+    if skeleton[0] == "l" and all(child[0] == "a" for child in skeleton[1]):  # (x, y) and the like
+        positions = [child[1] for child in skeleton[1]]
+        if positions == list(range(len(positions))):
+            return list
+    return lambda leaves: build(skeleton, leaves)
 
 
 class _Epoch:
@@ -530,6 +665,8 @@ class _Engine:
         self.local_epoch = -1
         self._poller: Any = None
         self._watched: dict[int, tuple[bool, int]] = {}  # fd -> (is the process's sentinel, worker)
+        self._plans: dict[int, _Plan] = {}  # each worker's last batch layout, decoded (0: this process's)
+        self._local_plan: Any = None  # this process's last (skeleton, layout) (num_workers=0)
 
     # -- workers -------------------------------------------------------------------------------------
     def start(self, loader: DataLoader) -> None:
@@ -572,7 +709,9 @@ class _Engine:
             indices: Iterator[Any] | None = None
         else:
             order = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-            indices = iter(order)  # type: ignore[arg-type]
+            packed = order.packed() if type(order) is BatchSampler and self.workers else None
+            # (index list, packed) per batch: packed ones are int64 bytes, decoded by the worker
+            indices = packed if packed is not None else ((batch, False) for batch in order)  # type: ignore[union-attr]
         return self._batches(loader, number, indices)
 
     def _batches(self, loader: DataLoader, number: int, indices: Iterator[Any] | None) -> Iterator[Any]:
@@ -590,7 +729,9 @@ class _Engine:
     def _next_message(self, state: _EpochState) -> Any:
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while True:
-            self._reclaim()
+            # the handles the prefetcher waited are let go at once: each keeps its batch's device arrays
+            # alive (they return to the pool when the consumer drops them only if nothing else holds them)
+            self._reclaim(ask=False)
             if self.workers:
                 self._dispatch(state)
             ready = state.ready.pop(state.next_out, None)
@@ -629,14 +770,16 @@ class _Engine:
             + (f" from worker {worker}" if worker is not None else ""), batch, worker)
 
     # -- the main process's side of the protocol ---------------------------------------------------------------
-    def _reclaim(self) -> None:
-        """Slots whose copies completed go back to the workers (oldest first; never blocks)."""
+    def _reclaim(self, ask: bool = True) -> None:
+        """Slots whose copies completed go back to the workers (oldest first; never blocks). With
+        ``ask=False`` only those the prefetcher has already proven complete (waited): no device query."""
         inflight = self.inflight
         while inflight:
             slot, handles = inflight[0]
             try:
                 while handles:
-                    if not handles[0].is_ready():
+                    handle = handles[0]
+                    if not (handle._waited or (ask and handle.is_ready())):
                         return
                     handles.pop(0)
             except (TransferFailedError, FerryError):
@@ -645,6 +788,15 @@ class _Engine:
                 continue
             inflight.popleft()
             self.table.completed(slot)
+
+    def _take_slot(self, worker: int, batch: int) -> int | None:
+        """A free slot for ``batch``; the device is asked about the slots whose copies may have completed
+        only when none is free."""
+        slot = self.table.take(worker, batch)
+        if slot is None and self.inflight:
+            self._reclaim()
+            slot = self.table.take(worker, batch)
+        return slot
 
     def _wait_for_slot(self) -> None:
         """No slot is free and no batch is being loaded: wait for the oldest copies to complete."""
@@ -672,13 +824,15 @@ class _Engine:
     def _host_batch(self, message: tuple[Any, ...]) -> Any:
         kind, batch = message[0], message[1]
         if kind == "ok":
-            _, _, _, slot, skeleton, layout, _ = message
+            slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in layout]
+            leaves = plan.leaves(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            return build(skeleton, leaves)
+            if not leaves or not all(leaf.nbytes for leaf in leaves):  # nothing to copy for some: leaf by leaf
+                return build_plan(plan, leaves)
+            return _SlotBatch(leaves, plan)
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
@@ -708,15 +862,15 @@ class _Engine:
                 return
             slot = None
             if ring.sized:
-                slot = self.table.take(worker, state.next_task)
+                slot = self._take_slot(worker, state.next_task)
                 if slot is None:
                     return
             if self.iterable:
-                indices = None
+                indices, packed = None, False
             else:
                 assert state.indices is not None
                 try:
-                    indices = next(state.indices)
+                    indices, packed = next(state.indices)
                 except StopIteration:
                     state.exhausted = True
                     if slot is not None:
@@ -724,7 +878,8 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                self.tasks[worker].send((state.number, batch, indices, slot, ring.slot_bytes, ring.slots))
+                self.tasks[worker].send_bytes(
+                    encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -757,7 +912,7 @@ class _Engine:
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = self.results[worker].recv()
+                message: Any = pickle.loads(self.results[worker].recv_bytes())
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
@@ -766,7 +921,7 @@ class _Engine:
             conn = self.results[worker]
             with contextlib.suppress(EOFError, OSError):
                 while conn.poll():
-                    self._file(state, conn.recv())
+                    self._file(state, pickle.loads(conn.recv_bytes()))
             self._died(state, worker)
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:
@@ -782,6 +937,10 @@ class _Engine:
             self._size_ring(int(message[5]))
         if kind == "end":
             state.retire(worker)
+        elif kind == "ok":  # decoded here, in the order the worker sent it (None: as its previous batch)
+            plan = message[4]
+            decoded = self._plans[worker] = _Plan(plan) if plan is not None else self._plans[worker]
+            message = ("ok", batch, worker, slot, decoded)
         state.ready[batch] = message
 
     def _size_ring(self, nbytes: int) -> None:
@@ -827,7 +986,7 @@ class _Engine:
         assert ring is not None
         slot = None
         if ring.sized:
-            slot = self.table.take(0, state.next_task)
+            slot = self._take_slot(0, state.next_task)
             if slot is None:
                 return False
         batch = state.next_task
@@ -843,7 +1002,7 @@ class _Engine:
                         raise StopIteration
             else:
                 assert state.indices is not None
-                indices = next(state.indices)
+                indices = next(state.indices)[0]
                 samples = [self.dataset[i] for i in indices] if self.auto_batch else self.dataset[indices]
         except StopIteration:
             state.exhausted = True
@@ -869,7 +1028,11 @@ class _Engine:
         state.next_task += 1
         if fresh is None:
             self.table.filled(slot, 0, batch)  # type: ignore[arg-type]
-            state.ready[batch] = ("ok", batch, 0, slot, skeleton, layout, nbytes)
+            plan = (skeleton, layout)
+            if not same_plan(plan, self._local_plan) or 0 not in self._plans:
+                self._local_plan = plan
+                self._plans[0] = _Plan(plan)
+            state.ready[batch] = ("ok", batch, 0, slot, self._plans[0])
         else:
             if slot is not None:
                 self.table.filled(slot, 0, batch)
@@ -928,6 +1091,7 @@ class _Engine:
                 self._drain(10.0)
         self.inflight.clear()
         self.awaiting.clear()
+        self._plans.clear()  # their views of the ring: the mapping is closed below
         ring, self.ring = self.ring, None
         if ring is not None:
             # a failed copy keeps the ring's registration in use for good (the device may still read its

@@ -81,6 +81,17 @@ class RandomSampler:
             rng = np.random.default_rng(int(np.random.randint(0, 2**62, dtype=np.int64)))
         return iter(rng.permutation(n).tolist())
 
+    def order(self) -> np.ndarray[Any, Any] | None:
+        """This epoch's permutation as one int64 array, drawn as :meth:`__iter__` draws it (``None``
+        under PyTorch's rules: its sampler draws the order)."""
+        if self._torch is not None:
+            return None
+        rng = self.generator
+        if rng is None:
+            rng = np.random.default_rng(int(np.random.randint(0, 2**62, dtype=np.int64)))
+        order: np.ndarray[Any, Any] = rng.permutation(len(self.dataset)).astype(np.int64, copy=False)
+        return order
+
     def __len__(self) -> int:
         return len(self.dataset)
 
@@ -103,3 +114,22 @@ class BatchSampler:
     def __len__(self) -> int:
         n = len(self.sampler)  # type: ignore[arg-type]
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def packed(self) -> Iterator[tuple[Any, bool]] | None:
+        """The batches :meth:`__iter__` yields, in a form that costs the main process little: a ``range``
+        per batch over a :class:`SequentialSampler`, the int64 bytes of each batch's slice of the
+        permutation over a :class:`RandomSampler` (``True``: decode with ``numpy.frombuffer``); ``None``
+        for any other sampler."""
+        sampler, size = self.sampler, self.batch_size
+        if type(sampler) is SequentialSampler:
+            n = sampler.n
+            end = n - n % size if self.drop_last else n
+            return ((range(start, min(start + size, end)), False) for start in range(0, end, size))
+        if type(sampler) is RandomSampler:
+            order = sampler.order()
+            if order is None:
+                return None
+            n = len(order)
+            end = n - n % size if self.drop_last else n
+            return ((order[start:min(start + size, end)].tobytes(), True) for start in range(0, end, size))
+        return None

@@ -4,15 +4,23 @@ A worker makes no device call: it maps the ring's shared file and writes
 bytes. Messages (pickled, over one pipe each way):
 
 main -> worker
-    ``(epoch, batch, indices, slot, slot_bytes, slots)``: load ``batch``
-    (``indices`` for a map-style dataset, ``None`` for an iterable one: its next
+    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)``: load ``batch``
+    (``indices`` for a map-style dataset, int64 bytes when ``packed``;
+    ``None`` for an iterable one: its next
     batch) into ``slot`` (``None``: no slot, send the batch itself). ``None``
     ends the worker.
 worker -> main
-    ``("ok", batch, worker, slot, skeleton, layout, nbytes)``: written in the
-    slot; ``("fresh", batch, worker, slot, batch_object, nbytes)``: did not
-    fit (or no slot), the batch itself; ``("end", batch, worker, slot)``: the
-    iterable is exhausted; ``("error", batch, worker, slot, text, exception)``.
+    ``("ok", batch, worker, slot, plan, nbytes)``: written in the slot, where
+    ``plan`` is ``(skeleton, layout)``, or ``None`` when it is the same as
+    this worker's previous ``"ok"`` batch (the common case: the main process
+    keeps what it decoded from the last one); ``("fresh", batch, worker, slot,
+    batch_object, nbytes)``: did not fit (or no slot), the batch itself;
+    ``("end", batch, worker, slot)``: the iterable is exhausted; ``("error",
+    batch, worker, slot, text, exception)``.
+
+Tasks and ``"ok"`` descriptors are plain pickles sent as bytes
+(:func:`encode`); the other messages go through ``Connection.send``. Both
+are read with ``pickle.loads(conn.recv_bytes())``.
 """
 
 from __future__ import annotations
@@ -151,6 +159,21 @@ def seed_worker(base_seed: int, worker_id: int, num_workers: int, dataset: Any) 
             pass
 
 
+def encode(message: Any) -> bytes:
+    """A small message (a task, a descriptor) as bytes for ``Connection.send_bytes``."""
+    return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+
+
+def same_plan(plan: Any, last: Any) -> bool:
+    """Whether a batch's ``(skeleton, layout)`` equals the previous one's (never raises)."""
+    if last is None:
+        return False
+    try:
+        return bool(plan == last)
+    except Exception:  # a host value that does not compare: send it again
+        return False
+
+
 def _error(batch: int, worker: int, slot: int | None) -> tuple[Any, ...]:
     exc = sys.exc_info()[1]
     text = traceback.format_exc()
@@ -209,6 +232,7 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 init_failed = _error(-1, worker_id, None)
         stream: Any = None
         epoch = -1
+        last_plan: Any = None  # the (skeleton, layout) of this worker's previous "ok" batch
         inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=_read_tasks, args=(tasks, inbox, parent), name="ferry-loader-tasks",
                          daemon=True).start()
@@ -216,7 +240,9 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
             task = inbox.get()
             if task is None:
                 return
-            task_epoch, batch, indices, slot, slot_bytes, slots = task
+            task_epoch, batch, indices, packed, slot, slot_bytes, slots = task
+            if packed:  # a slice of the loader's permutation, as int64 bytes
+                indices = np.frombuffer(indices, np.int64).tolist()
             if init_failed is not None:
                 results.send(("error", batch, worker_id, slot, *init_failed[4:]))
                 continue
@@ -239,7 +265,13 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 skeleton, layout, nbytes, fresh = collate_into(samples, fn, buffer)
                 del buffer, samples
                 if fresh is None:
-                    results.send(("ok", batch, worker_id, slot, skeleton, layout, nbytes))
+                    plan: Any = (skeleton, layout)
+                    if same_plan(plan, last_plan):
+                        plan = None  # the main process decoded it with the previous batch
+                    else:
+                        last_plan = plan
+                    results.send_bytes(encode(("ok", batch, worker_id, slot, plan, nbytes)))
+                    del plan
                 else:
                     results.send(("fresh", batch, worker_id, slot, fresh, nbytes))
                 del fresh

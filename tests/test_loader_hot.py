@@ -1,0 +1,189 @@
+"""ferry.DataLoader's per-batch path in the main process: one group upload per slot, layouts decoded once,
+waits that sleep, and refusals that keep every slot's protocol.
+
+Datasets are defined at module level so that spawn workers can import them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import testing
+from ferry._errors import TransferSubmitError
+from ferry._loader import _dataloader
+from ferry._routes._groups import submit_pinned
+from test_loader import _Baseline, _host
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
+
+
+@pytest.fixture
+def leaks(rt: ferry.Runtime) -> Any:
+    baseline = _Baseline(rt)
+    yield baseline
+    baseline.check()
+
+
+class Growing:
+    """Sample i: an array whose length grows every 4 samples (so each batch of 4 has its own layout), the
+    int i, and a name: string leaves differ in every batch."""
+
+    def __len__(self) -> int:
+        return 22
+
+    def __getitem__(self, i: int) -> Any:
+        return np.arange(1 + i // 4, dtype=np.float32) + i, i, f"n{i}"
+
+
+class Pairs:
+    """Sample i: 1 KiB of float32 holding i, and the int i."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full(256, i, np.float32), i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_whose_layout_changes_are_each_right(rt: ferry.Runtime, leaks: _Baseline, workers: int) -> None:
+    """Every layout a worker sends is decoded (the slot's views kept per layout); the batches after a
+    change, and the short last one, hold their own shapes and values."""
+    with ferry.DataLoader(Growing(), batch_size=4, num_workers=workers, runtime=rt,
+                          persistent_workers=workers > 0) as loader:
+        for _ in range(2):
+            seen = 0
+            for k, (x, index, names) in enumerate(loader):
+                start = 4 * k
+                count = min(4, 22 - start)
+                host = _host(rt, x)
+                assert host.shape == (count, 1 + k), (k, host.shape)  # samples of one batch share i // 4 == k
+                expected = np.arange(1 + k, dtype=np.float32)[None, :] + np.arange(start, start + count)[:, None]
+                np.testing.assert_array_equal(host, expected)
+                np.testing.assert_array_equal(_host(rt, index), np.arange(start, start + count))
+                assert names == tuple(f"n{i}" for i in range(start, start + count))  # as PyTorch collates them
+                seen += count
+            assert seen == 22
+        # the ring was sized from the first batch; the larger later ones took the fallback
+        assert loader.fallback_batches >= 1
+
+
+def test_each_slot_batch_is_one_submission(rt: ferry.Runtime, leaks: _Baseline) -> None:
+    """A batch in a slot is one record (every leaf one DMA behind one event), not one per leaf."""
+    before = rt.stats().submitted
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader:
+        for k, (x, y) in enumerate(loader):
+            assert _host(rt, x)[:, 0].tolist() == list(range(4 * k, 4 * k + 4))
+            assert _host(rt, y).tolist() == list(range(4 * k, 4 * k + 4))
+        assert loader.fallback_batches == 1
+    batches = len(Pairs()) // 4
+    # the first batch (it sized the ring) leaf by leaf: two; each later one: one; the checks' downloads: two each
+    assert rt.stats().submitted - before == 2 + (batches - 1) + 2 * batches
+
+
+def test_the_loader_s_backpressure_sleeps_on_blocking_events(rt: ferry.Runtime, leaks: _Baseline,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer stream far behind holds the host back; the host's wait for it is a blocking-sync one
+    (it sleeps: the main thread's CPU stays with the consumer's own work)."""
+    if rt.backend != "emulated":
+        pytest.skip("the consumer's work is the emulated device's")
+    backend = testing.backend_of(rt)
+    flags: dict[int, bool] = {}
+    synchronized: list[int] = []
+    create, synchronize = backend.event_create, backend.event_synchronize
+
+    def spy_create(blocking: bool = False) -> Any:
+        event = create(blocking)
+        flags[id(event)] = blocking
+        return event
+
+    def spy_synchronize(event: Any) -> None:
+        synchronized.append(id(event))
+        synchronize(event)
+
+    monkeypatch.setattr(backend, "event_create", spy_create)
+    monkeypatch.setattr(backend, "event_synchronize", spy_synchronize)
+    consumer = testing.side_stream(rt)
+    scratch = rt.empty((1024,), np.uint8)
+    with ferry.DataLoader(Pairs(), batch_size=2, num_workers=1, runtime=rt, stream=consumer, depth=1) as loader:
+        for _ in loader:
+            testing.produce(rt, consumer, scratch.ptr, scratch.nbytes, 1, delay=0.01)  # the consumer is slow
+    backend.stream_synchronize(backend.stream_from_handle(consumer))
+    scratch.close()
+    assert synchronized, "the host was never held back"
+    assert all(flags.get(event) for event in synchronized)
+
+
+def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runtime, leaks: _Baseline,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
+    nothing of it stays in flight and the loader still closes clean."""
+    calls = []
+    original = submit_pinned
+
+    def refuse_third(*args: Any) -> Any:
+        calls.append(threading.get_ident())
+        if len(calls) == 3:
+            raise TransferSubmitError("refused for the test")
+        return original(*args)
+
+    monkeypatch.setattr(_dataloader, "submit_pinned", refuse_third)
+    got = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
+            pytest.raises(ferry.PrefetchError) as info:
+        for x, _ in loader:
+            got.append(int(_host(rt, x)[0, 0]))
+    assert info.value.index == 3  # the first batch came back as arrays: the third slot batch is batch 3
+    assert isinstance(info.value.__cause__, TransferSubmitError)
+    assert got == [0, 4, 8]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_workers_load_the_batch_sampler_s_batches(rt: ferry.Runtime, leaks: _Baseline, shuffle: bool,
+                                                  drop_last: bool) -> None:
+    """The indices the workers are given (ranges, or slices of the permutation) are exactly the batches
+    the loader's batch_sampler yields, epoch after epoch."""
+    seeded = [np.random.default_rng(7), np.random.default_rng(7)]
+    loader = ferry.DataLoader(Pairs(), batch_size=5, shuffle=shuffle, drop_last=drop_last, num_workers=2,
+                              runtime=rt, generator=seeded[0], persistent_workers=True)
+    twin = ferry.DataLoader(Pairs(), batch_size=5, shuffle=shuffle, drop_last=drop_last, generator=seeded[1])
+    with loader:
+        for _ in range(2):
+            seeded[1].integers(0, 2**62)  # the base seed each epoch draws first
+            expected = [list(batch) for batch in twin.batch_sampler]  # type: ignore[union-attr]
+            got = [_host(rt, y).tolist() for _, y in loader]
+            assert got == expected
+            assert len(got) == (6 if drop_last else 7)
+    twin.close()
+
+
+class Blocks:
+    """Sample i: 64 KiB of float32 holding i."""
+
+    def __len__(self) -> int:
+        return 160
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full(16384, i, np.float32)
+
+
+def test_device_memory_stays_with_the_batches_alive(rt: ferry.Runtime, leaks: _Baseline) -> None:
+    """A batch's device memory is let go once the consumer drops it and its copies are proven complete:
+    nothing of the loader (its slots' bookkeeping included) keeps the batches before it alive."""
+    batch = 4 * 16384 * 4
+    peak = 0
+    with ferry.DataLoader(Blocks(), batch_size=4, num_workers=2, prefetch_factor=8, depth=2, runtime=rt) as loader:
+        for k, x in enumerate(loader):
+            if k >= 4:  # past the first batches (the ring is sized, the pool warm)
+                peak = max(peak, rt.stats().device_bytes)
+            del x
+    # depth + 1 uploading ahead, the one just yielded, and those dropped whose frees wait for the device
+    # (the copies of 8 x 2 slots in the ring are far more)
+    assert peak <= 8 * batch, peak // batch
