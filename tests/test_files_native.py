@@ -431,3 +431,28 @@ def test_a_cancel_after_the_end_leaves_a_job_succeeded(nemu: ferry.Runtime, tmp_
     assert jobs[0].error is None
     handle.wait()
     assert np.array_equal(nemu.to_host(dest), data)
+
+
+# -- review: the contract's corners ---------------------------------------------------------------------
+ONE_LANE = ferry.StagingConfig(engine="native", lanes=1, slots_per_lane=SLOTS, slot_bytes=SLOT)
+
+
+def test_a_failed_dma_after_a_failed_read_still_abandons_what_it_touched(tmp_path: Path, jobs: list[Any],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # One lane: chunk 0's DMA fails on the device, then chunk 1's read fails; the read's error came first, but
+    # the device's outranks it (the arrays a failed DMA touched are abandoned, never handed back to the pool).
+    path = tmp_path / "m.safetensors"
+    _safetensors(path, {f"w{i}": np.full(40_000, i, np.float32) for i in range(4)})
+    runtime = ferry.Runtime("emulated", staging=ONE_LANE)
+    try:
+        before = runtime.stats()
+        monkeypatch.setattr(_file, "_FAIL_NATIVE_CHUNK", (1, errno.EIO))
+        testing.fail_next_copy(runtime, after=0)
+        with pytest.raises(ferry.CheckpointError, match="injected"):
+            ferry.load_safetensors(path, runtime=runtime)
+        assert not isinstance(jobs[0].error, _file.FileReadError)
+        after = runtime.stats()
+        assert after.abandoned == 4 and after.abandoned_bytes >= 4 * 160_000 + SLOTS * SLOT
+        assert after.device_bytes == before.device_bytes + 4 * 160_000  # abandoned: never freed
+    finally:
+        runtime.close()

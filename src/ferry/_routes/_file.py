@@ -974,8 +974,9 @@ class NativeFileJob:
     @property
     def error(self) -> DeviceError | None:
         """The job's failure (:class:`FileReadError` for the file's side), or ``None``; meaningful once done."""
-        if self._error is None and self._inner is not None:
-            failure = self._inner.error
+        inner = self._inner
+        if self._error is None and inner is not None and inner.done():  # final only once done: a device
+            failure = inner.error  # error met after the file's replaces it until then
             if failure is not None:
                 self._error = self._error_of(failure)
         return self._error
