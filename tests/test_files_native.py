@@ -456,3 +456,40 @@ def test_a_failed_dma_after_a_failed_read_still_abandons_what_it_touched(tmp_pat
         assert after.device_bytes == before.device_bytes + 4 * 160_000  # abandoned: never freed
     finally:
         runtime.close()
+
+
+def test_a_second_interrupt_while_a_cancelled_load_drains_waits_for_its_lanes(
+    tmp_path: Path, jobs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C cancels the load; a second Ctrl-C during the wait for the lanes' in-flight chunks must not let the
+    # load free its arrays and close its file while the lanes still read into them.
+    path = tmp_path / "i.safetensors"
+    _safetensors(path, {f"w{i}": np.full(300_000, i, np.float32) for i in range(4)})
+    runtime = _open("emulated", emulated_bandwidth=2e7)  # 4.8 MB: ~240 ms on the emulated link
+    real_wait = _file.NativeFileJob.wait_done
+    seen: list[bool] = []
+
+    def wait_done(self: _file.NativeFileJob, timeout: float | None = None, *, poll: bool = True) -> bool:
+        if self.cancelled and not seen:
+            seen.append(self.is_done())
+            raise KeyboardInterrupt  # the second Ctrl-C, while the cancelled job drains
+        return real_wait(self, timeout, poll=poll)
+
+    monkeypatch.setattr(_file.NativeFileJob, "wait_done", wait_done)
+    fds = _open_fds()
+    try:
+        before = runtime.stats()
+
+        def interrupt(done: int, total: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            ferry.load_safetensors(path, runtime=runtime, progress=interrupt)
+        assert seen == [False]  # the second interrupt came while the lanes were busy
+        assert jobs[0].is_done()  # ... and the load still waited for them before it gave anything up
+        assert _open_fds() == fds
+        after = runtime.stats()
+        assert after.device_bytes == before.device_bytes and after.abandoned_bytes == 0
+    finally:
+        runtime.close()
+    assert testing.violations(runtime) == []

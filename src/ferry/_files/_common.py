@@ -92,14 +92,23 @@ class Entry:
 
 
 def _wait(job: Job, total: int, progress: Progress | None) -> None:
-    """Wait for the job, reporting progress; Ctrl-C cancels it, waits for its readers, re-raises."""
+    """Wait for the job, reporting progress; Ctrl-C cancels it, waits for its readers, re-raises.
+
+    The wait after a cancel outlasts a second Ctrl-C: until the job is done its readers (or lanes) may still
+    read into the arrays and use the file, which the caller frees and closes once this returns or raises.
+    """
     try:
         while not job.wait_done(PROGRESS_PERIOD):
             if progress is not None:
                 progress(job.moved_bytes, total)
     except BaseException:
         job.cancel()
-        job.wait_done()
+        while True:  # bounded: a cancelled job only finishes the chunks it has in flight
+            try:
+                if job.wait_done(PROGRESS_PERIOD):
+                    break
+            except KeyboardInterrupt:
+                continue
         raise
 
 
