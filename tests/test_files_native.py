@@ -493,3 +493,36 @@ def test_a_second_interrupt_while_a_cancelled_load_drains_waits_for_its_lanes(
     finally:
         runtime.close()
     assert testing.violations(runtime) == []
+
+
+def test_a_cancel_that_lands_while_the_job_is_submitted_is_not_lost(
+    nemu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the emulated device the job is submitted from the ordering stream's thread; a cancel() from the
+    # waiting thread between its look at `cancelled` and the job's hand-over to the lanes must still stop it.
+    path, data = _file_of(tmp_path, 8 * SLOT)
+    real_start = _file.NativeFileJob.start
+
+    class Lanes:
+        def __init__(self, job: _file.NativeFileJob, real: Any) -> None:
+            self.job, self.real = job, real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        def submit_file(self, *args: Any, **kwargs: Any) -> Any:
+            self.job.cancel()  # the waiting thread's cancel, just before the lanes have the job
+            return self.real.submit_file(*args, **kwargs)
+
+    class Engine:
+        def __init__(self, job: _file.NativeFileJob, real: Any) -> None:
+            self.cuda, self.engine = real.cuda, Lanes(job, real.engine)
+
+    def start(self: _file.NativeFileJob) -> None:
+        self.engine = Engine(self, self.engine)
+        real_start(self)
+
+    monkeypatch.setattr(_file.NativeFileJob, "start", start)
+    dest = nemu.empty(data.size, np.uint8)
+    with pytest.raises(ferry.TransferFailedError, match="cancelled"):
+        nemu.upload_file(path, dest).wait()

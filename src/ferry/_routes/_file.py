@@ -916,10 +916,13 @@ class NativeFileJob:
                 if self.cancelled:
                     self._error = FileReadError(f"the transfer of {opened.name!r} was cancelled")
                 else:
-                    self._inner = engine.submit_file(
+                    inner = engine.submit_file(
                         opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
                         name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
                     )
+                    self._inner = inner
+                    if self.cancelled:  # cancel() ran meanwhile and found no job to stop: stop it here
+                        inner.cancel()
             except Exception as exc:  # a closed engine: the job fails, nothing runs
                 self._error = DeviceError(f"the file transfer of {opened.name!r} could not start: {exc}")
             finally:
@@ -960,7 +963,7 @@ class NativeFileJob:
 
     def cancel(self) -> None:
         """Stop claiming chunks: the job fails (its destinations are incomplete)."""
-        self.cancelled = True
+        self.cancelled = True  # before the look at the job: a submission that hands it over later stops it
         inner = self._inner
         if inner is not None:
             inner.cancel()
