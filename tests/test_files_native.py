@@ -526,3 +526,72 @@ def test_a_cancel_that_lands_while_the_job_is_submitted_is_not_lost(
     dest = nemu.empty(data.size, np.uint8)
     with pytest.raises(ferry.TransferFailedError, match="cancelled"):
         nemu.upload_file(path, dest).wait()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_offsets_past_4_gib_round_trip(nemu: ferry.Runtime, tmp_path: Path, jobs: list[Any], direct: bool) -> None:
+    # A sparse file of 5 GiB: offsets past 2**32 (and 2**31) go through the packed plan, pread and pwrite whole.
+    path = tmp_path / "big.bin"
+    at = (5 << 30) + 4097
+    data = _payload(3 * SLOT + 11, seed=7)
+    with open(path, "wb") as f:
+        f.truncate(at + data.size + 5)
+    source = nemu.to_device(data)
+    nemu.download_file(source, path, offset=at, direct=direct).wait()
+    with open(path, "rb") as f:
+        f.seek(at - 1)
+        raw = np.frombuffer(f.read(data.size + 2), np.uint8)
+    assert raw[0] == 0 and raw[-1] == 0 and np.array_equal(raw[1:-1], data)
+    dest = nemu.empty(data.size + 1, np.uint8)
+    nemu.upload_file(path, dest, offset=at - 1, direct=direct).wait()
+    back = nemu.to_host(dest)
+    assert back[0] == 0 and np.array_equal(back[1:], data)
+    assert [j.moved_bytes for j in jobs] == [data.size, data.size + 1]
+    assert min(c.start for c in jobs[1].plan.chunks) >= 1 << 32
+
+
+def test_a_submission_the_lanes_refuse_changes_nothing(
+    nemu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA the job goes to the lanes inside the call (emulated here: the same branch, the lanes refusing it):
+    # a refusal is the caller's TransferSubmitError, with the array owned, the file closed, nothing leaked.
+    path, data = _file_of(tmp_path, 4 * SLOT)
+    real_start = _file.NativeFileJob.start
+
+    class Refusing:
+        def submit_file(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the staging engine is closed")
+
+    class Engine:
+        cuda = True
+        engine = Refusing()
+
+    def start(self: _file.NativeFileJob) -> None:
+        self.engine = Engine()
+        real_start(self)
+
+    warm = nemu.to_device(np.zeros(3, np.float32))
+    nemu.to_host(warm)
+    monkeypatch.setattr(_file.NativeFileJob, "start", start)
+    dest, source = nemu.empty(data.size, np.uint8), nemu.to_device(data)
+    before, fds = nemu.stats(), _open_fds()
+    with pytest.raises(ferry.TransferSubmitError, match="staging engine is closed"):
+        nemu.upload_file(path, dest)
+    with pytest.raises(ferry.TransferSubmitError, match="staging engine is closed"):
+        nemu.download_file(source, tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+    st = tmp_path / "m.safetensors"
+    _safetensors(st, {"a": np.ones(1000, np.float32), "b": np.zeros(5, np.uint8)})
+    with pytest.raises(ferry.FerryError, match="staging engine is closed"):
+        ferry.load_safetensors(st, runtime=nemu)
+    with pytest.raises(ferry.FerryError, match="staging engine is closed"):
+        ferry.save_safetensors({"s": source}, tmp_path / "s.safetensors", runtime=nemu)
+    assert sorted(os.listdir(tmp_path)) == ["data.bin", "m.safetensors"]
+    after = nemu.stats()
+    assert after.failed == before.failed and after.abandoned_bytes == 0
+    assert after.device_bytes == before.device_bytes and _open_fds() == fds
+    assert dest.state == "owned" and source.state == "owned"
+    monkeypatch.setattr(_file.NativeFileJob, "start", real_start)
+    nemu.upload_file(path, dest).wait()  # usable as before
+    source.close()  # no lease left behind
+    assert np.array_equal(nemu.to_host(dest), data)

@@ -150,13 +150,16 @@ def load_entries(
             parts.health.check_open()
             for array in arrays.values():
                 array._state = IN_FLIGHT
+            job = None
             try:
                 job = make_job(parts, opened, plan, upload=True, direct=use_direct, close_file=False)
-            except BaseException:
+                job.start()
+            except BaseException:  # refused: nothing was handed over
+                if job is not None:
+                    job._release(abandon=False)
                 for array in arrays.values():
                     array._state = OWNED
                 raise
-            job.start()
         _finish(parts, job, arrays, name, lambda done, _: progress(done_before + done, total) if progress else None)
         try:
             now = opened.refresh_size()
@@ -354,11 +357,15 @@ def write_pieces(runtime: Runtime, path: Any, head: bytes, sources: Sequence[Sou
                     if problem:
                         raise TransferSubmitError(f"tensor {s.name!r}: {problem}")
             job = make_job(parts, opened, plan, upload=False, direct=False, close_file=False)
+            try:
+                job.start()  # under the lock: the leases below are taken before anyone looks
+            except BaseException:  # refused: nothing was handed over
+                job._release(abandon=False)
+                raise
             for s in sources:
                 if isinstance(s.owner, DeviceArray):
                     s.owner._leases += 1
                     leased.append(s.owner)
-            job.start()
         try:
             _wait(job, plan.nbytes, progress)
         finally:

@@ -903,7 +903,10 @@ class NativeFileJob:
         return 0
 
     def start(self) -> None:
-        """Submit the job to the lanes (emulated: from the ordering stream, once its queued work ran)."""
+        """Submit the job to the lanes (emulated: from the ordering stream, once its queued work ran).
+
+        On CUDA the lanes take the job now: a refusal (a closed engine, no memory for the plan) raises
+        :class:`~ferry.TransferSubmitError` and nothing was handed over (the caller still owns everything)."""
         if not self._index:
             return
         engine = self.engine.engine
@@ -911,18 +914,21 @@ class NativeFileJob:
         fail_chunk, fail_errno = fail if fail is not None else (-1, 0)
         opened = self.opened
 
+        def hand_over() -> None:
+            inner = engine.submit_file(
+                opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
+                name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
+            )
+            self._inner = inner
+            if self.cancelled:  # cancel() ran meanwhile and found no job to stop: stop it here
+                inner.cancel()
+
         def submit() -> None:
             try:
                 if self.cancelled:
                     self._error = FileReadError(f"the transfer of {opened.name!r} was cancelled")
                 else:
-                    inner = engine.submit_file(
-                        opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
-                        name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
-                    )
-                    self._inner = inner
-                    if self.cancelled:  # cancel() ran meanwhile and found no job to stop: stop it here
-                        inner.cancel()
+                    hand_over()
             except Exception as exc:  # a closed engine: the job fails, nothing runs
                 self._error = DeviceError(f"the file transfer of {opened.name!r} could not start: {exc}")
             finally:
@@ -930,7 +936,10 @@ class NativeFileJob:
                     self._started.set()
 
         if self.engine.cuda:
-            submit()
+            try:
+                hand_over()
+            except (RuntimeError, ValueError, OverflowError, MemoryError) as exc:
+                raise TransferSubmitError(f"the compiled lanes refused the transfer of {opened.name!r}: {exc}") from exc
             return
         self._started = threading.Event()
         take = getattr(self.backend, "take_armed_fault", None)
@@ -1111,7 +1120,11 @@ def submit_file(
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: could not order the transfer: {exc}") from exc
             moved, leased = ((device,), ()) if upload else ((), (device,))
-            job.start()  # under the lock: no one sees the device side before its state moves below
+            try:
+                job.start()  # under the lock: no one sees the device side before its state moves below
+            except BaseException:  # refused by the lanes: nothing was handed over
+                job._release(abandon=False)
+                raise
             record = completion.job_record(job, ("file", id(job)), moved, leased, result(file, array), nbytes, None)
             cleanup = release_import(device)
             if cleanup is not None:
