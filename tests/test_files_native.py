@@ -420,6 +420,29 @@ def test_the_engine_refuses_a_file_plan_that_does_not_add_up(tmp_path: Path) -> 
         engine.close()
 
 
+def test_the_engine_refuses_a_download_plan_that_would_write_stale_slot_bytes(tmp_path: Path) -> None:
+    path, _ = _file_of(tmp_path, 10_000)
+    engine = _native.load().Engine("download", lanes=2, slots_per_lane=2, slot_bytes=SLOT)  # type: ignore[union-attr]
+    src = _payload(8192, seed=9)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        def submit(chunks: list[tuple[int, ...]], dmas: list[tuple[int, ...]]) -> Any:
+            return engine.submit_file(fd, -1, np.array(chunks, np.uint64).tobytes(),
+                                      np.array(dmas, np.uint64).reshape(-1, 3).tobytes())
+
+        ptr = src.ctypes.data
+        with pytest.raises(ValueError, match="fill its chunk"):
+            submit([(0, 4096, 4096, 1)], [(0, ptr, 100)])  # 3996 bytes of the slot would be written as they are
+        with pytest.raises(ValueError, match="fill its chunk"):
+            submit([(0, 8192, 8192, 2)], [(0, ptr, 4096), (4100, ptr + 4100, 4092)])  # a hole at 4096
+        job = submit([(0, 8192, 8192, 2)], [(0, ptr, 4096), (4096, ptr + 4096, 4096)])
+        assert job.wait(10) and job.error is None and job.file_moved == 8192
+        assert np.array_equal(np.fromfile(path, np.uint8)[:8192], src)
+    finally:
+        os.close(fd)
+        engine.close()
+
+
 def test_a_cancel_after_the_end_leaves_a_job_succeeded(nemu: ferry.Runtime, tmp_path: Path,
                                                        jobs: list[Any]) -> None:
     path, data = _file_of(tmp_path, 5 * SLOT)
