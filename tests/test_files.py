@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import testing
+from ferry import _native, testing
 from ferry._routes import _file
 
 PYTHON_ENGINE = ferry.StagingConfig(engine="python")
@@ -477,3 +477,25 @@ def test_readers_broken_by_failed_copies_stop_their_threads(tmp_path: Path) -> N
             t.ident not in before and t.name.startswith("ferry-file") for t in threading.enumerate()):
         time.sleep(0.01)
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("ferry-file")] == []
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_an_offset_past_the_largest_file_offset_is_refused_and_changes_nothing(tmp_path: Path, engine: str) -> None:
+    if engine == "native" and _native.load() is None:
+        pytest.skip("the compiled engine does not run here")
+    runtime = ferry.Runtime("emulated", staging=ferry.StagingConfig(engine=engine))  # type: ignore[arg-type]
+    try:
+        source = runtime.to_device(np.arange(100, dtype=np.uint8))
+        before = runtime.stats()
+        for offset in (2**63 - 50, 2**63, 2**64 + 5):
+            with pytest.raises(ferry.TransferSubmitError, match="largest file offset"):
+                runtime.download_file(source, tmp_path / "x.bin", offset=offset)
+            with pytest.raises(ferry.TransferSubmitError):
+                runtime.upload_file(tmp_path / "x.bin", source, offset=offset)
+        assert os.listdir(tmp_path) == [] and source.state == "owned"
+        after = runtime.stats()
+        assert after.failed == before.failed and after.abandoned_bytes == 0
+        runtime.download_file(source, tmp_path / "x.bin", offset=(1 << 33) + 1).wait()  # far, but a file offset
+        assert source.state == "owned" and (tmp_path / "x.bin").stat().st_size == (1 << 33) + 101
+    finally:
+        runtime.close()

@@ -148,6 +148,9 @@ machine with fewer CPUs: those copy; ``O_DIRECT`` reads wait on the disk and alw
 RUN_GAP = 1 << 20
 """Pieces closer than this in the file are read as one run (the gap is read and dropped)."""
 
+MAX_FILE_OFFSET = (1 << 63) - 1
+"""The largest byte offset a file can have (``off_t``): a transfer that would run past it is refused."""
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -1085,6 +1088,10 @@ def submit_file(
     opened: OpenFile | None = None
     try:
         nbytes = device._nbytes
+        if offset + nbytes > MAX_FILE_OFFSET:
+            raise TransferSubmitError(
+                f"{call}: {nbytes} bytes at offset {offset} run past the largest file offset ({MAX_FILE_OFFSET})"
+            )
         opened = OpenFile(file, write=not upload, create=not upload)
         if upload and opened.size < offset + nbytes:
             raise TransferSubmitError(
