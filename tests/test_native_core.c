@@ -531,6 +531,50 @@ static void test_file_jobs_from_several_threads_share_the_lanes(void) {
     free(dev);
 }
 
+/* A read or write interrupted by a signal (EINTR, through the same handling as a real one) is retried:
+ * the job succeeds with every byte in place. */
+static void test_an_interrupted_read_or_write_is_retried(void) {
+    char path[256];
+    size_t n = ((size_t)2 << 20) + 99;
+    int fd = temp_file(n, path);
+    char *dev = calloc(1, n), *want = malloc(n);
+    CHECK(pread(fd, want, n, 0) == (ssize_t)n);
+    engine_t *up = make(1, 2, 0, 1), *down = make(0, 2, 0, 1);
+    job_t *job = submit_file_range(up, fd, -1, 0, n, (size_t)256 << 10, dev, 3, EINTR);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == n && memcmp(dev, want, n) == 0);
+    job_decref(job);
+    file_chunk_t chunks[4];
+    file_dma_t dmas[4];
+    size_t part = n / 4 + 1;
+    for (int k = 0; k < 4; k++) {
+        size_t at = (size_t)k * part, len = at + part < n ? part : n - at;
+        chunks[k] = (file_chunk_t){7 + at, len, len, 1};
+        dmas[k] = (file_dma_t){0, (unsigned long long)(uintptr_t)(dev + at), len};
+    }
+    int kind;
+    const char *why;
+    job = file_job_plan(down, fd, -1, 0, "core-test", chunks, 4, dmas, 4, &kind, &why);
+    CHECK(job != NULL);
+    if (job) {
+        job->file->inject_chunk = 2;
+        job->file->inject_errno = EINTR;
+        CHECK(engine_queue(down, job, 0) == 0);
+        wait_done(job);
+        CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == n);
+        job_decref(job);
+    }
+    char *back = malloc(n);
+    CHECK(pread(fd, back, n, 7) == (ssize_t)n && memcmp(back, want, n) == 0);
+    stop(up);
+    stop(down);
+    close(fd);
+    unlink(path);
+    free(dev);
+    free(want);
+    free(back);
+}
+
 /* An empty file job is done at once; zero-length chunks and DMAs, and a download whose DMAs leave part of
  * its chunk unfilled (stale slot bytes would reach the file), are refused with nothing queued. */
 static void test_empty_and_malformed_file_plans(void) {
@@ -580,6 +624,7 @@ int main(void) {
     test_a_failed_write_or_dma_fails_a_download();
     test_file_jobs_from_several_threads_share_the_lanes();
     test_empty_and_malformed_file_plans();
+    test_an_interrupted_read_or_write_is_retried();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;
