@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -357,6 +358,14 @@ def test_npy_refuses_what_it_cannot_load(emu: ferry.Runtime, tmp_path: Path) -> 
     os.truncate(path, 500)
     with pytest.raises(ferry.CheckpointError, match="runs past the end"):
         ferry.load_npy(path, runtime=emu)
+    before = emu.stats()
+    for shape in [(2**32, 2**32), (2**62, 4), (2**40, 2**24)]:  # element counts whose int64 product wraps
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        path.write_bytes(header.getvalue() + bytes(64))
+        with pytest.raises(ferry.CheckpointError, match="runs past the end"):  # before anything is allocated
+            ferry.load_npy(path, runtime=emu)
+    assert emu.stats().device_bytes == before.device_bytes
 
 
 def test_arguments_are_checked(emu: ferry.Runtime, tmp_path: Path) -> None:
