@@ -441,6 +441,27 @@ def test_the_load_command_reports_and_refuses_in_one_line(tmp_path: Path, capsys
     assert err.count("\n") == 1 and "cli.safetensors" in err and "Traceback" not in err
 
 
+def test_the_load_command_reports_a_checkpoint_too_large_for_the_device_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry.__main__ import main
+    from ferry._memory._device import DeviceMemory
+
+    path = tmp_path / "big.safetensors"
+    _by_hand(path, {"a": np.ones((256, 256), np.float32), "b": np.arange(10, dtype=np.int64)})
+    real = DeviceMemory._alloc
+
+    def alloc(self: DeviceMemory, nbytes: int) -> int:
+        if nbytes == 256 * 256 * 4:
+            raise MemoryError(f"out of memory: {nbytes} bytes asked, 1000 free")  # what a small device says
+        return real(self, nbytes)
+
+    monkeypatch.setattr(DeviceMemory, "_alloc", alloc)
+    assert main(["--backend", "emulated", "load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "262144 bytes" in err and "Traceback" not in err
+
+
 def test_the_load_command_names_itself_as_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from ferry.__main__ import main
