@@ -552,22 +552,22 @@ def test_a_cancel_that_lands_while_the_job_is_submitted_is_not_lost(
 
 
 @pytest.mark.parametrize("direct", [False, True])
-def test_offsets_past_4_gib_round_trip(nemu: ferry.Runtime, tmp_path: Path, jobs: list[Any], direct: bool) -> None:
+def test_offsets_past_4_gib_round_trip(nrt: ferry.Runtime, tmp_path: Path, jobs: list[Any], direct: bool) -> None:
     # A sparse file of 5 GiB: offsets past 2**32 (and 2**31) go through the packed plan, pread and pwrite whole.
     path = tmp_path / "big.bin"
     at = (5 << 30) + 4097
     data = _payload(3 * SLOT + 11, seed=7)
     with open(path, "wb") as f:
         f.truncate(at + data.size + 5)
-    source = nemu.to_device(data)
-    nemu.download_file(source, path, offset=at, direct=direct).wait()
+    source = nrt.to_device(data)
+    nrt.download_file(source, path, offset=at, direct=direct).wait()
     with open(path, "rb") as f:
         f.seek(at - 1)
         raw = np.frombuffer(f.read(data.size + 2), np.uint8)
     assert raw[0] == 0 and raw[-1] == 0 and np.array_equal(raw[1:-1], data)
-    dest = nemu.empty(data.size + 1, np.uint8)
-    nemu.upload_file(path, dest, offset=at - 1, direct=direct).wait()
-    back = nemu.to_host(dest)
+    dest = nrt.empty(data.size + 1, np.uint8)
+    nrt.upload_file(path, dest, offset=at - 1, direct=direct).wait()
+    back = nrt.to_host(dest)
     assert back[0] == 0 and np.array_equal(back[1:], data)
     assert [j.moved_bytes for j in jobs] == [data.size, data.size + 1]
     assert min(c.start for c in jobs[1].plan.chunks) >= 1 << 32
