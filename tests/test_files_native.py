@@ -618,3 +618,18 @@ def test_a_submission_the_lanes_refuse_changes_nothing(
     nemu.upload_file(path, dest).wait()  # usable as before
     source.close()  # no lease left behind
     assert np.array_equal(nemu.to_host(dest), data)
+
+
+def test_a_file_whose_name_is_not_utf8_is_read_and_written(nrt: ferry.Runtime, tmp_path: Path, jobs: list[Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    name = os.path.join(os.fsencode(tmp_path), b"\xff\xfe-data.bin")  # a valid Linux name, not UTF-8
+    data = _payload(3 * SLOT + 5)
+    source = nrt.to_device(data)
+    nrt.download_file(source, name).wait()
+    dest = nrt.empty(data.size, np.uint8)
+    nrt.upload_file(name, dest).wait()
+    assert np.array_equal(nrt.to_host(dest), data) and len(jobs) == 2
+    if nrt.backend == "emulated":
+        monkeypatch.setattr(_file, "_FAIL_NATIVE_CHUNK", (1, errno.EIO))
+        with pytest.raises(ferry.TransferFailedError, match=r"-data\.bin' at byte \d+: the read failed"):
+            nrt.upload_file(name, nrt.empty(data.size, np.uint8)).wait()

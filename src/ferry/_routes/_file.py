@@ -917,10 +917,13 @@ class NativeFileJob:
         fail_chunk, fail_errno = fail if fail is not None else (-1, 0)
         opened = self.opened
 
+        # the lanes' own text of the name (errors say it from Python's): any path, UTF-8 or not, goes through
+        label = opened.name.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+
         def hand_over() -> None:
             inner = engine.submit_file(
                 opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
-                name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
+                name=label, fail_chunk=fail_chunk, fail_errno=fail_errno,
             )
             self._inner = inner
             if self.cancelled:  # cancel() ran meanwhile and found no job to stop: stop it here
