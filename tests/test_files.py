@@ -499,3 +499,27 @@ def test_an_offset_past_the_largest_file_offset_is_refused_and_changes_nothing(t
         assert source.state == "owned" and (tmp_path / "x.bin").stat().st_size == (1 << 33) + 101
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_file_open_for_appending_is_refused_for_a_download(tmp_path: Path, engine: str) -> None:
+    # pwrite on an O_APPEND descriptor appends on Linux, whatever the offset: the bytes would land elsewhere.
+    if engine == "native" and _native.load() is None:
+        pytest.skip("the compiled engine does not run here")
+    runtime = ferry.Runtime("emulated", staging=ferry.StagingConfig(engine=engine))  # type: ignore[arg-type]
+    try:
+        path = tmp_path / "f.bin"
+        path.write_bytes(b"x" * 100)
+        source = runtime.to_device(np.full(10, 7, np.uint8))
+        with open(path, "ab") as f, pytest.raises(ferry.TransferSubmitError, match="appending"):
+            runtime.download_file(source, f, offset=0)
+        assert path.read_bytes() == b"x" * 100 and source.state == "owned"
+        with open(path, "r+b") as f:
+            runtime.download_file(source, f, offset=3).wait()
+        assert path.read_bytes() == b"xxx" + bytes([7] * 10) + b"x" * 87
+        with open(path, "a+b") as f:  # reading from it is fine
+            dest = runtime.empty(13, np.uint8)
+            runtime.upload_file(f, dest).wait()
+        assert runtime.to_host(dest).tobytes() == b"xxx" + bytes([7] * 10)
+    finally:
+        runtime.close()

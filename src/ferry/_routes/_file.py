@@ -274,12 +274,18 @@ class OpenFile:
                 )
             try:
                 fd = int(fileno())
-                mode = os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+                flags = __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
             except (OSError, ValueError) as exc:
                 raise TransferSubmitError(f"the file {self.name!r} is not open: {exc}") from exc
+            mode = os.O_ACCMODE & flags
             if (write and mode == os.O_RDONLY) or (not write and mode == os.O_WRONLY):
                 need = "writing" if write else "reading"
                 raise TransferSubmitError(f"the file {self.name!r} is not open for {need}")
+            if write and flags & getattr(os, "O_APPEND", 0):  # Linux's pwrite appends there, whatever the offset
+                raise TransferSubmitError(
+                    f"the file {self.name!r} is open for appending, where a write ignores its offset: "
+                    "open it with 'r+b' or 'wb', or pass its path"
+                )
             flush = getattr(file, "flush", None)
             if write and flush is not None:
                 with contextlib.suppress(Exception):
