@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ferry
-from ferry import testing
+from ferry import _native, testing
 from ferry._routes import _file
 
 PYTHON_ENGINE = ferry.StagingConfig(engine="python")
@@ -477,3 +477,49 @@ def test_readers_broken_by_failed_copies_stop_their_threads(tmp_path: Path) -> N
             t.ident not in before and t.name.startswith("ferry-file") for t in threading.enumerate()):
         time.sleep(0.01)
     assert [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("ferry-file")] == []
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_an_offset_past_the_largest_file_offset_is_refused_and_changes_nothing(tmp_path: Path, engine: str) -> None:
+    if engine == "native" and _native.load() is None:
+        pytest.skip("the compiled engine does not run here")
+    runtime = ferry.Runtime("emulated", staging=ferry.StagingConfig(engine=engine))  # type: ignore[arg-type]
+    try:
+        source = runtime.to_device(np.arange(100, dtype=np.uint8))
+        before = runtime.stats()
+        for offset in (2**63 - 50, 2**63, 2**64 + 5):
+            with pytest.raises(ferry.TransferSubmitError, match="largest file offset"):
+                runtime.download_file(source, tmp_path / "x.bin", offset=offset)
+            with pytest.raises(ferry.TransferSubmitError):
+                runtime.upload_file(tmp_path / "x.bin", source, offset=offset)
+        assert os.listdir(tmp_path) == [] and source.state == "owned"
+        after = runtime.stats()
+        assert after.failed == before.failed and after.abandoned_bytes == 0
+        runtime.download_file(source, tmp_path / "x.bin", offset=(1 << 33) + 1).wait()  # far, but a file offset
+        assert source.state == "owned" and (tmp_path / "x.bin").stat().st_size == (1 << 33) + 101
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_file_open_for_appending_is_refused_for_a_download(tmp_path: Path, engine: str) -> None:
+    # pwrite on an O_APPEND descriptor appends on Linux, whatever the offset: the bytes would land elsewhere.
+    if engine == "native" and _native.load() is None:
+        pytest.skip("the compiled engine does not run here")
+    runtime = ferry.Runtime("emulated", staging=ferry.StagingConfig(engine=engine))  # type: ignore[arg-type]
+    try:
+        path = tmp_path / "f.bin"
+        path.write_bytes(b"x" * 100)
+        source = runtime.to_device(np.full(10, 7, np.uint8))
+        with open(path, "ab") as f, pytest.raises(ferry.TransferSubmitError, match="appending"):
+            runtime.download_file(source, f, offset=0)
+        assert path.read_bytes() == b"x" * 100 and source.state == "owned"
+        with open(path, "r+b") as f:
+            runtime.download_file(source, f, offset=3).wait()
+        assert path.read_bytes() == b"xxx" + bytes([7] * 10) + b"x" * 87
+        with open(path, "a+b") as f:  # reading from it is fine
+            dest = runtime.empty(13, np.uint8)
+            runtime.upload_file(f, dest).wait()
+        assert runtime.to_host(dest).tobytes() == b"xxx" + bytes([7] * 10)
+    finally:
+        runtime.close()

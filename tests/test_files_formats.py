@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -357,6 +358,14 @@ def test_npy_refuses_what_it_cannot_load(emu: ferry.Runtime, tmp_path: Path) -> 
     os.truncate(path, 500)
     with pytest.raises(ferry.CheckpointError, match="runs past the end"):
         ferry.load_npy(path, runtime=emu)
+    before = emu.stats()
+    for shape in [(2**32, 2**32), (2**62, 4), (2**40, 2**24)]:  # element counts whose int64 product wraps
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        path.write_bytes(header.getvalue() + bytes(64))
+        with pytest.raises(ferry.CheckpointError, match="runs past the end"):  # before anything is allocated
+            ferry.load_npy(path, runtime=emu)
+    assert emu.stats().device_bytes == before.device_bytes
 
 
 def test_arguments_are_checked(emu: ferry.Runtime, tmp_path: Path) -> None:
@@ -430,6 +439,27 @@ def test_the_load_command_reports_and_refuses_in_one_line(tmp_path: Path, capsys
     assert main(["--backend", "emulated", "load", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cli.safetensors" in err and "Traceback" not in err
+
+
+def test_the_load_command_reports_a_checkpoint_too_large_for_the_device_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry.__main__ import main
+    from ferry._memory._device import DeviceMemory
+
+    path = tmp_path / "big.safetensors"
+    _by_hand(path, {"a": np.ones((256, 256), np.float32), "b": np.arange(10, dtype=np.int64)})
+    real = DeviceMemory._alloc
+
+    def alloc(self: DeviceMemory, nbytes: int) -> int:
+        if nbytes == 256 * 256 * 4:
+            raise MemoryError(f"out of memory: {nbytes} bytes asked, 1000 free")  # what a small device says
+        return real(self, nbytes)
+
+    monkeypatch.setattr(DeviceMemory, "_alloc", alloc)
+    assert main(["--backend", "emulated", "load", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "262144 bytes" in err and "Traceback" not in err
 
 
 def test_the_load_command_names_itself_as_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -420,6 +420,29 @@ def test_the_engine_refuses_a_file_plan_that_does_not_add_up(tmp_path: Path) -> 
         engine.close()
 
 
+def test_the_engine_refuses_a_download_plan_that_would_write_stale_slot_bytes(tmp_path: Path) -> None:
+    path, _ = _file_of(tmp_path, 10_000)
+    engine = _native.load().Engine("download", lanes=2, slots_per_lane=2, slot_bytes=SLOT)  # type: ignore[union-attr]
+    src = _payload(8192, seed=9)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        def submit(chunks: list[tuple[int, ...]], dmas: list[tuple[int, ...]]) -> Any:
+            return engine.submit_file(fd, -1, np.array(chunks, np.uint64).tobytes(),
+                                      np.array(dmas, np.uint64).reshape(-1, 3).tobytes())
+
+        ptr = src.ctypes.data
+        with pytest.raises(ValueError, match="fill its chunk"):
+            submit([(0, 4096, 4096, 1)], [(0, ptr, 100)])  # 3996 bytes of the slot would be written as they are
+        with pytest.raises(ValueError, match="fill its chunk"):
+            submit([(0, 8192, 8192, 2)], [(0, ptr, 4096), (4100, ptr + 4100, 4092)])  # a hole at 4096
+        job = submit([(0, 8192, 8192, 2)], [(0, ptr, 4096), (4096, ptr + 4096, 4096)])
+        assert job.wait(10) and job.error is None and job.file_moved == 8192
+        assert np.array_equal(np.fromfile(path, np.uint8)[:8192], src)
+    finally:
+        os.close(fd)
+        engine.close()
+
+
 def test_a_cancel_after_the_end_leaves_a_job_succeeded(nemu: ferry.Runtime, tmp_path: Path,
                                                        jobs: list[Any]) -> None:
     path, data = _file_of(tmp_path, 5 * SLOT)
@@ -431,3 +454,182 @@ def test_a_cancel_after_the_end_leaves_a_job_succeeded(nemu: ferry.Runtime, tmp_
     assert jobs[0].error is None
     handle.wait()
     assert np.array_equal(nemu.to_host(dest), data)
+
+
+# -- review: the contract's corners ---------------------------------------------------------------------
+ONE_LANE = ferry.StagingConfig(engine="native", lanes=1, slots_per_lane=SLOTS, slot_bytes=SLOT)
+
+
+def test_a_failed_dma_after_a_failed_read_still_abandons_what_it_touched(tmp_path: Path, jobs: list[Any],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # One lane: chunk 0's DMA fails on the device, then chunk 1's read fails; the read's error came first, but
+    # the device's outranks it (the arrays a failed DMA touched are abandoned, never handed back to the pool).
+    path = tmp_path / "m.safetensors"
+    _safetensors(path, {f"w{i}": np.full(40_000, i, np.float32) for i in range(4)})
+    runtime = ferry.Runtime("emulated", staging=ONE_LANE)
+    try:
+        before = runtime.stats()
+        monkeypatch.setattr(_file, "_FAIL_NATIVE_CHUNK", (1, errno.EIO))
+        testing.fail_next_copy(runtime, after=0)
+        with pytest.raises(ferry.CheckpointError, match="injected"):
+            ferry.load_safetensors(path, runtime=runtime)
+        assert not isinstance(jobs[0].error, _file.FileReadError)
+        after = runtime.stats()
+        assert after.abandoned == 4 and after.abandoned_bytes >= 4 * 160_000 + SLOTS * SLOT
+        assert after.device_bytes == before.device_bytes + 4 * 160_000  # abandoned: never freed
+    finally:
+        runtime.close()
+
+
+def test_a_second_interrupt_while_a_cancelled_load_drains_waits_for_its_lanes(
+    tmp_path: Path, jobs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C cancels the load; a second Ctrl-C during the wait for the lanes' in-flight chunks must not let the
+    # load free its arrays and close its file while the lanes still read into them.
+    path = tmp_path / "i.safetensors"
+    _safetensors(path, {f"w{i}": np.full(300_000, i, np.float32) for i in range(4)})
+    runtime = _open("emulated", emulated_bandwidth=2e7)  # 4.8 MB: ~240 ms on the emulated link
+    real_wait = _file.NativeFileJob.wait_done
+    seen: list[bool] = []
+
+    def wait_done(self: _file.NativeFileJob, timeout: float | None = None, *, poll: bool = True) -> bool:
+        if self.cancelled and not seen:
+            seen.append(self.is_done())
+            raise KeyboardInterrupt  # the second Ctrl-C, while the cancelled job drains
+        return real_wait(self, timeout, poll=poll)
+
+    monkeypatch.setattr(_file.NativeFileJob, "wait_done", wait_done)
+    fds = _open_fds()
+    try:
+        before = runtime.stats()
+
+        def interrupt(done: int, total: int) -> None:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            ferry.load_safetensors(path, runtime=runtime, progress=interrupt)
+        assert seen == [False]  # the second interrupt came while the lanes were busy
+        assert jobs[0].is_done()  # ... and the load still waited for them before it gave anything up
+        assert _open_fds() == fds
+        after = runtime.stats()
+        assert after.device_bytes == before.device_bytes and after.abandoned_bytes == 0
+    finally:
+        runtime.close()
+    assert testing.violations(runtime) == []
+
+
+def test_a_cancel_that_lands_while_the_job_is_submitted_is_not_lost(
+    nemu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the emulated device the job is submitted from the ordering stream's thread; a cancel() from the
+    # waiting thread between its look at `cancelled` and the job's hand-over to the lanes must still stop it.
+    path, data = _file_of(tmp_path, 8 * SLOT)
+    real_start = _file.NativeFileJob.start
+
+    class Lanes:
+        def __init__(self, job: _file.NativeFileJob, real: Any) -> None:
+            self.job, self.real = job, real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        def submit_file(self, *args: Any, **kwargs: Any) -> Any:
+            self.job.cancel()  # the waiting thread's cancel, just before the lanes have the job
+            return self.real.submit_file(*args, **kwargs)
+
+    class Engine:
+        def __init__(self, job: _file.NativeFileJob, real: Any) -> None:
+            self.cuda, self.engine = real.cuda, Lanes(job, real.engine)
+
+    def start(self: _file.NativeFileJob) -> None:
+        self.engine = Engine(self, self.engine)
+        real_start(self)
+
+    monkeypatch.setattr(_file.NativeFileJob, "start", start)
+    dest = nemu.empty(data.size, np.uint8)
+    with pytest.raises(ferry.TransferFailedError, match="cancelled"):
+        nemu.upload_file(path, dest).wait()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_offsets_past_4_gib_round_trip(nrt: ferry.Runtime, tmp_path: Path, jobs: list[Any], direct: bool) -> None:
+    # A sparse file of 5 GiB: offsets past 2**32 (and 2**31) go through the packed plan, pread and pwrite whole.
+    path = tmp_path / "big.bin"
+    at = (5 << 30) + 4097
+    data = _payload(3 * SLOT + 11, seed=7)
+    with open(path, "wb") as f:
+        f.truncate(at + data.size + 5)
+    source = nrt.to_device(data)
+    nrt.download_file(source, path, offset=at, direct=direct).wait()
+    with open(path, "rb") as f:
+        f.seek(at - 1)
+        raw = np.frombuffer(f.read(data.size + 2), np.uint8)
+    assert raw[0] == 0 and raw[-1] == 0 and np.array_equal(raw[1:-1], data)
+    dest = nrt.empty(data.size + 1, np.uint8)
+    nrt.upload_file(path, dest, offset=at - 1, direct=direct).wait()
+    back = nrt.to_host(dest)
+    assert back[0] == 0 and np.array_equal(back[1:], data)
+    assert [j.moved_bytes for j in jobs] == [data.size, data.size + 1]
+    assert min(c.start for c in jobs[1].plan.chunks) >= 1 << 32
+
+
+def test_a_submission_the_lanes_refuse_changes_nothing(
+    nemu: ferry.Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CUDA the job goes to the lanes inside the call (emulated here: the same branch, the lanes refusing it):
+    # a refusal is the caller's TransferSubmitError, with the array owned, the file closed, nothing leaked.
+    path, data = _file_of(tmp_path, 4 * SLOT)
+    real_start = _file.NativeFileJob.start
+
+    class Refusing:
+        def submit_file(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the staging engine is closed")
+
+    class Engine:
+        cuda = True
+        engine = Refusing()
+
+    def start(self: _file.NativeFileJob) -> None:
+        self.engine = Engine()
+        real_start(self)
+
+    warm = nemu.to_device(np.zeros(3, np.float32))
+    nemu.to_host(warm)
+    monkeypatch.setattr(_file.NativeFileJob, "start", start)
+    dest, source = nemu.empty(data.size, np.uint8), nemu.to_device(data)
+    before, fds = nemu.stats(), _open_fds()
+    with pytest.raises(ferry.TransferSubmitError, match="staging engine is closed"):
+        nemu.upload_file(path, dest)
+    with pytest.raises(ferry.TransferSubmitError, match="staging engine is closed"):
+        nemu.download_file(source, tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+    st = tmp_path / "m.safetensors"
+    _safetensors(st, {"a": np.ones(1000, np.float32), "b": np.zeros(5, np.uint8)})
+    with pytest.raises(ferry.FerryError, match="staging engine is closed"):
+        ferry.load_safetensors(st, runtime=nemu)
+    with pytest.raises(ferry.FerryError, match="staging engine is closed"):
+        ferry.save_safetensors({"s": source}, tmp_path / "s.safetensors", runtime=nemu)
+    assert sorted(os.listdir(tmp_path)) == ["data.bin", "m.safetensors"]
+    after = nemu.stats()
+    assert after.failed == before.failed and after.abandoned_bytes == 0
+    assert after.device_bytes == before.device_bytes and _open_fds() == fds
+    assert dest.state == "owned" and source.state == "owned"
+    monkeypatch.setattr(_file.NativeFileJob, "start", real_start)
+    nemu.upload_file(path, dest).wait()  # usable as before
+    source.close()  # no lease left behind
+    assert np.array_equal(nemu.to_host(dest), data)
+
+
+def test_a_file_whose_name_is_not_utf8_is_read_and_written(nrt: ferry.Runtime, tmp_path: Path, jobs: list[Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    name = os.path.join(os.fsencode(tmp_path), b"\xff\xfe-data.bin")  # a valid Linux name, not UTF-8
+    data = _payload(3 * SLOT + 5)
+    source = nrt.to_device(data)
+    nrt.download_file(source, name).wait()
+    dest = nrt.empty(data.size, np.uint8)
+    nrt.upload_file(name, dest).wait()
+    assert np.array_equal(nrt.to_host(dest), data) and len(jobs) == 2
+    if nrt.backend == "emulated":
+        monkeypatch.setattr(_file, "_FAIL_NATIVE_CHUNK", (1, errno.EIO))
+        with pytest.raises(ferry.TransferFailedError, match=r"-data\.bin' at byte \d+: the read failed"):
+            nrt.upload_file(name, nrt.empty(data.size, np.uint8)).wait()

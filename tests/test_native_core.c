@@ -398,6 +398,274 @@ static void test_a_job_of_many_pieces(void) {
     free(dev);
 }
 
+/* One lane: chunk 0's DMA fails on the device, then chunk 1's read fails. The read's error is met first, but
+ * the device's replaces it: the job says the device failed (what its DMA touched is abandoned). */
+static void test_a_device_error_outranks_a_file_error_met_first(void) {
+    char path[256];
+    size_t n = (size_t)3 << 20;
+    int fd = temp_file(n, path);
+    char *dev = calloc(1, n);
+    engine_t *up = make(1, 1, 0, 1);
+    pthread_mutex_lock(&up->mu);
+    up->fail_armed = 1;
+    up->fail_after = 0;
+    pthread_mutex_unlock(&up->mu);
+    job_t *job = submit_file_range(up, fd, -1, 0, n, (size_t)1 << 20, dev, 1, EIO);
+    wait_done(job);
+    CHECK(atomic_load(&job->failed) && job->err.code == 999 && strstr(job->err.text, "injected") != NULL);
+    job_decref(job);
+    job = submit_file_range(up, fd, -1, 0, n, (size_t)1 << 20, dev, -1, 0); /* the lane recovered */
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == n);
+    job_decref(job);
+    stop(up);
+    close(fd);
+    unlink(path);
+    free(dev);
+}
+
+typedef struct {
+    job_t *job;
+    int took; /* file_fail's answer */
+} cancel_arg_t;
+
+static void *cancel_soon(void *arg) {
+    cancel_arg_t *c = arg;
+    for (int i = 0; i < (int)(c->job->t_submit % 64); i++) cpu_relax(); /* land anywhere in the job */
+    c->took = file_fail(c->job, FILE_ERR_CANCELLED, 0, 0, 0);
+    return NULL;
+}
+
+/* A cancel from another thread races the lanes and the job's completion: it either fails the job as
+ * cancelled (and the job still ends only after its DMAs), or it came after the end and the job succeeded;
+ * a cancel abandons no slot. */
+static void test_a_cancel_races_the_lanes_and_the_end(void) {
+    char path[256];
+    size_t n = (size_t)2 << 20;
+    int fd = temp_file(n, path);
+    char *dev = calloc(1, n), *want = malloc(n);
+    CHECK(pread(fd, want, n, 0) == (ssize_t)n);
+    engine_t *up = make(1, 3, 0, 1);
+    int cancelled = 0, finished = 0;
+    for (int round = 0; round < 60; round++) {
+        memset(dev, 0, n);
+        job_t *job = submit_file_range(up, fd, -1, 0, n, (size_t)64 << 10, dev, -1, 0);
+        cancel_arg_t c = {job, 0};
+        pthread_t t;
+        CHECK(pthread_create(&t, NULL, cancel_soon, &c) == 0);
+        wait_done(job);
+        pthread_join(t, NULL);
+        if (c.took) {
+            cancelled++;
+            CHECK(atomic_load(&job->failed) && job->file->err_kind == FILE_ERR_CANCELLED);
+        } else {
+            finished++;
+            CHECK(!atomic_load(&job->failed) && memcmp(dev, want, n) == 0);
+        }
+        CHECK(atomic_load(&job->file->moved) <= n);
+        CHECK(file_fail(job, FILE_ERR_CANCELLED, 0, 0, 0) == 0); /* after the end: changes nothing */
+        job_decref(job);
+    }
+    CHECK(cancelled + finished == 60);
+    CHECK(atomic_load(&up->abandoned_bytes) == 0);
+    stop(up);
+    close(fd);
+    unlink(path);
+    free(dev);
+    free(want);
+}
+
+/* A download whose write fails, and one whose DMA fails: each fails its job (the file's error, the device's);
+ * the failing lane's slots are abandoned; the next download writes every byte. */
+static void test_a_failed_write_or_dma_fails_a_download(void) {
+    char path[256];
+    size_t n = (size_t)3 << 20;
+    int fd = temp_file(n, path);
+    char *dev = malloc(n);
+    for (size_t i = 0; i < n; i++) dev[i] = (char)(i * 5 + 2);
+    engine_t *down = make(0, 2, 0, 1);
+    file_chunk_t chunks[12];
+    file_dma_t dmas[12];
+    size_t part = n / 12;
+    for (int k = 0; k < 12; k++) {
+        chunks[k] = (file_chunk_t){(size_t)k * part, part, part, 1};
+        dmas[k] = (file_dma_t){0, (unsigned long long)(uintptr_t)(dev + (size_t)k * part), part};
+    }
+    int kind;
+    const char *why;
+    job_t *job = file_job_plan(down, fd, -1, 0, "core-test", chunks, 12, dmas, 12, &kind, &why);
+    CHECK(job != NULL);
+    job->file->inject_chunk = 4;
+    job->file->inject_errno = ENOSPC;
+    CHECK(engine_queue(down, job, 0) == 0);
+    wait_done(job);
+    CHECK(atomic_load(&job->failed) && job->file->err_kind == FILE_ERR_WRITE && job->file->err_errno == ENOSPC);
+    CHECK(job->file->err_offset == 4 * part && job->file->err_chunk == 4);
+    job_decref(job);
+    long long lost = atomic_load(&down->abandoned_bytes);
+    CHECK(lost == (long long)down->slot_bytes * down->slots_per_lane);
+    pthread_mutex_lock(&down->mu);
+    down->fail_armed = 1;
+    down->fail_after = 3;
+    pthread_mutex_unlock(&down->mu);
+    job = file_job_plan(down, fd, -1, 0, "core-test", chunks, 12, dmas, 12, &kind, &why);
+    CHECK(job && engine_queue(down, job, 0) == 0);
+    wait_done(job);
+    CHECK(atomic_load(&job->failed) && job->err.code == 999);
+    job_decref(job);
+    CHECK(atomic_load(&down->abandoned_bytes) > lost);
+    CHECK(ftruncate(fd, 0) == 0);
+    job = file_job_plan(down, fd, -1, 0, "core-test", chunks, 12, dmas, 12, &kind, &why);
+    CHECK(job && engine_queue(down, job, 0) == 0);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == 12 * part);
+    job_decref(job);
+    char *back = malloc(n);
+    CHECK(pread(fd, back, n, 0) == (ssize_t)(12 * part) && memcmp(back, dev, 12 * part) == 0);
+    CHECK(atomic_load(&down->held_bytes) == (long long)down->slot_bytes * down->slots_per_lane * down->nlanes);
+    stop(down);
+    close(fd);
+    unlink(path);
+    free(dev);
+    free(back);
+}
+
+typedef struct {
+    engine_t *eng;
+    int fd;
+    size_t n;
+    const char *want;
+    int ok;
+} loader_arg_t;
+
+static void *load_many(void *arg) {
+    loader_arg_t *a = arg;
+    char *dev = malloc(a->n);
+    a->ok = 1;
+    for (int i = 0; i < 8; i++) {
+        memset(dev, 0, a->n);
+        size_t lo = (size_t)i * 4099 % 8192;
+        job_t *job = submit_file_range(a->eng, a->fd, -1, lo, a->n, (size_t)(96 + 32 * i) << 10, dev, -1, 0);
+        wait_done(job);
+        if (atomic_load(&job->failed) || memcmp(dev, a->want + lo, a->n - lo) != 0) a->ok = 0;
+        job_decref(job);
+    }
+    free(dev);
+    return NULL;
+}
+
+/* File jobs submitted from several threads at once share the lanes (with staged jobs among them): every
+ * load reads its bytes, whichever lanes claim its chunks. */
+static void test_file_jobs_from_several_threads_share_the_lanes(void) {
+    char path[256];
+    size_t n = ((size_t)1 << 20) + 333;
+    int fd = temp_file(n, path);
+    char *want = malloc(n);
+    CHECK(pread(fd, want, n, 0) == (ssize_t)n);
+    engine_t *up = make(1, 3, 0, 1);
+    loader_arg_t args[3];
+    pthread_t threads[3];
+    for (int t = 0; t < 3; t++) {
+        args[t] = (loader_arg_t){up, fd, n, want, 0};
+        CHECK(pthread_create(&threads[t], NULL, load_many, &args[t]) == 0);
+    }
+    char *dev = calloc(1, n);
+    ptrdiff_t shape[1] = {(ptrdiff_t)n}, strides[1] = {1};
+    for (int k = 0; k < 4; k++) { /* staged jobs among them */
+        job_t *job = submit(up, want, dev, 1, shape, strides, 1, 0);
+        wait_done(job);
+        CHECK(!atomic_load(&job->failed) && memcmp(dev, want, n) == 0);
+        job_decref(job);
+    }
+    for (int t = 0; t < 3; t++) {
+        pthread_join(threads[t], NULL);
+        CHECK(args[t].ok);
+    }
+    stop(up);
+    close(fd);
+    unlink(path);
+    free(want);
+    free(dev);
+}
+
+/* A read or write interrupted by a signal (EINTR, through the same handling as a real one) is retried:
+ * the job succeeds with every byte in place. */
+static void test_an_interrupted_read_or_write_is_retried(void) {
+    char path[256];
+    size_t n = ((size_t)2 << 20) + 99;
+    int fd = temp_file(n, path);
+    char *dev = calloc(1, n), *want = malloc(n);
+    CHECK(pread(fd, want, n, 0) == (ssize_t)n);
+    engine_t *up = make(1, 2, 0, 1), *down = make(0, 2, 0, 1);
+    job_t *job = submit_file_range(up, fd, -1, 0, n, (size_t)256 << 10, dev, 3, EINTR);
+    wait_done(job);
+    CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == n && memcmp(dev, want, n) == 0);
+    job_decref(job);
+    file_chunk_t chunks[4];
+    file_dma_t dmas[4];
+    size_t part = n / 4 + 1;
+    for (int k = 0; k < 4; k++) {
+        size_t at = (size_t)k * part, len = at + part < n ? part : n - at;
+        chunks[k] = (file_chunk_t){7 + at, len, len, 1};
+        dmas[k] = (file_dma_t){0, (unsigned long long)(uintptr_t)(dev + at), len};
+    }
+    int kind;
+    const char *why;
+    job = file_job_plan(down, fd, -1, 0, "core-test", chunks, 4, dmas, 4, &kind, &why);
+    CHECK(job != NULL);
+    if (job) {
+        job->file->inject_chunk = 2;
+        job->file->inject_errno = EINTR;
+        CHECK(engine_queue(down, job, 0) == 0);
+        wait_done(job);
+        CHECK(!atomic_load(&job->failed) && atomic_load(&job->file->moved) == n);
+        job_decref(job);
+    }
+    char *back = malloc(n);
+    CHECK(pread(fd, back, n, 7) == (ssize_t)n && memcmp(back, want, n) == 0);
+    stop(up);
+    stop(down);
+    close(fd);
+    unlink(path);
+    free(dev);
+    free(want);
+    free(back);
+}
+
+/* An empty file job is done at once; zero-length chunks and DMAs, and a download whose DMAs leave part of
+ * its chunk unfilled (stale slot bytes would reach the file), are refused with nothing queued. */
+static void test_empty_and_malformed_file_plans(void) {
+    char path[256];
+    int fd = temp_file(8192, path);
+    char buf[8192];
+    engine_t *up = make(1, 2, 0, 0), *down = make(0, 2, 0, 0);
+    int kind;
+    const char *why;
+    job_t *job = file_job_plan(up, fd, -1, 0, "e", NULL, 0, NULL, 0, &kind, &why);
+    CHECK(job && atomic_load(&job->done) && engine_queue(up, job, 0) == 0);
+    if (job) job_decref(job);
+    unsigned long long p = (unsigned long long)(uintptr_t)buf;
+    file_chunk_t zero = {0, 0, 0, 1}, one = {0, 4096, 100, 1}, whole = {0, 8192, 8192, 2};
+    file_dma_t empty = {0, p, 0}, some = {0, p, 100};
+    file_dma_t halves[2] = {{0, p, 4096}, {4096, p + 4096, 4096}}, gap[2] = {{0, p, 4096}, {4100, p, 4092}};
+    CHECK(file_job_plan(up, fd, -1, 0, "e", &zero, 1, &some, 1, &kind, &why) == NULL && kind == PLAN_VALUE);
+    CHECK(file_job_plan(up, fd, -1, 0, "e", &one, 1, &empty, 1, &kind, &why) == NULL && kind == PLAN_VALUE);
+    CHECK(file_job_plan(up, -1, -1, 0, "e", &one, 1, &some, 1, &kind, &why) == NULL && kind == PLAN_VALUE);
+    CHECK(file_job_plan(down, fd, -1, 0, "e", &one, 1, &some, 1, &kind, &why) == NULL && kind == PLAN_VALUE);
+    CHECK(why && strstr(why, "fill"));
+    CHECK(file_job_plan(down, fd, -1, 0, "e", &whole, 1, gap, 2, &kind, &why) == NULL && kind == PLAN_VALUE);
+    job = file_job_plan(down, fd, -1, 0, "e", &whole, 1, halves, 2, &kind, &why);
+    CHECK(job != NULL);
+    if (job) {
+        atomic_store(&job->refs, 1);
+        job_decref(job);
+    }
+    stop(up);
+    stop(down);
+    close(fd);
+    unlink(path);
+}
+
 int main(void) {
     test_contiguous_upload_and_download(1);
     test_contiguous_upload_and_download(0);
@@ -409,6 +677,12 @@ int main(void) {
     test_a_file_round_trip();
     test_a_failed_read_fails_its_file_job();
     test_a_job_of_many_pieces();
+    test_a_device_error_outranks_a_file_error_met_first();
+    test_a_cancel_races_the_lanes_and_the_end();
+    test_a_failed_write_or_dma_fails_a_download();
+    test_file_jobs_from_several_threads_share_the_lanes();
+    test_empty_and_malformed_file_plans();
+    test_an_interrupted_read_or_write_is_retried();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
         return 1;

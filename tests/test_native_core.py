@@ -3,7 +3,9 @@
 ``src/ferry/_native/core`` (jobs, host copies, the driver seam and thread, lanes, an engine's life) and
 ``emulated.c`` include no ``Python.h``. ``tests/test_native_core.c`` drives an emulated engine from C
 (contiguous and strided round trips, a cooperative upload with a hand-off, an injected failure, a stop
-with queued jobs, refused plans); here it is compiled with the system's C compiler alone and run, then
+with queued jobs, refused plans; file jobs: round trips, failed reads, writes and DMAs, a device error
+after a file's, a cancel racing the lanes, jobs from several threads, empty and malformed plans); here it
+is compiled with the system's C compiler alone and run, then
 again with ThreadSanitizer and with AddressSanitizer + UBSan, where the compiler has them: zero reports.
 """
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ._common import CheckpointError
+from .._errors import FerryError
 
 __all__: list[str] = []
 
@@ -65,7 +65,8 @@ def cmd_load(rt: Any, args: argparse.Namespace) -> int:
             else:
                 arrays = load_safetensors(files if len(files) > 1 else files[0], runtime=rt, progress=progress,
                                           direct=direct)
-    except (CheckpointError, ImportError, TypeError, ValueError) as exc:
+    except (FerryError, ImportError, MemoryError, TypeError, ValueError) as exc:  # a checkpoint too big for the
+        # device is a MemoryError, a device's refusal a FerryError: one line each, as a malformed file's
         print(f"{getattr(args, 'load_prog', 'python -m ferry load')}: error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start

@@ -92,14 +92,23 @@ class Entry:
 
 
 def _wait(job: Job, total: int, progress: Progress | None) -> None:
-    """Wait for the job, reporting progress; Ctrl-C cancels it, waits for its readers, re-raises."""
+    """Wait for the job, reporting progress; Ctrl-C cancels it, waits for its readers, re-raises.
+
+    The wait after a cancel outlasts a second Ctrl-C: until the job is done its readers (or lanes) may still
+    read into the arrays and use the file, which the caller frees and closes once this returns or raises.
+    """
     try:
         while not job.wait_done(PROGRESS_PERIOD):
             if progress is not None:
                 progress(job.moved_bytes, total)
     except BaseException:
         job.cancel()
-        job.wait_done()
+        while True:  # bounded: a cancelled job only finishes the chunks it has in flight
+            try:
+                if job.wait_done(PROGRESS_PERIOD):
+                    break
+            except KeyboardInterrupt:
+                continue
         raise
 
 
@@ -141,13 +150,16 @@ def load_entries(
             parts.health.check_open()
             for array in arrays.values():
                 array._state = IN_FLIGHT
+            job = None
             try:
                 job = make_job(parts, opened, plan, upload=True, direct=use_direct, close_file=False)
-            except BaseException:
+                job.start()
+            except BaseException:  # refused: nothing was handed over
+                if job is not None:
+                    job._release(abandon=False)
                 for array in arrays.values():
                     array._state = OWNED
                 raise
-            job.start()
         _finish(parts, job, arrays, name, lambda done, _: progress(done_before + done, total) if progress else None)
         try:
             now = opened.refresh_size()
@@ -345,11 +357,15 @@ def write_pieces(runtime: Runtime, path: Any, head: bytes, sources: Sequence[Sou
                     if problem:
                         raise TransferSubmitError(f"tensor {s.name!r}: {problem}")
             job = make_job(parts, opened, plan, upload=False, direct=False, close_file=False)
+            try:
+                job.start()  # under the lock: the leases below are taken before anyone looks
+            except BaseException:  # refused: nothing was handed over
+                job._release(abandon=False)
+                raise
             for s in sources:
                 if isinstance(s.owner, DeviceArray):
                     s.owner._leases += 1
                     leased.append(s.owner)
-            job.start()
         try:
             _wait(job, plan.nbytes, progress)
         finally:

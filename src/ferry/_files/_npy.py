@@ -9,6 +9,7 @@ bytes go through the file route like one tensor of a checkpoint.
 from __future__ import annotations
 
 import io
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ def load_npy(
     if to is not None and kind is None:
         raise CheckpointError(f"{name!r}: dtype {dtype} has no equivalent in {to}")
     carrier = np.dtype(kind.carrier) if (to is not None and kind is not None) else dtype
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # Python's ints: NumPy's int64 product wraps for a huge shape
     entry = Entry("array", start, nbytes, shape, kind or Kind(str(dtype), dtype.itemsize * 8, dtype.str, dtype.str,
                                                                None, None, None), carrier)
     arrays = load_entries(rt, name, [entry], expect_size=size, direct=direct, progress=None)

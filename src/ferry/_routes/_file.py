@@ -148,6 +148,9 @@ machine with fewer CPUs: those copy; ``O_DIRECT`` reads wait on the disk and alw
 RUN_GAP = 1 << 20
 """Pieces closer than this in the file are read as one run (the gap is read and dropped)."""
 
+MAX_FILE_OFFSET = (1 << 63) - 1
+"""The largest byte offset a file can have (``off_t``): a transfer that would run past it is refused."""
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -271,12 +274,18 @@ class OpenFile:
                 )
             try:
                 fd = int(fileno())
-                mode = os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+                flags = __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
             except (OSError, ValueError) as exc:
                 raise TransferSubmitError(f"the file {self.name!r} is not open: {exc}") from exc
+            mode = os.O_ACCMODE & flags
             if (write and mode == os.O_RDONLY) or (not write and mode == os.O_WRONLY):
                 need = "writing" if write else "reading"
                 raise TransferSubmitError(f"the file {self.name!r} is not open for {need}")
+            if write and flags & getattr(os, "O_APPEND", 0):  # Linux's pwrite appends there, whatever the offset
+                raise TransferSubmitError(
+                    f"the file {self.name!r} is open for appending, where a write ignores its offset: "
+                    "open it with 'r+b' or 'wb', or pass its path"
+                )
             flush = getattr(file, "flush", None)
             if write and flush is not None:
                 with contextlib.suppress(Exception):
@@ -787,14 +796,11 @@ def native_engine(parts: Parts, upload: bool) -> Any:
     return engine if isinstance(engine, NativeEngine) else None
 
 
-FILE_CHUNK_BYTES = 1 << 20
+FILE_CHUNK_BYTES = 4 << 20
 """The compiled lanes' chunk for reads through the page cache (at most a slot; ``O_DIRECT`` reads and writes
-take whole slots). Each byte of such a load crosses host memory up to three times: the page cache's copy
-reads it and writes the slot, the DMA reads the slot. While the lanes' chunks in flight (lanes x slots per
-lane x this) fit in the last-level cache, the slot's lines are written and DMA'd there and never go to
-memory: one crossing, not three. A parallel ``preadv`` into pinned 16 MiB buffers followed by a DMA of each
-reached 0.68x of the reads alone on an H200 machine, about what three crossings against two predict.
-``benchmarks/probe_file_lanes.py`` sweeps it."""
+take whole slots). On an H200 machine (16 CPUs) a warm 1.7 GB checkpoint loaded at 40.6 - 42.7 GB/s with 4 MiB
+chunks against 30.3 - 35.4 GB/s with 1 MiB ones (12 and 16 lanes): fewer, larger reads cost less per byte than
+keeping the slots in the CPU's cache saves. ``benchmarks/probe_file_lanes.py`` sweeps it."""
 
 
 def span_of(pieces: Sequence[Piece]) -> tuple[int, int]:
@@ -903,7 +909,10 @@ class NativeFileJob:
         return 0
 
     def start(self) -> None:
-        """Submit the job to the lanes (emulated: from the ordering stream, once its queued work ran)."""
+        """Submit the job to the lanes (emulated: from the ordering stream, once its queued work ran).
+
+        On CUDA the lanes take the job now: a refusal (a closed engine, no memory for the plan) raises
+        :class:`~ferry.TransferSubmitError` and nothing was handed over (the caller still owns everything)."""
         if not self._index:
             return
         engine = self.engine.engine
@@ -911,15 +920,24 @@ class NativeFileJob:
         fail_chunk, fail_errno = fail if fail is not None else (-1, 0)
         opened = self.opened
 
+        # the lanes' own text of the name (errors say it from Python's): any path, UTF-8 or not, goes through
+        label = opened.name.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\0")
+
+        def hand_over() -> None:
+            inner = engine.submit_file(
+                opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
+                name=label, fail_chunk=fail_chunk, fail_errno=fail_errno,
+            )
+            self._inner = inner
+            if self.cancelled:  # cancel() ran meanwhile and found no job to stop: stop it here
+                inner.cancel()
+
         def submit() -> None:
             try:
                 if self.cancelled:
                     self._error = FileReadError(f"the transfer of {opened.name!r} was cancelled")
                 else:
-                    self._inner = engine.submit_file(
-                        opened.fd, opened.direct_fd, self._chunks, self._dmas, direct=self.direct[0],
-                        name=opened.name, fail_chunk=fail_chunk, fail_errno=fail_errno,
-                    )
+                    hand_over()
             except Exception as exc:  # a closed engine: the job fails, nothing runs
                 self._error = DeviceError(f"the file transfer of {opened.name!r} could not start: {exc}")
             finally:
@@ -927,7 +945,10 @@ class NativeFileJob:
                     self._started.set()
 
         if self.engine.cuda:
-            submit()
+            try:
+                hand_over()
+            except (RuntimeError, ValueError, OverflowError, MemoryError) as exc:
+                raise TransferSubmitError(f"the compiled lanes refused the transfer of {opened.name!r}: {exc}") from exc
             return
         self._started = threading.Event()
         take = getattr(self.backend, "take_armed_fault", None)
@@ -960,7 +981,7 @@ class NativeFileJob:
 
     def cancel(self) -> None:
         """Stop claiming chunks: the job fails (its destinations are incomplete)."""
-        self.cancelled = True
+        self.cancelled = True  # before the look at the job: a submission that hands it over later stops it
         inner = self._inner
         if inner is not None:
             inner.cancel()
@@ -974,8 +995,9 @@ class NativeFileJob:
     @property
     def error(self) -> DeviceError | None:
         """The job's failure (:class:`FileReadError` for the file's side), or ``None``; meaningful once done."""
-        if self._error is None and self._inner is not None:
-            failure = self._inner.error
+        inner = self._inner
+        if self._error is None and inner is not None and inner.done():  # final only once done: a device
+            failure = inner.error  # error met after the file's replaces it until then
             if failure is not None:
                 self._error = self._error_of(failure)
         return self._error
@@ -1072,6 +1094,10 @@ def submit_file(
     opened: OpenFile | None = None
     try:
         nbytes = device._nbytes
+        if offset + nbytes > MAX_FILE_OFFSET:
+            raise TransferSubmitError(
+                f"{call}: {nbytes} bytes at offset {offset} run past the largest file offset ({MAX_FILE_OFFSET})"
+            )
         opened = OpenFile(file, write=not upload, create=not upload)
         if upload and opened.size < offset + nbytes:
             raise TransferSubmitError(
@@ -1107,7 +1133,11 @@ def submit_file(
                 parts.health.note(exc)
                 raise TransferSubmitError(f"{call}: could not order the transfer: {exc}") from exc
             moved, leased = ((device,), ()) if upload else ((), (device,))
-            job.start()  # under the lock: no one sees the device side before its state moves below
+            try:
+                job.start()  # under the lock: no one sees the device side before its state moves below
+            except BaseException:  # refused by the lanes: nothing was handed over
+                job._release(abandon=False)
+                raise
             record = completion.job_record(job, ("file", id(job)), moved, leased, result(file, array), nbytes, None)
             cleanup = release_import(device)
             if cleanup is not None:

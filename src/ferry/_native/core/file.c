@@ -26,7 +26,8 @@
  * (lane_recover: its busy slots are waited for, then abandoned and counted, fresh ones taken), so a failed
  * file job's slots are accounted exactly as a failed staged job's. A driver error is handled as in
  * lanes.c. Invariants: the descriptors belong to the caller, who keeps them open until the job is done;
- * the plan is copied at submission (the caller's buffers are not kept); `moved` counts payload bytes
+ * the plan is copied at submission (the caller's buffers are not kept) and checked there (a download's DMAs
+ * fill each chunk's bytes exactly: the slot's stale bytes never reach the file); `moved` counts payload bytes
  * whose read (or write) finished, for progress only.
  */
 #include "core.h"
@@ -82,14 +83,23 @@ job_t *file_job_plan(const engine_t *eng, int fd, int direct_fd, int direct, con
         if (c->ndma > ndmas - next)
             return file_plan_failed(job, fj, kind, why, PLAN_VALUE, "the chunks name more DMAs than were given");
         fj->first[k] = next;
+        unsigned long long filled = 0; /* a download: the chunk's bytes its DMAs filled so far, in order */
         for (size_t j = next; j < next + c->ndma; j++) {
             const file_dma_t *d = &fj->dmas[j];
             if (!d->n || !d->dev || d->slot_off > c->length || d->n > c->length - d->slot_off ||
                 (eng->upload ? d->slot_off + d->n > c->need : 0))
                 return file_plan_failed(job, fj, kind, why, PLAN_VALUE,
                                         "a DMA must be a non-empty range of its chunk's bytes, to a device address");
+            if (!eng->upload) {
+                if (d->slot_off != filled)
+                    return file_plan_failed(job, fj, kind, why, PLAN_VALUE,
+                                            "a download's DMAs must fill its chunk, in order");
+                filled += d->n;
+            }
             total += (size_t)d->n;
         }
+        if (!eng->upload && filled != c->length) /* else the slot's stale bytes would be written to the file */
+            return file_plan_failed(job, fj, kind, why, PLAN_VALUE, "a download's DMAs must fill its chunk, in order");
         next += c->ndma;
     }
     if (next != ndmas) return file_plan_failed(job, fj, kind, why, PLAN_VALUE, "DMAs left over after the chunks");

@@ -7,7 +7,8 @@
  * (job_chunk: contiguous chunks are byte ranges, strided ones sub-arrays along an axis, in the C-order
  * image the device holds). Invariants: a job is freed when its last reference goes (one for the
  * Python Job object, one per share: job_decref); its first error is kept under its mutex and
- * published by a release store of `failed` (job_fail); `done` is set once, under the mutex, with a
+ * published by a release store of `failed` (job_fail; a device error replaces a file job's host-side
+ * error met first, never the reverse); `done` is set once, under the mutex, with a
  * broadcast, by the lane that brings `remaining` to zero (job_complete).
  */
 #include "core.h"
@@ -26,7 +27,10 @@ void job_decref(job_t *job) {
 
 void job_fail(job_t *job, const err_t *e) {
     pthread_mutex_lock(&job->mu);
-    if (!atomic_load_explicit(&job->failed, memory_order_relaxed)) {
+    /* a device error outranks a file job's host-side one (file.c) met first: the device may still touch
+     * what its DMA did, so the job must say the device failed */
+    if (!atomic_load_explicit(&job->failed, memory_order_relaxed) ||
+        (job->err.code == FILE_ERROR_CODE && e->code != FILE_ERROR_CODE)) {
         job->err = *e;
         atomic_store_explicit(&job->failed, 1, memory_order_release);
     }
