@@ -521,6 +521,30 @@ def test_a_sticky_error_makes_every_later_call_raise_clearly(emu: ferry.Runtime)
         emu.pinned(64)
 
 
+def test_transfers_in_flight_when_the_device_is_poisoned_fail_and_close_returns(emu: ferry.Runtime) -> None:
+    first, second, third = (np.full(16 * MiB, k, np.uint8) for k in (1, 2, 3))
+    dests = [emu.empty(16 * MiB, np.uint8) for _ in range(3)]
+    with testing.hold(emu, "upload"):  # all three queued before the first copy fails and poisons the device
+        testing.fail_next_copy(emu, sticky=True)
+        doomed = emu.upload(first, dests[0])
+        behind = [emu.upload(second, dests[1]), emu.upload(third, dests[2])]
+    with pytest.raises(ferry.TransferFailedError):
+        doomed.wait()
+    # what the poisoned device had not completed fails with its error at is_ready() and wait(), and
+    # leaves flight: nothing is stranded "in flight" for close() to wait on forever
+    with pytest.raises(ferry.TransferFailedError, match=r"sticky|poisoned"):
+        behind[0].is_ready()
+    with pytest.raises(ferry.TransferFailedError, match=r"sticky|poisoned"):
+        behind[0].wait()
+    with pytest.raises(ferry.TransferFailedError, match=r"sticky|poisoned"):
+        behind[1].wait()
+    stats = emu.stats()
+    assert stats.in_flight == 0 and stats.failed == 3
+    started = time.monotonic()
+    emu.close(timeout=5)  # returns: it raised TimeoutError at once, saying it had waited 5 s
+    assert time.monotonic() - started < 5
+
+
 # -- pool -----------------------------------------------------------------------------------------------
 
 

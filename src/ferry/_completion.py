@@ -477,7 +477,13 @@ class Completion:
                 raise failed_error(record)
             if record.done:
                 return True
-            self.health.check_open()
+            health = self.health
+            if health.poisoned is not None and not (health.forked or health.exited or health.closed):
+                self._prove_or_fail(record)
+                if record.error is not None:
+                    raise failed_error(record)
+                return True
+            health.check_open()
             try:
                 ready = self.query(record)
             except DeviceError as exc:
@@ -501,7 +507,10 @@ class Completion:
             shared = record.shared
             if shared is not None and shared.done:
                 record.done = True  # a batch-mate proved the shared event (anyone asleep: the watcher wakes)
-            if not record.done and record.error is None and self.health.refusal is None:
+            if not record.done and record.error is None and self.health.refusal is not None:
+                if not self.health.device_usable:
+                    self.ready(record, 0)  # a poisoned device: proven now, or failed with its error
+            elif not record.done and record.error is None:
                 event = record.event
                 extra = record.extra
                 if (
@@ -609,7 +618,10 @@ class Completion:
         health = self.health
         if health.refusal is not None and not health.device_usable:
             # a poisoned device answers at once; a forked child or an exited runtime is never asked
-            return True if health.forked or health.exited else self.prove(record)
+            if not (health.forked or health.exited):
+                with self.lock:
+                    self._prove_or_fail(record)
+            return True
         if timeout is not None and math.isnan(timeout):
             raise ValueError("timeout must be a number of seconds (or None), not NaN")
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
@@ -775,6 +787,14 @@ class Completion:
         """Ask, without blocking, whether the record is resolved (done or failed); record which."""
         with self.lock:
             return self._prove_locked(record)
+
+    def _prove_or_fail(self, record: Record) -> None:
+        """On a poisoned device, which completes nothing more: prove the record now, or fail it with the
+        device's error (its buffers abandoned, so that a lane still touching them touches memory kept
+        forever). Lock held."""
+        poisoned = self.health.poisoned
+        if not self._prove_locked(record) and poisoned is not None:
+            self.fail(record, poisoned)
 
     def _prove_locked(self, record: Record) -> bool:
         if record.done or record.error is not None:

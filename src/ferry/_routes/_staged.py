@@ -350,6 +350,7 @@ class Lane:
         backend = engine.backend
         self.stream = backend.stream_create()
         self.slots = [self._new_slot() for _ in range(engine.config.slots_per_lane)]
+        self.gone: DeviceError | None = None  # why the lane could not replace abandoned slots
         self.jobs: queue.SimpleQueue[tuple[StagedJob, list[Chunk]] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(
             target=self._run, name=f"ferry-{engine.direction}-lane-{index}", daemon=True
@@ -369,6 +370,9 @@ class Lane:
             job, chunks = item
             copied, error = 0, None
             try:
+                if not self.slots:  # the device refused new slots after a failure: every later job fails
+                    gone = self.gone
+                    raise gone.fresh() if gone is not None else DeviceError("the staging lane has no slots")
                 copied = self._upload(job, chunks) if self.engine.direction == "upload" else self._download(job, chunks)
             except DeviceError as exc:
                 error = exc
@@ -442,8 +446,9 @@ class Lane:
         try:
             self.slots = [self._new_slot() for _ in range(engine.config.slots_per_lane)]
             engine.count(held=sum(s.block.capacity for s in self.slots))
-        except DeviceError:
-            self.slots = []  # the device is gone; later jobs fail at once
+        except DeviceError as exc:
+            self.slots = []  # the device is gone; later jobs fail at once, with its error
+            self.gone = exc
 
     def stop(self) -> None:
         self.jobs.put(None)
