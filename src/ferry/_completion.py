@@ -1004,8 +1004,8 @@ class Completion:
             extra = record.extra
             if extra is not None and extra.job is not None and extra.order_after is None:
                 raise FerryError(
-                    "this staged upload cannot be handed off: the pure-Python staging engine does not "
-                    "hand off (the native engine does); wait() for it"
+                    "this upload cannot be handed off before it completes (file transfers, and staged "
+                    "uploads on the pure-Python staging engine, are not); wait() for it"
                 )
             destination = record.result[1]
             if not record.done and extra is not None and extra.job is not None and extra.export_stream is not None:
