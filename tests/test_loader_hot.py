@@ -16,7 +16,7 @@ import ferry
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
-from ferry._routes._groups import submit_pinned
+from ferry._loader._upload import upload_slot
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -125,7 +125,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
     nothing of it stays in flight and the loader still closes clean."""
     calls = []
-    original = submit_pinned
+    original = upload_slot
 
     def refuse_third(*args: Any) -> Any:
         calls.append(threading.get_ident())
@@ -133,7 +133,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
             raise TransferSubmitError("refused for the test")
         return original(*args)
 
-    monkeypatch.setattr(_dataloader, "submit_pinned", refuse_third)
+    monkeypatch.setattr(_dataloader, "upload_slot", refuse_third)
     got = []
     with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
             pytest.raises(ferry.PrefetchError) as info:
@@ -187,3 +187,31 @@ def test_device_memory_stays_with_the_batches_alive(rt: ferry.Runtime, leaks: _B
     # depth + 1 uploading ahead, the one just yielded, and those dropped whose frees wait for the device
     # (the copies of 8 x 2 slots in the ring are far more)
     assert peak <= 8 * batch, peak // batch
+
+
+def test_a_slot_copy_the_device_refuses_fails_its_batch_and_closes_its_arrays(
+        rt: ferry.Runtime, leaks: _Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device refusing a slot batch's copy (nothing enqueued) fails that batch at its index; the device
+    arrays made for it are closed (the leak baseline: no device memory kept), the others are right."""
+    from ferry._backends._base import DeviceError
+
+    backend = testing.backend_of(rt)
+    original = backend.copy_batch
+    calls = []
+
+    def refuse_third(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise DeviceError("refused for the test")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "copy_batch", refuse_third)
+    got = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
+            pytest.raises(ferry.PrefetchError) as info:
+        for x, y in loader:
+            got.append((int(_host(rt, x)[0, 0]), _host(rt, y).tolist()))
+    assert len(calls) >= 3
+    assert info.value.index == 3
+    assert isinstance(info.value.__cause__, TransferSubmitError)
+    assert got == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9, 10, 11])]

@@ -48,13 +48,13 @@ from .._errors import FerryError, RuntimeClosedError, TransferFailedError
 from .._interop._dlpack import export_capsule
 from .._memory._ring import PAGE, Ring, round_up
 from .._prefetch import _TOKEN, Prefetcher, _Flight
-from .._routes._groups import empty_many, submit_pinned
+from .._routes._base import array_ptr
 from .._routes._groups import hand_off as hand_group
 from .._runtime import Runtime, parts_of
-from .._state import OWNED
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
+from ._upload import SlotLayout, upload_slot
 from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -437,16 +437,9 @@ class _LoaderPrefetcher(Prefetcher):
             flight = super()._submit(index, batch)
             self._engine.submitted(list(flight.handles))
             return flight
-        rt = self._rt
-        leaves = batch.leaves
-        devices: list[DeviceArray] = []
         try:
-            devices = empty_many(rt, batch.specs)
-            handle = submit_pinned(rt, True, leaves, devices, leaves)
-        except BaseException as exc:
-            for device in devices:  # made for this batch, never handed out
-                if device._state is OWNED:
-                    device.close()
+            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span)[0]
+        except BaseException as exc:  # nothing of it enqueued, its arrays closed
             self._engine.submitted([])  # nothing reads the slot
             if isinstance(exc, RuntimeClosedError) or not isinstance(
                     exc, (FerryError, MemoryError, TypeError, ValueError)):
@@ -511,35 +504,49 @@ class _SlotFlight(_Flight):
 
 
 class _SlotBatch:
-    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views, in
-    the order of the batch's structure, and what puts the structure together around device leaves."""
+    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views (in
+    the order of the batch's structure), their addresses and the slot's span, the layout's upload plan,
+    and what puts the structure together around device leaves."""
 
-    __slots__ = ("build", "leaves", "specs")
+    __slots__ = ("build", "layout", "leaves", "ptrs", "span")
 
-    def __init__(self, leaves: list[np.ndarray[Any, Any]], plan: _Plan) -> None:
-        self.leaves = leaves
+    def __init__(self, views: _SlotViews, plan: _Plan) -> None:
+        self.leaves = views.leaves
+        self.ptrs = views.ptrs
+        self.span = views.span
         self.build = plan.build
-        self.specs = plan.shapes
+        self.layout = plan.layout
+
+
+class _SlotViews:
+    """One slot's views for one layout, their addresses and the slot's span (made once, kept)."""
+
+    __slots__ = ("leaves", "ptrs", "span")
+
+    def __init__(self, ring: Ring, slot: int, specs: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:
+        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in specs]  # type: ignore[arg-type]
+        self.ptrs = [array_ptr(leaf) for leaf in self.leaves]
+        self.span = ring.span(slot)
 
 
 class _Plan:
     """A worker's batch layout, decoded once: the skeleton's builder, each leaf's dtype, shape and
-    offset, and the views of each slot it was used with (kept: the same views serve every batch of
-    this layout in that slot)."""
+    offset, the upload's layout on the device, and the views of each slot it was used with (kept: the
+    same views serve every batch of this layout in that slot)."""
 
-    __slots__ = ("build", "shapes", "specs", "views")
+    __slots__ = ("build", "layout", "specs", "views")
 
     def __init__(self, plan: tuple[Any, Any]) -> None:
         skeleton, layout = plan
         self.specs = [(np.dtype(dtype), tuple(shape), int(offset)) for dtype, shape, offset in layout]
-        self.shapes = [(shape, dtype) for dtype, shape, _ in self.specs]  # what the device arrays are made of
+        self.layout = SlotLayout([(shape, dtype) for dtype, shape, _ in self.specs])  # the device arrays
         self.build: Callable[[list[Any]], Any] = _builder(skeleton)
-        self.views: dict[int, list[np.ndarray[Any, Any]]] = {}
+        self.views: dict[int, _SlotViews] = {}
 
-    def leaves(self, ring: Ring, slot: int) -> list[np.ndarray[Any, Any]]:
+    def slot(self, ring: Ring, slot: int) -> _SlotViews:
         views = self.views.get(slot)
         if views is None:
-            views = self.views[slot] = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in self.specs]
+            views = self.views[slot] = _SlotViews(ring, slot, self.specs)
         return views
 
 
@@ -827,12 +834,12 @@ class _Engine:
             slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            leaves = plan.leaves(ring, slot)
+            views = plan.slot(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            if not leaves or not all(leaf.nbytes for leaf in leaves):  # nothing to copy for some: leaf by leaf
-                return build_plan(plan, leaves)
-            return _SlotBatch(leaves, plan)
+            if not views.leaves or not all(plan.layout.sizes):  # nothing to copy for some: leaf by leaf
+                return build_plan(plan, views.leaves)
+            return _SlotBatch(views, plan)
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
