@@ -215,3 +215,25 @@ def test_a_slot_copy_the_device_refuses_fails_its_batch_and_closes_its_arrays(
     assert info.value.index == 3
     assert isinstance(info.value.__cause__, TransferSubmitError)
     assert got == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9, 10, 11])]
+
+
+def test_a_slot_batch_handed_to_a_stream_is_freed_after_that_stream_s_work(rt: ferry.Runtime,
+                                                                            leaks: _Baseline) -> None:
+    """Every leaf of a slot batch handed to the consumer's stream is owned at once, and the device memory
+    they share notes that stream: its free waits for the consumer's work on any of the leaves."""
+    consumer = testing.side_stream(rt)
+    seen = 0
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, stream=consumer) as loader:
+        for k, (x, y) in enumerate(loader):
+            assert x.state == "owned" and y.state == "owned"
+            assert _host(rt, y).tolist() == list(range(4 * k, 4 * k + 4))
+            if k == 0:
+                continue  # the first batch came back as arrays (the ring is sized from it)
+            slab = y._memory
+            assert slab is x._memory  # one allocation for the batch
+            users = slab.memory.users[slab._ptr]
+            assert consumer in users.streams
+            seen += 1
+    backend = testing.backend_of(rt)
+    backend.stream_synchronize(backend.stream_from_handle(consumer))
+    assert seen == 7

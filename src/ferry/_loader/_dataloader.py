@@ -49,12 +49,11 @@ from .._interop._dlpack import export_capsule
 from .._memory._ring import PAGE, Ring, round_up
 from .._prefetch import _TOKEN, Prefetcher, _Flight
 from .._routes._base import array_ptr
-from .._routes._groups import hand_off as hand_group
 from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import SlotLayout, upload_slot
+from ._upload import SlotLayout, hand_off_slot, upload_slot
 from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -466,7 +465,7 @@ class _LoaderPrefetcher(Prefetcher):
             return super()._hand_off(flight, stream)
         handle = flight.handles[0]
         try:
-            return [hand_group(self._completion, handle, stream)], []
+            return [hand_off_slot(self._completion, handle, stream)], []
         except (TransferFailedError, RuntimeClosedError):
             raise
         except FerryError:  # the engine cannot hand this copy off: the host waits for it instead

@@ -30,7 +30,7 @@ from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
 from .._routes._direct import _raise_queued
 from .._routes._groups import SMALL_BYTES, _check_open, _enqueue
-from .._state import OWNED
+from .._state import IN_FLIGHT, OWNED
 
 __all__: list[str] = []
 
@@ -110,3 +110,36 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
                     device.close()
             raise
     return handle, devices
+
+
+def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
+    """Hand a slot batch's destinations to ``stream``: each is owned again, ordered after the copies.
+
+    As the group route's hand-off, for destinations that are views of one slab: ``stream`` waits for the
+    group's event on the device, every view still in flight becomes owned (its ``ready`` the group's
+    record, forgotten when the record settles, abandoned if the copy failed), and the slab notes
+    ``stream`` once (its free waits for the consumer's work on every view).
+    """
+    devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
+    with completion.lock:
+        record = handle._record
+        moved = record.moved
+        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in moved)]
+        if handed:
+            for device in handed:
+                device._state = OWNED
+                device._ready = record
+            record.moved = tuple(o for o in moved if all(o is not d for d in handed))
+
+            def forget(failed: bool) -> None:
+                for device in handed:
+                    if device._ready is record:
+                        device._ready = None
+                    if failed:  # its bytes never arrived, or partly
+                        completion.abandon(device)
+
+            completion.extras(record).cleanups.append(forget)
+        if stream is not None and devices:
+            first = devices[0]
+            first._memory.note_stream(first._ptr, stream)  # the slab's: every view's free waits for it
+    return devices
