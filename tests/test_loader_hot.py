@@ -17,6 +17,7 @@ from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
 from ferry._loader._upload import upload_slot
+from ferry._runtime import parts_of
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -237,3 +238,44 @@ def test_a_slot_batch_handed_to_a_stream_is_freed_after_that_stream_s_work(rt: f
     backend = testing.backend_of(rt)
     backend.stream_synchronize(backend.stream_from_handle(consumer))
     assert seen == 7
+
+
+def test_dropped_batches_lend_their_device_memory_to_the_next_ones(rt: ferry.Runtime, leaks: _Baseline,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the consumer dropped a slot batch its device memory serves a later batch: over two epochs of
+    8 batches each, the allocations stay bounded by the batches alive at once, and every batch is right."""
+    memory = parts_of(rt).memory
+    original = memory.alloc
+    sizes: list[int] = []
+
+    def counted(nbytes: int) -> int:
+        sizes.append(nbytes)
+        return original(nbytes)
+
+    monkeypatch.setattr(memory, "alloc", counted)
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, persistent_workers=True,
+                          depth=2) as loader:
+        for _ in range(2):
+            for k, (x, y) in enumerate(loader):
+                assert _host(rt, x)[:, 0].tolist() == list(range(4 * k, 4 * k + 4))
+                assert _host(rt, y).tolist() == list(range(4 * k, 4 * k + 4))
+                del x, y
+    slab_allocations = [n for n in sizes if n >= 4 * 1024]  # the slot batches' slabs (4 KiB of float32 and more)
+    assert 1 <= len(slab_allocations) <= 6, slab_allocations  # depth + 1 alive, a spare: not one per batch (15)
+
+
+def test_reused_device_memory_is_copied_into_only_after_the_consumer_s_work_on_it(
+        rt: ferry.Runtime, leaks: _Baseline) -> None:
+    """The consumer's stream still writes into a batch it dropped (slowly): the later batch that reuses its
+    memory is copied in after that work, on the device, so it holds its own values."""
+    consumer = testing.side_stream(rt)
+    got = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, stream=consumer, depth=1) as loader:
+        for x, y in loader:
+            got.append(_host(rt, y).tolist() + _host(rt, x)[:, 0].tolist())
+            testing.produce(rt, consumer, x._ptr, x.nbytes, 0xFF, delay=0.02)  # the consumer's late write
+            testing.produce(rt, consumer, y._ptr, y.nbytes, 0xFF, delay=0.0)
+            del x, y
+    backend = testing.backend_of(rt)
+    backend.stream_synchronize(backend.stream_from_handle(consumer))
+    assert got == [list(range(4 * k, 4 * k + 4)) * 2 for k in range(8)]

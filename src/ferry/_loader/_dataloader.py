@@ -53,7 +53,7 @@ from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import SlotLayout, hand_off_slot, upload_slot
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_slot
 from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -437,7 +437,8 @@ class _LoaderPrefetcher(Prefetcher):
             self._engine.submitted(list(flight.handles))
             return flight
         try:
-            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span)[0]
+            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span,
+                                 self._engine.device_ring)[0]
         except BaseException as exc:  # nothing of it enqueued, its arrays closed
             self._engine.submitted([])  # nothing reads the slot
             if isinstance(exc, RuntimeClosedError) or not isinstance(
@@ -654,6 +655,7 @@ class _Engine:
         depth = loader._prefetch_args[0]
         self.slots = max(1, self.workers) * loader.prefetch_factor + depth + 2
         self.ring: Ring | None = Ring(runtime)
+        self.device_ring = DeviceRing()  # the device memory of dropped slot batches, lent to the next ones
         self.table = SlotTable(self.slots)
         self.inflight: deque[tuple[int, list[Any]]] = deque()  # (slot, handles), oldest first
         self.lost: set[int] = set()  # slots whose copy failed: the device may still read them
@@ -1098,6 +1100,11 @@ class _Engine:
         self.inflight.clear()
         self.awaiting.clear()
         self._plans.clear()  # their views of the ring: the mapping is closed below
+        if not self.rt.closed:  # (a closed runtime freed what the device ring kept)
+            parts = parts_of(self.rt)
+            with contextlib.suppress(Exception):
+                self.device_ring.close(parts.memory, parts.lock)
+        self.device_ring.closed = True
         ring, self.ring = self.ring, None
         if ring is not None:
             # a failed copy keeps the ring's registration in use for good (the device may still read its
