@@ -279,3 +279,18 @@ def test_reused_device_memory_is_copied_into_only_after_the_consumer_s_work_on_i
     backend = testing.backend_of(rt)
     backend.stream_synchronize(backend.stream_from_handle(consumer))
     assert got == [list(range(4 * k, 4 * k + 4)) * 2 for k in range(8)]
+
+
+def test_a_runtime_closed_under_a_loader_frees_the_device_memory_it_kept() -> None:
+    """Batches dropped (their memory kept for reuse), then the runtime closed before the loader: the
+    runtime's close frees that memory, and closing the loader afterwards is clean."""
+    rt = ferry.Runtime("emulated")
+    loader = ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, persistent_workers=True)
+    seen = [_host(rt, y).tolist() for _, y in loader]
+    assert seen == [list(range(4 * k, 4 * k + 4)) for k in range(8)]
+    engine = loader._engine
+    assert engine is not None and engine.device_ring.nbytes > 0  # dropped batches' memory, kept
+    rt.close()
+    assert rt.stats().device_bytes == 0
+    loader.close()
+    assert engine.device_ring.nbytes == 0
