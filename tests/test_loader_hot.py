@@ -294,3 +294,27 @@ def test_a_runtime_closed_under_a_loader_frees_the_device_memory_it_kept() -> No
     assert rt.stats().device_bytes == 0
     loader.close()
     assert engine.device_ring.nbytes == 0
+
+
+def test_the_main_process_s_pipe_framing_is_multiprocessing_s() -> None:
+    """What the main process writes to a worker reads back with ``Connection.recv_bytes``, and what a worker
+    sends (small, or large enough to be written in several pieces) reads back whole, in order; a closed pipe
+    is EOFError."""
+    import multiprocessing
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    payloads = [b"", b"task", bytes(range(256)) * 3]
+    for payload in payloads:
+        _dataloader._send(writer.fileno(), payload)
+    assert [reader.recv_bytes() for _ in payloads] == payloads
+
+    big = np.arange(300_000, dtype=np.uint8).tobytes()  # over a pipe's buffer: read while it is written
+    sender = threading.Thread(target=lambda: [writer.send_bytes(p) for p in (b"x", big, b"")])
+    sender.start()
+    got = [_dataloader._receive_from(reader.fileno()) for _ in range(3)]
+    sender.join()
+    assert got == [b"x", big, b""]
+    writer.close()
+    with pytest.raises(EOFError):
+        _dataloader._receive_from(reader.fileno())
+    reader.close()

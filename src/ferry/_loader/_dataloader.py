@@ -34,6 +34,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import time
 import weakref
@@ -886,8 +887,8 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                self.tasks[worker].send_bytes(
-                    encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
+                _send(self.tasks[worker].fileno(),
+                      encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -920,7 +921,7 @@ class _Engine:
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = pickle.loads(self.results[worker].recv_bytes())
+                message: Any = pickle.loads(_receive_from(fd))
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
@@ -1110,6 +1111,40 @@ class _Engine:
             # a failed copy keeps the ring's registration in use for good (the device may still read its
             # slot): no point waiting for it; the runtime's close unpins it
             ring.release(timeout=0.0 if self.lost else 10.0)
+
+
+_HEADER = struct.Struct("!i")  # multiprocessing.Connection's framing: the length, then the bytes
+_LONG = struct.Struct("!Q")  # after a length of -1: a 64-bit length
+
+
+def _send(fd: int, payload: bytes) -> None:
+    """One message to a worker's ``Connection.recv_bytes``, in one write (a task is small)."""
+    data = memoryview(_HEADER.pack(len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read(fd: int, n: int) -> bytes:
+    data = os.read(fd, n)
+    if len(data) == n:
+        return data
+    parts = [data]
+    left = n - len(data)
+    while left:
+        if not data:
+            raise EOFError("the worker's pipe closed")
+        data = os.read(fd, left)
+        parts.append(data)
+        left -= len(data)
+    return b"".join(parts)
+
+
+def _receive_from(fd: int) -> bytes:
+    """One message a worker sent with ``Connection.send_bytes`` or ``send`` (blocks until it is whole)."""
+    (n,) = _HEADER.unpack(_read(fd, 4))
+    if n == -1:
+        (n,) = _LONG.unpack(_read(fd, 8))
+    return _read(fd, n)
 
 
 def _take(stream: Iterator[Any], n: int) -> Iterator[Any]:
