@@ -11,8 +11,9 @@ before" when the batch's layout repeats (``_worker.py``). The main process
 decodes each worker's layout once and keeps the NumPy views of each slot it
 used (no copy, no page fault: the memory is resident and pinned); it feeds
 them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
-(one DMA per leaf, one event), hands it to the consumer's stream and converts
-it as ``to=`` asks. A slot is given back to the workers once its copies are
+(one DMA per leaf, one event; ``_upload.py``: into device memory a dropped
+batch of the same size left, when there is some), hands it to the consumer's
+stream and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
 complete. Every wait of the main process sleeps (the workers' pipes, the
 blocking-sync events of its backpressure): it also launches the consumer's
 kernels.
@@ -182,7 +183,12 @@ class DataLoader:
     no page in and copies no byte on the host: it issues one DMA per array
     from the slot, hands the batch to the consumer's stream (which waits for
     the copies on the device) and gives the slot back once the copies are
-    complete. The ring's pinned memory (:attr:`ring_bytes`) is sized once,
+    complete. The device memory of a batch whose arrays the consumer all
+    dropped is reused for a later batch of the same size, copied into only
+    after the work of every stream those arrays were handed to (memory whose
+    address was exported with no stream known is freed instead); what is kept
+    counts as the runtime's device memory and is freed when the workers stop.
+    The ring's pinned memory (:attr:`ring_bytes`) is sized once,
     from the first batch, and never grows; a batch too large for a slot is
     uploaded from the worker's own arrays instead (slower, never a failure;
     counted in :attr:`fallback_batches`).
