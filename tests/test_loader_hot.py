@@ -318,3 +318,73 @@ def test_the_main_process_s_pipe_framing_is_multiprocessing_s() -> None:
     with pytest.raises(EOFError):
         _dataloader._receive_from(reader.fileno())
     reader.close()
+
+
+class Images:
+    """Sample i: a 3x8x8 float32 image holding i, and the int i."""
+
+    def __len__(self) -> int:
+        return 64 * 12
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full((3, 8, 8), i, np.float32), i
+
+
+def test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batches_were_dropped(
+        tmp_path: Any) -> None:
+    """The CUDA backend (a stand-in libcuda that copies inside each call): after the first batches, a slot
+    batch allocates and frees no device memory, and every batch holds its own values."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from ferry import _native
+
+    source = Path(__file__).resolve().parent.parent / "benchmarks" / "fake_cuda.c"
+    if shutil.which("gcc") is None or not source.exists() or _native.load() is None:
+        pytest.skip("needs gcc, benchmarks/fake_cuda.c and the compiled extension")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(source), "-ldl"],
+                   check=True)
+    code = textwrap.dedent("""
+        import collections
+        import json
+        import numpy as np
+        import ferry
+        from ferry import testing
+        from test_loader_hot import Images
+
+        rt = ferry.Runtime("cuda")
+        assert rt.info()["backend"] == "cuda"
+        backend = testing.backend_of(rt)
+        calls = collections.Counter()
+        for name in ("mem_alloc", "mem_free", "mem_pool_alloc", "mem_free_async"):
+            original = getattr(backend, name)
+            def counted(*args, _name=name, _original=original):
+                calls[_name] += 1
+                return _original(*args)
+            setattr(backend, name, counted)
+        consumer = testing.side_stream(rt)
+        loader = ferry.DataLoader(Images(), batch_size=64, num_workers=2, runtime=rt, stream=consumer,
+                                  persistent_workers=True)
+        for epoch in range(2):
+            if epoch == 1:
+                calls.clear()
+            for k, (x, y) in enumerate(loader):
+                assert rt.to_host(y).tolist() == list(range(64 * k, 64 * k + 64))
+                assert (rt.to_host(x)[:, 0, 0, 0] == np.arange(64 * k, 64 * k + 64)).all()
+                del x, y
+        print(json.dumps(dict(calls)))
+        loader.close()
+        rt.close()
+    """)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), *sys.path]))
+    env.pop("FERRY_NATIVE", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sum(calls.values()) <= 2, calls  # the second epoch's 12 batches: no allocation or free per batch
