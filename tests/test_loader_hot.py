@@ -16,7 +16,8 @@ import ferry
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
-from ferry._routes._groups import submit_pinned
+from ferry._loader._upload import upload_slot
+from ferry._runtime import parts_of
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -125,7 +126,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
     nothing of it stays in flight and the loader still closes clean."""
     calls = []
-    original = submit_pinned
+    original = upload_slot
 
     def refuse_third(*args: Any) -> Any:
         calls.append(threading.get_ident())
@@ -133,7 +134,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
             raise TransferSubmitError("refused for the test")
         return original(*args)
 
-    monkeypatch.setattr(_dataloader, "submit_pinned", refuse_third)
+    monkeypatch.setattr(_dataloader, "upload_slot", refuse_third)
     got = []
     with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
             pytest.raises(ferry.PrefetchError) as info:
@@ -187,3 +188,203 @@ def test_device_memory_stays_with_the_batches_alive(rt: ferry.Runtime, leaks: _B
     # depth + 1 uploading ahead, the one just yielded, and those dropped whose frees wait for the device
     # (the copies of 8 x 2 slots in the ring are far more)
     assert peak <= 8 * batch, peak // batch
+
+
+def test_a_slot_copy_the_device_refuses_fails_its_batch_and_closes_its_arrays(
+        rt: ferry.Runtime, leaks: _Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device refusing a slot batch's copy (nothing enqueued) fails that batch at its index; the device
+    arrays made for it are closed (the leak baseline: no device memory kept), the others are right."""
+    from ferry._backends._base import DeviceError
+
+    backend = testing.backend_of(rt)
+    original = backend.copy_batch
+    calls = []
+
+    def refuse_third(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise DeviceError("refused for the test")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "copy_batch", refuse_third)
+    got = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
+            pytest.raises(ferry.PrefetchError) as info:
+        for x, y in loader:
+            got.append((int(_host(rt, x)[0, 0]), _host(rt, y).tolist()))
+    assert len(calls) >= 3
+    assert info.value.index == 3
+    assert isinstance(info.value.__cause__, TransferSubmitError)
+    assert got == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9, 10, 11])]
+
+
+def test_a_slot_batch_handed_to_a_stream_is_freed_after_that_stream_s_work(rt: ferry.Runtime,
+                                                                            leaks: _Baseline) -> None:
+    """Every leaf of a slot batch handed to the consumer's stream is owned at once, and the device memory
+    they share notes that stream: its free waits for the consumer's work on any of the leaves."""
+    consumer = testing.side_stream(rt)
+    seen = 0
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, stream=consumer) as loader:
+        for k, (x, y) in enumerate(loader):
+            assert x.state == "owned" and y.state == "owned"
+            assert _host(rt, y).tolist() == list(range(4 * k, 4 * k + 4))
+            if k == 0:
+                continue  # the first batch came back as arrays (the ring is sized from it)
+            slab = y._memory
+            assert slab is x._memory  # one allocation for the batch
+            users = slab.memory.users[slab._ptr]
+            assert consumer in users.streams
+            seen += 1
+    backend = testing.backend_of(rt)
+    backend.stream_synchronize(backend.stream_from_handle(consumer))
+    assert seen == 7
+
+
+def test_dropped_batches_lend_their_device_memory_to_the_next_ones(rt: ferry.Runtime, leaks: _Baseline,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the consumer dropped a slot batch its device memory serves a later batch: over two epochs of
+    8 batches each, the allocations stay bounded by the batches alive at once, and every batch is right."""
+    memory = parts_of(rt).memory
+    original = memory.alloc
+    sizes: list[int] = []
+
+    def counted(nbytes: int) -> int:
+        sizes.append(nbytes)
+        return original(nbytes)
+
+    monkeypatch.setattr(memory, "alloc", counted)
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, persistent_workers=True,
+                          depth=2) as loader:
+        for _ in range(2):
+            for k, (x, y) in enumerate(loader):
+                assert _host(rt, x)[:, 0].tolist() == list(range(4 * k, 4 * k + 4))
+                assert _host(rt, y).tolist() == list(range(4 * k, 4 * k + 4))
+                del x, y
+    slab_allocations = [n for n in sizes if n >= 4 * 1024]  # the slot batches' slabs (4 KiB of float32 and more)
+    assert 1 <= len(slab_allocations) <= 6, slab_allocations  # depth + 1 alive, a spare: not one per batch (15)
+
+
+def test_reused_device_memory_is_copied_into_only_after_the_consumer_s_work_on_it(
+        rt: ferry.Runtime, leaks: _Baseline) -> None:
+    """The consumer's stream still writes into a batch it dropped (slowly): the later batch that reuses its
+    memory is copied in after that work, on the device, so it holds its own values."""
+    consumer = testing.side_stream(rt)
+    got = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, stream=consumer, depth=1) as loader:
+        for x, y in loader:
+            got.append(_host(rt, y).tolist() + _host(rt, x)[:, 0].tolist())
+            testing.produce(rt, consumer, x._ptr, x.nbytes, 0xFF, delay=0.02)  # the consumer's late write
+            testing.produce(rt, consumer, y._ptr, y.nbytes, 0xFF, delay=0.0)
+            del x, y
+    backend = testing.backend_of(rt)
+    backend.stream_synchronize(backend.stream_from_handle(consumer))
+    assert got == [list(range(4 * k, 4 * k + 4)) * 2 for k in range(8)]
+
+
+def test_a_runtime_closed_under_a_loader_frees_the_device_memory_it_kept() -> None:
+    """Batches dropped (their memory kept for reuse), then the runtime closed before the loader: the
+    runtime's close frees that memory, and closing the loader afterwards is clean."""
+    rt = ferry.Runtime("emulated")
+    loader = ferry.DataLoader(Pairs(), batch_size=4, num_workers=1, runtime=rt, persistent_workers=True)
+    seen = [_host(rt, y).tolist() for _, y in loader]
+    assert seen == [list(range(4 * k, 4 * k + 4)) for k in range(8)]
+    engine = loader._engine
+    assert engine is not None and engine.device_ring.nbytes > 0  # dropped batches' memory, kept
+    rt.close()
+    assert rt.stats().device_bytes == 0
+    loader.close()
+    assert engine.device_ring.nbytes == 0
+
+
+def test_the_main_process_s_pipe_framing_is_multiprocessing_s() -> None:
+    """What the main process writes to a worker reads back with ``Connection.recv_bytes``, and what a worker
+    sends (small, or large enough to be written in several pieces) reads back whole, in order; a closed pipe
+    is EOFError."""
+    import multiprocessing
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    payloads = [b"", b"task", bytes(range(256)) * 3]
+    for payload in payloads:
+        _dataloader._send(writer.fileno(), payload)
+    assert [reader.recv_bytes() for _ in payloads] == payloads
+
+    big = np.arange(300_000, dtype=np.uint8).tobytes()  # over a pipe's buffer: read while it is written
+    sender = threading.Thread(target=lambda: [writer.send_bytes(p) for p in (b"x", big, b"")])
+    sender.start()
+    got = [_dataloader._receive_from(reader.fileno()) for _ in range(3)]
+    sender.join()
+    assert got == [b"x", big, b""]
+    writer.close()
+    with pytest.raises(EOFError):
+        _dataloader._receive_from(reader.fileno())
+    reader.close()
+
+
+class Images:
+    """Sample i: a 3x8x8 float32 image holding i, and the int i."""
+
+    def __len__(self) -> int:
+        return 64 * 12
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full((3, 8, 8), i, np.float32), i
+
+
+def test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batches_were_dropped(
+        tmp_path: Any) -> None:
+    """The CUDA backend (a stand-in libcuda that copies inside each call): after the first batches, a slot
+    batch allocates and frees no device memory, and every batch holds its own values."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from ferry import _native
+
+    source = Path(__file__).resolve().parent.parent / "benchmarks" / "fake_cuda.c"
+    if shutil.which("gcc") is None or not source.exists() or _native.load() is None:
+        pytest.skip("needs gcc, benchmarks/fake_cuda.c and the compiled extension")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(source), "-ldl"],
+                   check=True)
+    code = textwrap.dedent("""
+        import collections
+        import json
+        import numpy as np
+        import ferry
+        from ferry import testing
+        from test_loader_hot import Images
+
+        rt = ferry.Runtime("cuda")
+        assert rt.info()["backend"] == "cuda"
+        backend = testing.backend_of(rt)
+        calls = collections.Counter()
+        for name in ("mem_alloc", "mem_free", "mem_pool_alloc", "mem_free_async"):
+            original = getattr(backend, name)
+            def counted(*args, _name=name, _original=original):
+                calls[_name] += 1
+                return _original(*args)
+            setattr(backend, name, counted)
+        consumer = testing.side_stream(rt)
+        loader = ferry.DataLoader(Images(), batch_size=64, num_workers=2, runtime=rt, stream=consumer,
+                                  persistent_workers=True)
+        for epoch in range(2):
+            if epoch == 1:
+                calls.clear()
+            for k, (x, y) in enumerate(loader):
+                assert rt.to_host(y).tolist() == list(range(64 * k, 64 * k + 64))
+                assert (rt.to_host(x)[:, 0, 0, 0] == np.arange(64 * k, 64 * k + 64)).all()
+                del x, y
+        print(json.dumps(dict(calls)))
+        loader.close()
+        rt.close()
+    """)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), *sys.path]))
+    env.pop("FERRY_NATIVE", None)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sum(calls.values()) <= 2, calls  # the second epoch's 12 batches: no allocation or free per batch

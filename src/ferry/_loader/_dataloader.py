@@ -11,8 +11,9 @@ before" when the batch's layout repeats (``_worker.py``). The main process
 decodes each worker's layout once and keeps the NumPy views of each slot it
 used (no copy, no page fault: the memory is resident and pinned); it feeds
 them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
-(one DMA per leaf, one event), hands it to the consumer's stream and converts
-it as ``to=`` asks. A slot is given back to the workers once its copies are
+(one DMA per leaf, one event; ``_upload.py``: into device memory a dropped
+batch of the same size left, when there is some), hands it to the consumer's
+stream and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
 complete. Every wait of the main process sleeps (the workers' pipes, the
 blocking-sync events of its backpressure): it also launches the consumer's
 kernels.
@@ -34,6 +35,7 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import time
 import weakref
@@ -48,13 +50,12 @@ from .._errors import FerryError, RuntimeClosedError, TransferFailedError
 from .._interop._dlpack import export_capsule
 from .._memory._ring import PAGE, Ring, round_up
 from .._prefetch import _TOKEN, Prefetcher, _Flight
-from .._routes._groups import empty_many, submit_pinned
-from .._routes._groups import hand_off as hand_group
+from .._routes._base import array_ptr
 from .._runtime import Runtime, parts_of
-from .._state import OWNED
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_slot
 from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -182,7 +183,12 @@ class DataLoader:
     no page in and copies no byte on the host: it issues one DMA per array
     from the slot, hands the batch to the consumer's stream (which waits for
     the copies on the device) and gives the slot back once the copies are
-    complete. The ring's pinned memory (:attr:`ring_bytes`) is sized once,
+    complete. The device memory of a batch whose arrays the consumer all
+    dropped is reused for a later batch of the same size, copied into only
+    after the work of every stream those arrays were handed to (memory whose
+    address was exported with no stream known is freed instead); what is kept
+    counts as the runtime's device memory and is freed when the workers stop.
+    The ring's pinned memory (:attr:`ring_bytes`) is sized once,
     from the first batch, and never grows; a batch too large for a slot is
     uploaded from the worker's own arrays instead (slower, never a failure;
     counted in :attr:`fallback_batches`).
@@ -437,16 +443,10 @@ class _LoaderPrefetcher(Prefetcher):
             flight = super()._submit(index, batch)
             self._engine.submitted(list(flight.handles))
             return flight
-        rt = self._rt
-        leaves = batch.leaves
-        devices: list[DeviceArray] = []
         try:
-            devices = empty_many(rt, batch.specs)
-            handle = submit_pinned(rt, True, leaves, devices, leaves)
-        except BaseException as exc:
-            for device in devices:  # made for this batch, never handed out
-                if device._state is OWNED:
-                    device.close()
+            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span,
+                                 self._engine.device_ring)[0]
+        except BaseException as exc:  # nothing of it enqueued, its arrays closed
             self._engine.submitted([])  # nothing reads the slot
             if isinstance(exc, RuntimeClosedError) or not isinstance(
                     exc, (FerryError, MemoryError, TypeError, ValueError)):
@@ -473,7 +473,7 @@ class _LoaderPrefetcher(Prefetcher):
             return super()._hand_off(flight, stream)
         handle = flight.handles[0]
         try:
-            return [hand_group(self._completion, handle, stream)], []
+            return [hand_off_slot(self._completion, handle, stream)], []
         except (TransferFailedError, RuntimeClosedError):
             raise
         except FerryError:  # the engine cannot hand this copy off: the host waits for it instead
@@ -511,35 +511,49 @@ class _SlotFlight(_Flight):
 
 
 class _SlotBatch:
-    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views, in
-    the order of the batch's structure, and what puts the structure together around device leaves."""
+    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views (in
+    the order of the batch's structure), their addresses and the slot's span, the layout's upload plan,
+    and what puts the structure together around device leaves."""
 
-    __slots__ = ("build", "leaves", "specs")
+    __slots__ = ("build", "layout", "leaves", "ptrs", "span")
 
-    def __init__(self, leaves: list[np.ndarray[Any, Any]], plan: _Plan) -> None:
-        self.leaves = leaves
+    def __init__(self, views: _SlotViews, plan: _Plan) -> None:
+        self.leaves = views.leaves
+        self.ptrs = views.ptrs
+        self.span = views.span
         self.build = plan.build
-        self.specs = plan.shapes
+        self.layout = plan.layout
+
+
+class _SlotViews:
+    """One slot's views for one layout, their addresses and the slot's span (made once, kept)."""
+
+    __slots__ = ("leaves", "ptrs", "span")
+
+    def __init__(self, ring: Ring, slot: int, specs: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:
+        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in specs]  # type: ignore[arg-type]
+        self.ptrs = [array_ptr(leaf) for leaf in self.leaves]
+        self.span = ring.span(slot)
 
 
 class _Plan:
     """A worker's batch layout, decoded once: the skeleton's builder, each leaf's dtype, shape and
-    offset, and the views of each slot it was used with (kept: the same views serve every batch of
-    this layout in that slot)."""
+    offset, the upload's layout on the device, and the views of each slot it was used with (kept: the
+    same views serve every batch of this layout in that slot)."""
 
-    __slots__ = ("build", "shapes", "specs", "views")
+    __slots__ = ("build", "layout", "specs", "views")
 
     def __init__(self, plan: tuple[Any, Any]) -> None:
         skeleton, layout = plan
         self.specs = [(np.dtype(dtype), tuple(shape), int(offset)) for dtype, shape, offset in layout]
-        self.shapes = [(shape, dtype) for dtype, shape, _ in self.specs]  # what the device arrays are made of
+        self.layout = SlotLayout([(shape, dtype) for dtype, shape, _ in self.specs])  # the device arrays
         self.build: Callable[[list[Any]], Any] = _builder(skeleton)
-        self.views: dict[int, list[np.ndarray[Any, Any]]] = {}
+        self.views: dict[int, _SlotViews] = {}
 
-    def leaves(self, ring: Ring, slot: int) -> list[np.ndarray[Any, Any]]:
+    def slot(self, ring: Ring, slot: int) -> _SlotViews:
         views = self.views.get(slot)
         if views is None:
-            views = self.views[slot] = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in self.specs]
+            views = self.views[slot] = _SlotViews(ring, slot, self.specs)
         return views
 
 
@@ -648,6 +662,7 @@ class _Engine:
         depth = loader._prefetch_args[0]
         self.slots = max(1, self.workers) * loader.prefetch_factor + depth + 2
         self.ring: Ring | None = Ring(runtime)
+        self.device_ring = DeviceRing()  # the device memory of dropped slot batches, lent to the next ones
         self.table = SlotTable(self.slots)
         self.inflight: deque[tuple[int, list[Any]]] = deque()  # (slot, handles), oldest first
         self.lost: set[int] = set()  # slots whose copy failed: the device may still read them
@@ -827,12 +842,12 @@ class _Engine:
             slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            leaves = plan.leaves(ring, slot)
+            views = plan.slot(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            if not leaves or not all(leaf.nbytes for leaf in leaves):  # nothing to copy for some: leaf by leaf
-                return build_plan(plan, leaves)
-            return _SlotBatch(leaves, plan)
+            if not views.leaves or not all(plan.layout.sizes):  # nothing to copy for some: leaf by leaf
+                return build_plan(plan, views.leaves)
+            return _SlotBatch(views, plan)
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
@@ -878,8 +893,8 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                self.tasks[worker].send_bytes(
-                    encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
+                _send(self.tasks[worker].fileno(),
+                      encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -912,7 +927,7 @@ class _Engine:
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = pickle.loads(self.results[worker].recv_bytes())
+                message: Any = pickle.loads(_receive_from(fd))
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
@@ -1092,11 +1107,50 @@ class _Engine:
         self.inflight.clear()
         self.awaiting.clear()
         self._plans.clear()  # their views of the ring: the mapping is closed below
+        if not self.rt.closed:  # (a closed runtime freed what the device ring kept)
+            parts = parts_of(self.rt)
+            with contextlib.suppress(Exception):
+                self.device_ring.close(parts.memory, parts.lock)
+        self.device_ring.closed = True
         ring, self.ring = self.ring, None
         if ring is not None:
             # a failed copy keeps the ring's registration in use for good (the device may still read its
             # slot): no point waiting for it; the runtime's close unpins it
             ring.release(timeout=0.0 if self.lost else 10.0)
+
+
+_HEADER = struct.Struct("!i")  # multiprocessing.Connection's framing: the length, then the bytes
+_LONG = struct.Struct("!Q")  # after a length of -1: a 64-bit length
+
+
+def _send(fd: int, payload: bytes) -> None:
+    """One message to a worker's ``Connection.recv_bytes``, in one write (a task is small)."""
+    data = memoryview(_HEADER.pack(len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read(fd: int, n: int) -> bytes:
+    data = os.read(fd, n)
+    if len(data) == n:
+        return data
+    parts = [data]
+    left = n - len(data)
+    while left:
+        if not data:
+            raise EOFError("the worker's pipe closed")
+        data = os.read(fd, left)
+        parts.append(data)
+        left -= len(data)
+    return b"".join(parts)
+
+
+def _receive_from(fd: int) -> bytes:
+    """One message a worker sent with ``Connection.send_bytes`` or ``send`` (blocks until it is whole)."""
+    (n,) = _HEADER.unpack(_read(fd, 4))
+    if n == -1:
+        (n,) = _LONG.unpack(_read(fd, 8))
+    return _read(fd, n)
 
 
 def _take(stream: Iterator[Any], n: int) -> Iterator[Any]:

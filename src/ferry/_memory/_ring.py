@@ -130,6 +130,11 @@ class Ring:
         self._map, self._array, self._registration = mapping, array, registration
         self.slot_bytes, self.slots = slot_bytes, slots
 
+    def span(self, slot: int) -> tuple[int, int]:
+        """The address and size of ``slot`` in the mapping."""
+        assert self._array is not None
+        return int(self._array.ctypes.data) + slot * self.slot_bytes, self.slot_bytes
+
     def view(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
         """The array a worker wrote at ``offset`` of ``slot`` (no copy)."""
         return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._map, offset=slot * self.slot_bytes + offset)

@@ -1,0 +1,277 @@
+"""The upload of a batch that lies in a ring slot: its device arrays and its copies in one step.
+
+A slot batch is the most regular upload there is: its leaves are views of one
+registered mapping, at offsets that repeat for every batch of a layout, and
+its destinations are fresh arrays no one else has seen. So what the general
+group route works out per batch is worked out once per layout here
+(:class:`SlotLayout`: the device slab's offsets and size, which leaves go as
+one batched copy and which as one DMA each), and per slot (the leaves'
+addresses); per batch, under the runtime's lock, one pool allocation makes
+every destination (views of one slab, back to back), one registration lookup
+covers the whole slot, and one record with one event covers every copy.
+
+Nothing is skipped that could fail differently: the runtime is checked open,
+the maintenance a submission owes runs first, a refused allocation or copy
+frees the arrays made for the batch and raises, with nothing of the batch
+enqueued. The record, its leases and its states are the group route's
+(``_routes._groups._enqueue``), so a slot batch completes, fails, is handed
+off and is abandoned exactly as a pinned group does.
+
+Device memory is reused too (:class:`DeviceRing`): once the consumer dropped
+every leaf of a batch, its slab is kept by the loader instead of being freed,
+and a later batch of the same size is copied into it. The copy is ordered, on
+the device, after the work of every stream the consumer used the leaves on
+(an event recorded there, which the copy stream waits for): what a free would
+have waited for, without the free, the allocation and the event the free
+would have had the host ask about. Memory exported where no stream is known
+is never reused (it is freed after the device idled, as always). The kept
+slabs are counted as the runtime's device memory, are at most the batches
+the consumer dropped since the last upload, and are freed when the loader's
+workers stop or the runtime closes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .._backends._base import DeviceError
+from .._device_array import DeviceArray, new_device_array
+from .._errors import TransferSubmitError
+from .._memory._slab import DeviceSlab, slab_layout
+from .._routes._direct import _raise_queued
+from .._routes._groups import SMALL_BYTES, _check_open, _enqueue
+from .._state import IN_FLIGHT, OWNED
+
+__all__: list[str] = []
+
+
+class SlotLayout:
+    """What every batch of one layout shares: the destinations' shapes and dtypes, their offsets in one
+    device slab and its size, and which leaves travel as one batched copy (the small ones) or one DMA each."""
+
+    __slots__ = ("big", "count", "dtypes", "nbytes", "offsets", "shapes", "sizes", "small", "total")
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        self.shapes = [shape for shape, _ in specs]
+        self.dtypes = [dtype for _, dtype in specs]
+        self.offsets, self.sizes, self.total = slab_layout(specs)
+        self.count = len(specs)
+        self.nbytes = sum(self.sizes)
+        self.small = [i for i, n in enumerate(self.sizes) if n < SMALL_BYTES]
+        self.big = [i for i, n in enumerate(self.sizes) if n >= SMALL_BYTES]
+
+
+def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], ptrs: list[int],
+                span: tuple[int, int], ring: DeviceRing | None = None) -> tuple[Any, list[DeviceArray]]:
+    """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
+
+    ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
+    ``ptrs`` their addresses and ``span`` the slot's ``(address, size)``; ``ring``, when given, lends the
+    device memory of a dropped batch and keeps this batch's once it is dropped. All or nothing: a refusal
+    (the runtime closed, out of device memory, the ring no longer registered, the copy refused) closes
+    the arrays made for it and raises, with nothing enqueued and the leaves untouched.
+    """
+    parts = rt._parts
+    routes = parts.host
+    memory, completion = parts.memory, routes.completion
+    backend = completion.backend
+    stream = routes.h2d
+    with routes.lock:
+        _check_open(rt)
+        if completion.maintenance_due():
+            completion.maintain()
+        total = layout.total
+        slab = ring.take(memory, total, stream) if ring is not None else None
+        if slab is None:
+            base = memory.alloc(total)
+            slab = _KeptSlab(memory, base, total, layout.count, ring)
+            memory.arrays.add(slab)
+        else:
+            slab.reuse(layout.count)
+            base = slab._ptr
+        devices = [new_device_array(rt, slab, base + offset, shape, dtype, nbytes)  # type: ignore[arg-type]
+                   for shape, dtype, offset, nbytes in zip(layout.shapes, layout.dtypes, layout.offsets,
+                                                           layout.sizes, strict=True)]
+        try:
+            registrations = routes.registrations
+            reg = registrations.covering(span[0], span[1]) if registrations.active else None
+            if reg is None:  # the ring was unpinned meanwhile: refused cleanly
+                raise TransferSubmitError("the loader's ring is no longer registered")
+            dptrs = [device._ptr for device in devices]
+            small, big = layout.small, layout.big
+            small_d = [dptrs[i] for i in small]
+            small_s = [ptrs[i] for i in small]
+            small_n = [layout.sizes[i] for i in small]
+            large = [(dptrs[i], ptrs[i], layout.sizes[i]) for i in big]
+            one = backend.htod_record
+
+            def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+                queued = False
+                if small_d:
+                    backend.copy_batch(True, small_d, small_s, small_n, stream, None if large else event)
+                    queued = True
+                last = len(large) - 1
+                for j, (dst, src, nbytes) in enumerate(large):
+                    try:
+                        one(dst, src, nbytes, stream, event if j == last else None)
+                    except DeviceError as exc:
+                        _raise_queued(exc, after_first=queued)
+                    queued = True
+
+            handle = _enqueue(rt, completion, True, stream, copy, layout.nbytes, leaves, devices, leaves,
+                              routes.direct.leases, [reg], None)
+        except BaseException:
+            for device in devices:  # made for this batch, never handed out (an abandoned one stays so)
+                if device._state is OWNED:
+                    device.close()
+            raise
+    return handle, devices
+
+
+def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
+    """Hand a slot batch's destinations to ``stream``: each is owned again, ordered after the copies.
+
+    As the group route's hand-off, for destinations that are views of one slab: ``stream`` waits for the
+    group's event on the device, every view still in flight becomes owned (its ``ready`` the group's
+    record, forgotten when the record settles, abandoned if the copy failed), and the slab notes
+    ``stream`` once (its free waits for the consumer's work on every view).
+    """
+    devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
+    with completion.lock:
+        record = handle._record
+        moved = record.moved
+        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in moved)]
+        if handed:
+            for device in handed:
+                device._state = OWNED
+                device._ready = record
+            record.moved = tuple(o for o in moved if all(o is not d for d in handed))
+
+            def forget(failed: bool) -> None:
+                for device in handed:
+                    if device._ready is record:
+                        device._ready = None
+                    if failed:  # its bytes never arrived, or partly
+                        completion.abandon(device)
+
+            completion.extras(record).cleanups.append(forget)
+        if stream is not None and devices:
+            first = devices[0]
+            first._memory.note_stream(first._ptr, stream)  # the slab's: every view's free waits for it
+    return devices
+
+
+class DeviceRing:
+    """Device slabs of dropped slot batches, kept for the next batches (see the module docstring)."""
+
+    __slots__ = ("__weakref__", "closed", "kept")
+
+    def __init__(self) -> None:
+        self.kept: list[_KeptSlab] = []  # appended from finalizers too (a list append is atomic)
+        self.closed = False
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes kept for reuse now."""
+        return sum(slab._nbytes for slab in list(self.kept) if slab.kept)
+
+    def keep(self, slab: _KeptSlab) -> bool:
+        """The last view of ``slab`` went: keep it (no device call; a finalizer may call this)."""
+        if self.closed:
+            return False
+        slab.kept = True
+        self.kept.append(slab)
+        return True
+
+    def take(self, memory: Any, nbytes: int, stream: Any) -> _KeptSlab | None:
+        """A kept slab of ``nbytes``, ``stream`` ordered after its consumers' work; None if there is none
+        (a kept slab of another size, or one with unknown users, is freed as any dropped array is). Lock held."""
+        kept = self.kept
+        while kept:
+            slab = kept.pop()
+            if not slab.kept:  # the runtime closed it meanwhile
+                continue
+            users = memory.users.get(slab._ptr)
+            slab.kept = False
+            if slab._nbytes != nbytes or (users is not None and users.unknown) or not _order_after(
+                    memory, users, stream):
+                memory.release(slab._ptr, slab._nbytes)
+                continue
+            memory.users.pop(slab._ptr, None)
+            return slab
+        return None
+
+    def close(self, memory: Any, lock: Any) -> None:
+        """Free the kept slabs (after their consumers' work, as any free); later drops are freed. Idempotent."""
+        self.closed = True
+        with lock:
+            while self.kept:
+                slab = self.kept.pop()
+                if slab.kept:
+                    slab.kept = False
+                    memory.release(slab._ptr, slab._nbytes)
+
+
+def _order_after(memory: Any, users: Any, stream: Any) -> bool:
+    """``stream`` waits, on the device, for the work of every stream in ``users``; False if the device
+    refused (the slab is then freed instead, in order, and the batch takes fresh memory). Lock held."""
+    if users is None or not users.streams:
+        return True
+    backend = memory.backend
+    events = memory.events
+    try:
+        for handle in users.streams:
+            event = events.pop() if events else backend.event_create()
+            try:
+                backend.event_record(event, backend.stream_from_handle(handle))
+                backend.stream_wait_event(stream, event)
+            finally:
+                events.append(event)  # the wait is queued: the event may be recorded again
+    except DeviceError as exc:
+        memory.health.note(exc)
+        return False
+    return True
+
+
+class _KeptSlab(DeviceSlab):
+    """A slot batch's slab: when its last view goes it returns to its :class:`DeviceRing`, if still open."""
+
+    __slots__ = ("home", "kept")
+
+    def __init__(self, memory: Any, ptr: int, nbytes: int, views: int, ring: DeviceRing | None) -> None:
+        super().__init__(memory, ptr, nbytes, views)
+        self.home = weakref.ref(ring) if ring is not None else None
+        self.kept = False
+
+    @property
+    def _state(self) -> Any:
+        if self.kept:
+            return OWNED  # the runtime's close frees it
+        return DeviceSlab._state.fget(self)  # type: ignore[attr-defined]
+
+    def _release_for_close(self) -> None:
+        self.kept = False
+        super()._release_for_close()
+
+    def reuse(self, views: int) -> None:
+        """Lent again, for ``views`` new views (every earlier one went). Lock held."""
+        self._live = list(range(views))
+        self.arrays = weakref.WeakSet()
+
+    def _home(self) -> DeviceRing | None:
+        return self.home() if self.home is not None else None
+
+    def release(self, ptr: int, nbytes: int) -> None:
+        if self._last():
+            ring = self._home()
+            if ring is None or not ring.keep(self):
+                self.memory.release(self._ptr, self._nbytes)
+
+    def defer(self, ptr: int, nbytes: int) -> None:
+        if self._last():
+            ring = self._home()
+            if ring is None or not ring.keep(self):
+                self.memory.defer(self._ptr, self._nbytes)
