@@ -266,3 +266,42 @@ def test_large_trees_move_as_one_job_with_every_byte_right(any_native: ferry.Run
     _, again = rt.download_tree(device).wait()
     assert all(np.array_equal(again[k], v[::-1]) for k, v in state.items())
     pending.wait()
+
+
+def test_fresh_leaves_of_every_shape_and_dtype_are_whole_device_arrays(rt: ferry.Runtime) -> None:
+    # the fresh destinations are made together (one compiled call where the extension runs): each must be
+    # an ordinary owned DeviceArray with its host leaf's shape, dtype and size, at a 256-byte aligned offset
+    rng = np.random.default_rng(21)
+    state: dict[str, np.ndarray[Any, Any]] = {
+        "matrix": rng.random((3, 5, 7)).astype(np.float32),
+        "empty": np.empty((0, 4), np.int16),
+        "scalar": np.array(7.5),
+        "odd": rng.integers(0, 255, 1001, dtype=np.uint8),
+        "record": np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        "big_endian": np.arange(10, dtype=">u4"),
+    }
+    jobs = _jobs(rt)[0]
+    _, device = rt.upload_tree(state).wait()
+    assert list(device) == list(state)
+    if _compiled(rt):
+        assert _jobs(rt)[0] == jobs + 1  # one job: an empty leaf has an address of its own in the allocation
+    for key, host in state.items():
+        leaf = device[key]
+        assert type(leaf) is ferry.DeviceArray
+        assert (leaf.shape, leaf.dtype, leaf.nbytes, leaf.state) == (host.shape, host.dtype, host.nbytes, "owned")
+        assert leaf.size == host.size and leaf.device == 0 and "owned" in repr(leaf)
+        if host.nbytes:
+            assert np.array_equal(rt.to_host(leaf), host)
+    ptrs = [d.ptr for d in device.values()]
+    assert all(p % 256 == 0 for p in ptrs) and ptrs == sorted(ptrs)
+    _, back = rt.download_tree(device).wait()
+    assert all(np.array_equal(back[k], v) and back[k].dtype == v.dtype for k, v in state.items())
+    # each view is a full array: an upload into one, a close of one, the runtime's close for the others
+    rt.upload(np.zeros((3, 5, 7), np.float32), device["matrix"]).wait()
+    assert not rt.to_host(device["matrix"]).any()
+    device["odd"].close()
+    assert device["odd"].state == "closed"
+    with pytest.raises(ferry.TransferSubmitError, match="closed"):
+        rt.to_host(device["odd"])
+    rt.close()
+    assert {d.state for d in device.values()} == {"closed"}

@@ -54,7 +54,7 @@ from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
 from ._pending import PendingDownload, PendingUpload
-from ._routes._groups import empty_many, gc_paused, pieces_ready, submit_pieces, submit_pinned, submit_small
+from ._routes._groups import empty_like_many, empty_many, gc_paused, pieces_ready, submit_pieces, submit_pinned, submit_small
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
@@ -528,7 +528,7 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
     if upload:
         missing = [i for i, d in enumerate(devices) if d is None]
         if missing:
-            made = empty_many(rt, [(hosts[i].shape, hosts[i].dtype) for i in missing])
+            made = empty_like_many(rt, [hosts[i] for i in missing])
             fresh = made
             devices = list(devices)
             for i, device in zip(missing, made, strict=True):

@@ -43,10 +43,10 @@ import numpy as np
 from .. import _native
 from .._backends._base import DeviceError
 from .._completion import Extras
-from .._device_array import DeviceArray, new_device_array
+from .._device_array import DeviceArray, new_device_array, new_view
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import order_before
-from .._memory._slab import DeviceSlab, slab_layout
+from .._memory._slab import ALIGN, DeviceSlab, slab_layout
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
 from ._base import array_ptr
@@ -163,9 +163,11 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
             offsets, sizes, total = slab_layout(specs)
             base = memory.alloc(total)
             slab = DeviceSlab(memory, base, total, len(specs))
+            views = [new_view(rt, slab, base + off, shape, dtype, nbytes)
+                     for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            slab.adopt(views)
             memory.arrays.add(slab)
-            return [new_device_array(rt, slab, base + off, shape, dtype, nbytes)  # type: ignore[arg-type]
-                    for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            return views
         try:
             for shape, dtype in specs:
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -175,6 +177,32 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
                 array.close()
             raise
     return made
+
+
+def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceArray]:
+    """:func:`empty_many` for arrays of the shapes and dtypes of ``hosts`` (checked NumPy arrays, at least
+    two): views of one allocation, made in one compiled call where the extension runs."""
+    module = _native.load()
+    if module is None or len(hosts) < 2:
+        return empty_many(rt, [(h.shape, h.dtype) for h in hosts])
+    parts = rt._parts
+    parts.health.check_open()
+    memory, completion = parts.memory, parts.completion
+    sizes = [h.nbytes for h in hosts]
+    total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())  # as slab_layout
+    with parts.lock:
+        if completion.maintenance_due():
+            completion.maintain()
+        base = memory.alloc(total)
+        slab = DeviceSlab(memory, base, total, len(hosts))
+        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)
+        if views is None:
+            offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
+            views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
+                     for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
+        slab.adopt(views)
+        memory.arrays.add(slab)
+    return views  # type: ignore[no-any-return]
 
 
 def _check_open(rt: Any) -> None:
