@@ -42,6 +42,7 @@ own arrays are writable again).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -148,7 +149,9 @@ class TreePort:
             try:
                 got = child.wait()
                 span = record.spans[i]
-                if record.grouped[i]:
+                if record.grouped[i] and len(children) == 1:  # one record for the whole tree, in order
+                    results = list(zip(*got, strict=True))
+                elif record.grouped[i]:
                     hosts, devices = got
                     for k, leaf in enumerate(span):
                         results[leaf] = (hosts[k], devices[k])
@@ -520,7 +523,7 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
 
 
 def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
-                   devices: list[Any]) -> Any:
+                   devices: list[Any], fresh: bool = False) -> Any:
     """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
     handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
     outputs are made first (and closed again when the leaves go another way)."""
@@ -539,7 +542,7 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
                  for h, d in zip(hosts, devices, strict=True)]
         handed = hosts
     try:
-        handle = submit_pieces(rt, upload, hosts, devices, handed)
+        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh)
     except BaseException:
         for device in fresh:
             if device._state is OWNED:
@@ -618,7 +621,8 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
         outs = _pinned_outputs(rt, call, paths, sources)
         pairs = list(zip(sources, outs, strict=True))
-    fast = _submit_pieces(rt, False, pairs, outs, sources) if len(pairs) > 1 and pieces_ready(rt, False) else None
+    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh=out is None)
+            if len(pairs) > 1 and pieces_ready(rt, False) else None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -657,18 +661,24 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
 
 def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
+    specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
-    described = [_dtype_of(device) for device in sources]
-    wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
-    specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []
-    total = 0
-    for i in wanted:
-        shape, dtype = described[i]
-        assert dtype is not None
-        specs.append((shape, dtype))
-        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if all(type(d) is DeviceArray for d in sources):  # the common tree: no per-leaf call
+        wanted = list(range(len(sources)))
+        specs = [(d._shape, d._dtype) for d in sources]
+        total = sum(d._nbytes for d in sources)
+    else:
+        described = [_dtype_of(device) for device in sources]
+        wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
+        specs = []
+        total = 0
+        for i in wanted:
+            shape, dtype = described[i]
+            assert dtype is not None
+            specs.append((shape, dtype))
+            total += math.prod(shape) * dtype.itemsize
     what = f"{len(specs)} leaves, {total} bytes"
     try:
         made = leaves.shared(specs) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block

@@ -137,13 +137,12 @@ class PinnedLeaves:
         total = 0
         for nbytes in sizes:
             offsets.append(total)
-            total += -(-nbytes // ALIGN) * ALIGN
+            total += -(-max(nbytes, 1) // ALIGN) * ALIGN  # an empty array too: no two leaves share an address
         block = self.pool.acquire(max(total, 1))
         try:
             raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
             base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
-            out = [base[off:off + nbytes].view(dtype).reshape(shape)
-                   for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            out = _views(base, specs, offsets, sizes)
         except BaseException:
             self.pool.release(block)
             raise
@@ -174,6 +173,17 @@ class PinnedLeaves:
         self._leaves = kept
         self._starts = [leaf.ptr for leaf in kept]
 
+    def covering_many(self, ptrs: list[int], sizes: list[int]) -> list[Leaf | None]:
+        """:meth:`covering` for many ranges at once (one search for all of them)."""
+        with self._lock:
+            if not self._leaves or not ptrs:
+                return [None] * len(ptrs)
+            starts = np.array(self._starts, np.uint64)
+            at = np.searchsorted(starts, np.array(ptrs, np.uint64), side="right").astype(np.int64) - 1
+            leaves = self._leaves
+            return [leaves[i] if i >= 0 and leaves[i].covers(p, n) else None
+                    for i, p, n in zip(at.tolist(), ptrs, sizes, strict=True)]
+
     def covering(self, ptr: int, nbytes: int) -> Leaf | None:
         """The live leaf whose block holds ``[ptr, ptr + nbytes)``, if any."""
         with self._lock:
@@ -184,3 +194,32 @@ class PinnedLeaves:
                 if leaf.covers(ptr, nbytes):
                     return leaf
         return None
+
+
+def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dtype[Any]]], offsets: list[int],
+           sizes: list[int]) -> list[np.ndarray[Any, Any]]:
+    """The arrays of ``specs`` over ``base`` at ``offsets``: each run of leaves of one shape and dtype (a
+    state dict's blocks, a model's layers) is one strided array of the run, and its leaves are that array's
+    rows (views made by NumPy's iteration, not one Python slicing per leaf). Each is C-contiguous, writable
+    and keeps ``base`` alive."""
+    out: list[np.ndarray[Any, Any]] = []
+    n = len(specs)
+    i = 0
+    while i < n:
+        shape, dtype = specs[i]
+        j = i + 1
+        while j < n and specs[j][0] == shape and specs[j][1] == dtype:
+            j += 1
+        nbytes = sizes[i]
+        if j - i < 8 or not shape or not nbytes or dtype.subdtype is not None:
+            for k in range(i, j):
+                out.append(base[offsets[k]:offsets[k] + sizes[k]].view(specs[k][1]).reshape(specs[k][0]))
+        else:
+            strides = [dtype.itemsize]
+            for dim in reversed(shape[1:]):
+                strides.insert(0, strides[0] * dim)
+            run = np.ndarray((j - i, *shape), dtype, buffer=base, offset=offsets[i],
+                             strides=(offsets[i + 1] - offsets[i], *strides))
+            out.extend(run)
+        i = j
+    return out

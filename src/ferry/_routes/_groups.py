@@ -226,6 +226,15 @@ def _covering(routes: Any, ptr: int, nbytes: int) -> Any:
     return found if found is not None else routes.pinned_leaves.covering(ptr, nbytes)
 
 
+def _covering_runs(routes: Any, ptrs: list[int], sizes: list[int]) -> list[Any]:
+    """:func:`_covering` for many host ranges: the pinned leaves searched once for all of them."""
+    found = routes.pinned_leaves.covering_many(ptrs, sizes)
+    if routes.registrations.active:
+        found = [reg if reg is not None else routes.registrations.covering(p, n)
+                 for reg, p, n in zip(found, ptrs, sizes, strict=True)]
+    return found
+
+
 def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devices: list[DeviceArray],
                   handed: list[Any]) -> Any:
     """One record for pinned leaves: each one DMA (the small ones one batched copy), one event."""
@@ -371,8 +380,8 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
     # from here on nothing raises: the copies are queued
     extra = record.extra = Extras()
-    for host in hosts:
-        leases.take(host)
+    for _ in map(leases.take, hosts):
+        pass
     if regs is not None:
         for reg in regs:
             reg._uses += 1
@@ -381,8 +390,8 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     def cleanup(failed: bool) -> None:
         if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
             return
-        for host in hosts:
-            give(host)
+        for _ in map(give, hosts):
+            pass
         if regs is not None:
             for reg in regs:
                 reg._uses -= 1
@@ -468,10 +477,14 @@ def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
     return table.tobytes(), release
 
 
-def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any], *,
+                  fresh: bool = False) -> Any:
     """One record and one staging job for every leaf (pageable host arrays, ferry device arrays); the
     handle, or None where a leaf is not the common case or the compiled engine is not there (then
-    nothing changed: the caller takes the leaves one by one, which names any problem)."""
+    nothing changed: the caller takes the leaves one by one, which names any problem).
+
+    ``fresh``: the host arrays are a download's fresh outputs, made for it and seen by no one until
+    ``wait()`` hands them out, so they are not flagged read-only meanwhile (no lease per leaf)."""
     routes = rt._parts.host
     completion = routes.completion
     module = _native.load()
@@ -488,16 +501,16 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
             completion.maintain()
         if routes.registrations.active or routes.pinned_leaves.active:
             runs = _runs(pieces)
-            regs = [_covering(routes, h, n) for h, n in zip(runs[0], runs[2], strict=True)]
+            regs = _covering_runs(routes, runs[0], runs[2])
             if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
-                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed)
+                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed, fresh)
             if any(reg is not None for reg in regs):
                 return None  # some pinned, some not: leaf by leaf
-        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed)
+        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed, fresh)
 
 
 def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, total: int, hosts: list[Any],
-                   devices: list[Any], handed: list[Any]) -> Any:
+                   devices: list[Any], handed: list[Any], fresh: bool) -> Any:
     """One staging job for pageable leaves (checked by ``leaf_pieces``): its record and handle. Lock held."""
     routes = rt._parts.host
     completion = routes.completion
@@ -532,16 +545,17 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
         moved, leased, result = (), devs, (devs, tuple(handed))
     record = completion.job_record(job, engine, moved, leased, result, total, extra)
     leases = routes.direct.leases
-    for host in hosts:
-        leases.take(host)
+    leased = [] if fresh else hosts
+    for _ in map(leases.take, leased):
+        pass
     give = leases.give
 
     def cleanup(failed: bool) -> None:
         with staged._lock:
             staged.host_copied += job.host_bytes
         job.finished()
-        for host in hosts:
-            give(host)
+        for _ in map(give, leased):
+            pass
 
     extra.cleanups.append(cleanup)
     if upload:
@@ -567,7 +581,7 @@ def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
 
 
 def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
-                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any], fresh: bool) -> Any:
     """One record for leaves in pinned memory (checked by ``leaf_pieces``, merged into runs): each large
     run one DMA, the small ones one batched copy, one event. Lock held."""
     routes = rt._parts.host
@@ -604,5 +618,5 @@ def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list
         def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
             backend.copy_batch(upload, [], [], [], stream, event)
 
-    return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, routes.direct.leases,
-                    regs, None)
+    return _enqueue(rt, completion, upload, stream, copy, total, [] if fresh else hosts, devices, handed,
+                    routes.direct.leases, regs, None)
