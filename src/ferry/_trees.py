@@ -54,8 +54,17 @@ import numpy as np
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
+from ._memory._leaves import layout, views
 from ._pending import PendingDownload, PendingUpload
-from ._routes._groups import empty_like_many, empty_many, gc_paused, pieces_ready, submit_pieces, submit_pinned, submit_small
+from ._routes._groups import (
+    empty_like_many,
+    empty_many,
+    gc_paused,
+    pieces_ready,
+    submit_pieces,
+    submit_pinned,
+    submit_small,
+)
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
@@ -523,7 +532,7 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
 
 
 def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
-                   devices: list[Any], fresh: bool = False) -> Any:
+                   devices: list[Any], fresh_outputs: bool = False) -> Any:
     """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
     handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
     outputs are made first (and closed again when the leaves go another way)."""
@@ -537,12 +546,15 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
             for i, device in zip(missing, made, strict=True):
                 devices[i] = device
         handed = [p[0] for p in pairs]
+    elif fresh_outputs and all(h is None for h in hosts):  # no out= and no pinned leaves
+        hosts = _fresh_outputs(devices)
+        handed = hosts
     else:
         hosts = [np.empty(d.shape, d.dtype) if h is None and isinstance(d, DeviceArray) else h
                  for h, d in zip(hosts, devices, strict=True)]
         handed = hosts
     try:
-        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh)
+        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh_outputs)
     except BaseException:
         for device in fresh:
             if device._state is OWNED:
@@ -552,6 +564,32 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
         for device in fresh:
             device.close()
     return handle
+
+
+SHARED_BYTES = 1 << 20
+"""Fresh pageable outputs of a download tree below this size share one host allocation."""
+
+
+def _fresh_outputs(devices: list[Any]) -> list[Any]:
+    """A download's fresh pageable outputs for device leaves (``None`` where a leaf is not a ferry device
+    array: the checks then refuse the fast way). The leaves under :data:`SHARED_BYTES` are views of one
+    NumPy allocation, back to back (one allocation instead of one per leaf, and views made in runs); the
+    allocation lives while any of them does. Larger leaves get an array of their own."""
+    if not all(type(d) is DeviceArray for d in devices):
+        return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
+    small = [i for i, d in enumerate(devices) if d._nbytes < SHARED_BYTES]
+    out: list[Any] = [None] * len(devices)
+    if len(small) > 1:
+        specs = [(devices[i]._shape, devices[i]._dtype) for i in small]
+        sizes = [devices[i]._nbytes for i in small]
+        offsets, total = layout(sizes)
+        made = views(np.empty(total, np.uint8), specs, offsets, sizes)
+        for i, array in zip(small, made, strict=True):
+            out[i] = array
+    for i, d in enumerate(devices):
+        if out[i] is None:
+            out[i] = np.empty(d._shape, d._dtype)
+    return out
 
 
 def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
@@ -621,7 +659,7 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
         outs = _pinned_outputs(rt, call, paths, sources)
         pairs = list(zip(sources, outs, strict=True))
-    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh=out is None)
+    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh_outputs=out is None)
             if len(pairs) > 1 and pieces_ready(rt, False) else None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
@@ -665,10 +703,12 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
+    sizes: list[int] | None = None
     if all(type(d) is DeviceArray for d in sources):  # the common tree: no per-leaf call
         wanted = list(range(len(sources)))
         specs = [(d._shape, d._dtype) for d in sources]
-        total = sum(d._nbytes for d in sources)
+        sizes = [d._nbytes for d in sources]
+        total = sum(sizes)
     else:
         described = [_dtype_of(device) for device in sources]
         wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
@@ -681,7 +721,7 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
             total += math.prod(shape) * dtype.itemsize
     what = f"{len(specs)} leaves, {total} bytes"
     try:
-        made = leaves.shared(specs) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
+        made = leaves.shared(specs, sizes) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
     except (MemoryError, ValueError) as exc:
         raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
                                   "submitted") from exc

@@ -127,17 +127,15 @@ class PinnedLeaves:
             self.made += len(made)
         return out
 
-    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
+    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]],
+               sizes: list[int] | None = None) -> list[np.ndarray[Any, Any]]:
         """:meth:`array` for every ``(shape, dtype)`` pair, all on one pooled block, each at an offset
         aligned to :data:`ALIGN` bytes, back to back (a tree's leaves then move as few large DMAs). The
         block goes back to the pool once every one of the arrays, and every view of them, was collected.
-        Raises as :meth:`array` (nothing taken)."""
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-        offsets: list[int] = []
-        total = 0
-        for nbytes in sizes:
-            offsets.append(total)
-            total += -(-max(nbytes, 1) // ALIGN) * ALIGN  # an empty array too: no two leaves share an address
+        ``sizes``: each pair's bytes, when the caller knows them. Raises as :meth:`array` (nothing taken)."""
+        if sizes is None:
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        offsets, total = layout(sizes)
         block = self.pool.acquire(max(total, 1))
         try:
             raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
@@ -194,6 +192,22 @@ class PinnedLeaves:
                 if leaf.covers(ptr, nbytes):
                     return leaf
         return None
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of arrays of ``sizes`` bytes placed back to back, each at a multiple of :data:`ALIGN` (an
+    empty one takes :data:`ALIGN` bytes too: no two share an address), and the bytes they span."""
+    if not sizes:
+        return [], 0
+    spans = (np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN
+    ends = np.cumsum(spans)
+    return (ends - spans).tolist(), int(ends[-1])
+
+
+def views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dtype[Any]]], offsets: list[int],
+          sizes: list[int]) -> list[np.ndarray[Any, Any]]:
+    """The arrays of ``specs`` over ``base`` at ``offsets`` (see :func:`_views`)."""
+    return _views(base, specs, offsets, sizes)
 
 
 def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dtype[Any]]], offsets: list[int],
