@@ -305,3 +305,72 @@ def test_fresh_leaves_of_every_shape_and_dtype_are_whole_device_arrays(rt: ferry
         rt.to_host(device["odd"])
     rt.close()
     assert {d.state for d in device.values()} == {"closed"}
+
+
+def _mixed_state(seed: int) -> dict[str, np.ndarray[Any, Any]]:
+    """Runs of same-shaped leaves (padded and unpadded), multi-dimensional ones, odd dtypes, an empty leaf,
+    a scalar and one leaf above the shared size: every way the outputs are laid out."""
+    rng = np.random.default_rng(seed)
+    state: dict[str, np.ndarray[Any, Any]] = {}
+    for i in range(12):  # 1000 bytes each: a run whose rows are padded to 1024
+        state[f"padded{i}"] = rng.integers(0, 255, (10, 25, 4), dtype=np.uint8)
+    for i in range(10):  # 512 bytes each: back to back
+        state[f"block{i}"] = rng.random((8, 8)).astype(np.float64)
+    for i in range(9):  # a record dtype of 12 bytes whose rows are padded
+        state[f"record{i}"] = np.array([(i, 1.5 * i)] * 5, dtype=[("a", "<i4"), ("b", "<f8")])
+    state["empty"] = np.empty((0, 3), np.float32)
+    state["scalar"] = np.array(3.25)
+    state["big"] = rng.integers(0, 255, 2 << 20, dtype=np.uint8)
+    state["tail"] = rng.random(7).astype(np.float16)
+    return state
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_fresh_host_leaves_are_whole_independent_arrays(any_native: ferry.Runtime, pinned: bool) -> None:
+    # fresh outputs (pageable or pinned) are made in runs of same-shaped leaves, as views of one allocation:
+    # each must be a C-contiguous, writable array of its own shape, dtype and bytes, independent of the others
+    rt = any_native
+    state = _mixed_state(22)
+    _, device = rt.upload_tree(state).wait()
+    jobs = _jobs(rt)[0]
+    _, host = rt.download_tree(device, pinned=pinned).wait()
+    if not pinned:
+        assert _jobs(rt)[0] == jobs + 1  # one job, not leaf by leaf
+    assert list(host) == list(state)
+    for key, want in state.items():
+        got = host[key]
+        assert type(got) is np.ndarray and got.flags.c_contiguous and got.flags.writeable
+        assert (got.shape, got.dtype, got.nbytes) == (want.shape, want.dtype, want.nbytes)
+        assert np.array_equal(got, want)
+    ends = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in host.values() if a.nbytes)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ends))  # no two overlap
+    host["padded3"][...] = 0  # writing one leaf leaves its neighbours alone
+    host["block4"].fill(-1.0)
+    assert np.array_equal(host["padded2"], state["padded2"]) and np.array_equal(host["padded4"], state["padded4"])
+    assert np.array_equal(host["block3"], state["block3"]) and np.array_equal(host["block5"], state["block5"])
+    # one leaf kept alone keeps its bytes (the allocation lives while any leaf does)
+    keep = host["record7"]
+    del host
+    gc.collect()
+    assert np.array_equal(keep, state["record7"])
+    # and a later round's outputs are new arrays, not the kept one's memory
+    _, again = rt.download_tree(device, pinned=pinned).wait()
+    assert np.array_equal(again["record7"], state["record7"]) and not np.shares_memory(again["record7"], keep)
+
+
+def test_pinned_leaves_found_for_many_ranges_at_once(any_native: ferry.Runtime) -> None:
+    rt = any_native
+    leaves = parts_of(rt).host.pinned_leaves
+    _, device = rt.upload_tree(_state(3, 4 * KiB, 23)).wait()
+    _, a = rt.download_tree(device, pinned=True).wait()
+    _, b = rt.download_tree(device, pinned=True).wait()
+    other = np.empty(4 * KiB, np.uint8)
+    arrays = [*a.values(), other, *b.values()]
+    ptrs = [x.ctypes.data for x in arrays]
+    sizes = [x.nbytes for x in arrays]
+    assert leaves.covering_many(ptrs, sizes) == [leaves.covering(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+    found = leaves.covering_many(ptrs, sizes)
+    assert found[3] is None and all(f is not None for i, f in enumerate(found) if i != 3)
+    assert found[0] is found[1] is found[2] and found[4] is not found[0]  # one block for each tree
+    assert leaves.covering_many([ptrs[0]], [64 << 20]) == [None]  # past the block's end
+    assert leaves.covering_many([], []) == []

@@ -225,7 +225,8 @@ def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dty
         while j < n and specs[j][0] == shape and specs[j][1] == dtype:
             j += 1
         nbytes = sizes[i]
-        if j - i < 8 or not shape or not nbytes or dtype.subdtype is not None:
+        if j - i < 8 or not shape or not nbytes or dtype.fields is not None or dtype.subdtype is not None:
+            # (a structured dtype's rows would carry copies of the dtype, not the leaf's own object)
             for k in range(i, j):
                 out.append(base[offsets[k]:offsets[k] + sizes[k]].view(specs[k][1]).reshape(specs[k][0]))
         else:
