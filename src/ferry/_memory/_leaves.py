@@ -228,7 +228,10 @@ def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dty
         if j - i < 8 or not shape or not nbytes or dtype.fields is not None or dtype.subdtype is not None:
             # (a structured dtype's rows would carry copies of the dtype, not the leaf's own object)
             for k in range(i, j):
-                out.append(base[offsets[k]:offsets[k] + sizes[k]].view(specs[k][1]).reshape(specs[k][0]))
+                if sizes[k]:
+                    out.append(base[offsets[k]:offsets[k] + sizes[k]].view(specs[k][1]).reshape(specs[k][0]))
+                else:  # (an empty slice of base would start at base's own address, not at its offset)
+                    out.append(np.ndarray(specs[k][0], specs[k][1], buffer=base, offset=offsets[k]))
         else:
             strides = [dtype.itemsize]
             for dim in reversed(shape[1:]):
