@@ -172,15 +172,19 @@ class PinnedLeaves:
         self._starts = [leaf.ptr for leaf in kept]
 
     def covering_many(self, ptrs: list[int], sizes: list[int]) -> list[Leaf | None]:
-        """:meth:`covering` for many ranges at once (one search for all of them)."""
+        """:meth:`covering` for many ranges at once (one vectorised search for all of them)."""
         with self._lock:
-            if not self._leaves or not ptrs:
+            leaves = self._leaves
+            if not leaves or not ptrs:
                 return [None] * len(ptrs)
             starts = np.array(self._starts, np.uint64)
-            at = np.searchsorted(starts, np.array(ptrs, np.uint64), side="right").astype(np.int64) - 1
-            leaves = self._leaves
-            return [leaves[i] if i >= 0 and leaves[i].covers(p, n) else None
-                    for i, p, n in zip(at.tolist(), ptrs, sizes, strict=True)]
+            ends = np.array([leaf.ptr + leaf.nbytes if leaf.alive else 0 for leaf in leaves], np.uint64)
+        p = np.array(ptrs, np.uint64)
+        at = np.searchsorted(starts, p, side="right").astype(np.int64) - 1
+        inside = (at >= 0) & (p + np.array(sizes, np.uint64) <= ends[np.maximum(at, 0)])
+        if not inside.any():
+            return [None] * len(ptrs)
+        return [leaves[i] if hit else None for i, hit in zip(at.tolist(), inside.tolist(), strict=True)]
 
     def covering(self, ptr: int, nbytes: int) -> Leaf | None:
         """The live leaf whose block holds ``[ptr, ptr + nbytes)``, if any."""
