@@ -228,7 +228,7 @@ def _covering(routes: Any, ptr: int, nbytes: int) -> Any:
 
 def _covering_runs(routes: Any, ptrs: list[int], sizes: list[int]) -> list[Any]:
     """:func:`_covering` for many host ranges: the pinned leaves searched once for all of them."""
-    found = routes.pinned_leaves.covering_many(ptrs, sizes)
+    found: list[Any] = routes.pinned_leaves.covering_many(ptrs, sizes)
     if routes.registrations.active:
         found = [reg if reg is not None else routes.registrations.covering(p, n)
                  for reg, p, n in zip(found, ptrs, sizes, strict=True)]
@@ -545,8 +545,8 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
         moved, leased, result = (), devs, (devs, tuple(handed))
     record = completion.job_record(job, engine, moved, leased, result, total, extra)
     leases = routes.direct.leases
-    leased = [] if fresh else hosts
-    for _ in map(leases.take, leased):
+    hosts_leased: list[Any] = [] if fresh else hosts
+    for _ in map(leases.take, hosts_leased):
         pass
     give = leases.give
 
@@ -554,7 +554,7 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
         with staged._lock:
             staged.host_copied += job.host_bytes
         job.finished()
-        for _ in map(give, leased):
+        for _ in map(give, hosts_leased):
             pass
 
     extra.cleanups.append(cleanup)
