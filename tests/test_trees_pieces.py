@@ -343,6 +343,7 @@ def test_fresh_host_leaves_are_whole_independent_arrays(any_native: ferry.Runtim
         assert type(got) is np.ndarray and got.flags.c_contiguous and got.flags.writeable
         assert (got.shape, got.dtype, got.nbytes) == (want.shape, want.dtype, want.nbytes)
         assert np.array_equal(got, want)
+    del got
     ends = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in host.values() if a.nbytes)
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ends))  # no two overlap
     host["padded3"][...] = 0  # writing one leaf leaves its neighbours alone
@@ -350,13 +351,20 @@ def test_fresh_host_leaves_are_whole_independent_arrays(any_native: ferry.Runtim
     assert np.array_equal(host["padded2"], state["padded2"]) and np.array_equal(host["padded4"], state["padded4"])
     assert np.array_equal(host["block3"], state["block3"]) and np.array_equal(host["block5"], state["block5"])
     # one leaf kept alone keeps its bytes (the allocation lives while any leaf does)
-    keep = host["record7"]
+    leaves = parts_of(rt).host.pinned_leaves
+    live = leaves.live_bytes
+    keep, kept_record = host["padded5"], host["record7"]  # a row of a run, a leaf made alone
     del host
     gc.collect()
-    assert np.array_equal(keep, state["record7"])
-    # and a later round's outputs are new arrays, not the kept one's memory
+    assert leaves.live_bytes == live  # (pinned) the block stays out of the pool while a leaf lives
+    assert np.array_equal(keep, state["padded5"]) and np.array_equal(kept_record, state["record7"])
+    # a later round's outputs are new arrays, not the kept ones' memory
     _, again = rt.download_tree(device, pinned=pinned).wait()
-    assert np.array_equal(again["record7"], state["record7"]) and not np.shares_memory(again["record7"], keep)
+    assert np.array_equal(again["padded5"], state["padded5"]) and not np.shares_memory(again["padded5"], keep)
+    del again, keep, kept_record
+    gc.collect()
+    if pinned:
+        assert leaves.live_bytes == live - live  # every leaf went: both blocks are back in the pool
 
 
 def test_pinned_leaves_found_for_many_ranges_at_once(any_native: ferry.Runtime) -> None:
