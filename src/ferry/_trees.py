@@ -538,14 +538,17 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
     outputs are made first (and closed again when the leaves go another way)."""
     fresh: list[Any] = []
     if upload:
-        missing = [i for i, d in enumerate(devices) if d is None]
-        if missing:
-            made = empty_like_many(rt, [hosts[i] for i in missing])
-            fresh = made
-            devices = list(devices)
-            for i, device in zip(missing, made, strict=True):
-                devices[i] = device
-        handed = [p[0] for p in pairs]
+        if all(d is None for d in devices):  # every destination fresh: made together
+            devices = fresh = empty_like_many(rt, hosts)
+        else:
+            missing = [i for i, d in enumerate(devices) if d is None]
+            if missing:
+                made = empty_like_many(rt, [hosts[i] for i in missing])
+                fresh = made
+                devices = list(devices)
+                for i, device in zip(missing, made, strict=True):
+                    devices[i] = device
+        handed = hosts  # (the pairs' host sides)
     elif fresh_outputs and all(h is None for h in hosts):  # no out= and no pinned leaves
         hosts = _fresh_outputs(devices)
         handed = hosts

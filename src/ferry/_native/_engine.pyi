@@ -349,6 +349,10 @@ def slab_views(
     bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
     ``numpy.ndarray`` (``tree.c``)."""
 
+def mark_leaves(devices: list[Any] | tuple[Any, ...], state: Any, leases: int, /) -> None:
+    """Each ``DeviceArray``'s ``_state`` set to ``state`` (unless ``None``) and ``leases`` added to its
+    ``_leases``; ``TypeError`` (nothing changed) for any other item (``tree.c``)."""
+
 def set_hot_types(buffer: type, array: type, block: type, health: type, slot: type, /) -> None:
     """The exact classes whose fields the compiled entries read (each derives from its fields type)."""
 

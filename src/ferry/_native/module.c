@@ -89,6 +89,9 @@ static PyMethodDef module_methods[] = {
     {"slab_views", (PyCFunction)(void (*)(void))mod_slab_views, METH_FASTCALL,
      "slab_views(hosts, sizes, runtime, slab, base, owned, zero) -> a fresh DeviceArray view of the slab for "
      "each host array, back to back at 256-byte aligned offsets, or None (tree.c)"},
+    {"mark_leaves", (PyCFunction)(void (*)(void))mod_mark_leaves, METH_FASTCALL,
+     "mark_leaves(devices, state, leases): set each DeviceArray's state (unless None), add leases to its count "
+     "(tree.c)"},
     {"set_hot_types", (PyCFunction)(void (*)(void))mod_set_hot_types, METH_FASTCALL,
      "set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the classes whose fields the entries read"},
     {"array_fields", mod_array_fields, METH_NOARGS,

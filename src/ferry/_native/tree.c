@@ -192,3 +192,58 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     }
     return out;
 }
+
+/*
+ * mark_leaves(devices, state, leases): the device arrays of a tree's job, queued now, take their new state in one
+ * call: state (unless None) becomes each one's _state, and leases (an int, 0 for none) is added to each one's
+ * _leases. Every item must be an exact DeviceArray (leaf_pieces checked them): TypeError, nothing changed,
+ * otherwise.
+ */
+PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 3, "mark_leaves")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *devices = args[0], *state = args[1], *delta = args[2];
+    int tuple = PyTuple_Check(devices);
+    if (!tuple && !PyList_Check(devices)) {
+        PyErr_SetString(PyExc_TypeError, "mark_leaves: devices must be a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = tuple ? PyTuple_Size(devices) : PyList_Size(devices);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i);
+        if (!is_hot(st, d, HOT_ARRAY) || !ARRAY(d)->leases) {
+            PyErr_SetString(PyExc_TypeError, "mark_leaves: every item must be a DeviceArray");
+            return NULL;
+        }
+    }
+    PyObject **sums = NULL;
+    if (!is_zero(delta)) { /* every new count first: nothing changes if one cannot be made */
+        sums = calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+        if (!sums) return PyErr_NoMemory();
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *d = tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i);
+            if (!(sums[i] = PyNumber_Add(ARRAY(d)->leases, delta))) {
+                for (Py_ssize_t k = 0; k < i; k++) Py_DECREF(sums[k]);
+                free(sums);
+                return NULL;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ArrayFields *f = ARRAY(tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i));
+        PyObject *old;
+        if (sums) {
+            old = f->leases;
+            f->leases = sums[i];
+            Py_DECREF(old);
+        }
+        if (state != Py_None) {
+            Py_INCREF(state);
+            old = f->state;
+            f->state = state;
+            Py_XDECREF(old);
+        }
+    }
+    free(sums);
+    Py_RETURN_NONE;
+}

@@ -400,13 +400,25 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
         extra.finish = staged[0]
         extra.cleanups.append(staged[1])
     extra.cleanups.append(cleanup)
+    _mark(devices, upload)
+    if upload:
+        return PendingUpload(completion, record)
+    return PendingDownload(completion, record)
+
+
+def _mark(devices: list[Any], upload: bool) -> None:
+    """A queued group's device arrays: in flight (an upload's destinations) or read-leased once more (a
+    download's sources). One compiled call where the extension runs."""
+    module = _native.load()
+    if module is not None and all(type(d) is DeviceArray for d in devices):
+        module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
+        return
     if upload:
         for device in devices:
             device._state = IN_FLIGHT
-        return PendingUpload(completion, record)
-    for device in devices:
-        device._leases += 1
-    return PendingDownload(completion, record)
+    else:
+        for device in devices:
+            device._leases += 1
 
 
 def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
@@ -558,12 +570,9 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
             pass
 
     extra.cleanups.append(cleanup)
+    _mark(devices, upload)
     if upload:
-        for device in devices:
-            device._state = IN_FLIGHT
         return PendingUpload(completion, record)
-    for device in devices:
-        device._leases += 1
     return PendingDownload(completion, record)
 
 
