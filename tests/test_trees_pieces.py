@@ -383,3 +383,22 @@ def test_pinned_leaves_found_for_many_ranges_at_once(any_native: ferry.Runtime) 
     assert found[0] is found[1] is found[2] and found[4] is not found[0]  # one block for each tree
     assert leaves.covering_many([ptrs[0]], [64 << 20]) == [None]  # past the block's end
     assert leaves.covering_many([], []) == []
+
+
+def test_the_compiled_leaf_helpers_change_nothing_when_refused(emu: ferry.Runtime) -> None:
+    module = _native.load()
+    if module is None:
+        pytest.skip("the compiled extension is not built here")
+    rt = emu
+    a, b = rt.empty((4,), np.float32), rt.empty((8,), np.uint8)
+    with pytest.raises(TypeError):
+        module.mark_leaves([a, "not an array", b], "in_flight", 1)
+    assert a.state == b.state == "owned" and a._leases == b._leases == 0  # nothing changed
+    module.mark_leaves((a, b), None, 2)
+    assert a._leases == b._leases == 2 and a.state == "read_leased"
+    module.mark_leaves([a, b], None, -2)
+    assert a.state == b.state == "owned"
+    # fresh views: None (nothing made) unless every host is an exact ndarray
+    assert module.slab_views([np.zeros(3), memoryview(b"abc")], [24, 3], rt, None, 1 << 20, "owned", 0) is None
+    with pytest.raises(TypeError):
+        module.slab_views([np.zeros(3)], ["24"], rt, None, 1 << 20, "owned", 0)
