@@ -580,13 +580,17 @@ def _fresh_outputs(devices: list[Any]) -> list[Any]:
     allocation lives while any of them does. Larger leaves get an array of their own."""
     if not all(type(d) is DeviceArray for d in devices):
         return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
-    small = [i for i, d in enumerate(devices) if d._nbytes < SHARED_BYTES]
+    sizes = [d._nbytes for d in devices]
+    if max(sizes) < SHARED_BYTES:  # the common tree of small leaves: all of them in one allocation
+        offsets, total = layout(sizes)
+        return views(np.empty(total, np.uint8), [(d._shape, d._dtype) for d in devices], offsets, sizes)
+    small = [i for i, n in enumerate(sizes) if n < SHARED_BYTES]
     out: list[Any] = [None] * len(devices)
     if len(small) > 1:
         specs = [(devices[i]._shape, devices[i]._dtype) for i in small]
-        sizes = [devices[i]._nbytes for i in small]
-        offsets, total = layout(sizes)
-        made = views(np.empty(total, np.uint8), specs, offsets, sizes)
+        small_sizes = [sizes[i] for i in small]
+        offsets, total = layout(small_sizes)
+        made = views(np.empty(total, np.uint8), specs, offsets, small_sizes)
         for i, array in zip(small, made, strict=True):
             out[i] = array
     for i, d in enumerate(devices):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 import math
 import threading
 import weakref
@@ -221,13 +222,9 @@ def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dty
     rows (views made by NumPy's iteration, not one Python slicing per leaf). Each is C-contiguous, writable
     and keeps ``base`` alive."""
     out: list[np.ndarray[Any, Any]] = []
-    n = len(specs)
     i = 0
-    while i < n:
-        shape, dtype = specs[i]
-        j = i + 1
-        while j < n and specs[j][0] == shape and specs[j][1] == dtype:
-            j += 1
+    for (shape, dtype), run_specs in itertools.groupby(specs):  # runs of equal (shape, dtype), compared in C
+        j = i + len(list(run_specs))
         nbytes = sizes[i]
         if j - i < 8 or not shape or not nbytes or dtype.fields is not None or dtype.subdtype is not None:
             # (a structured dtype's rows would carry copies of the dtype, not the leaf's own object)
