@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import sys
 import threading
 import time
@@ -365,12 +366,15 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
             raise _refuse(call, path, problem)
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
     flat = take_flat(tree, np.ndarray, leaves, paths)
     if flat is not None:
-        if any(array.dtype.hasobject or not array.dtype.itemsize for array in leaves):  # the checks below name it
+        if any(dtype.hasobject or not dtype.itemsize for dtype in set(map(_DTYPE, leaves))):  # named below
             leaves.clear()
             paths.clear()
         else:
