@@ -266,3 +266,139 @@ def test_large_trees_move_as_one_job_with_every_byte_right(any_native: ferry.Run
     _, again = rt.download_tree(device).wait()
     assert all(np.array_equal(again[k], v[::-1]) for k, v in state.items())
     pending.wait()
+
+
+def test_fresh_leaves_of_every_shape_and_dtype_are_whole_device_arrays(rt: ferry.Runtime) -> None:
+    # the fresh destinations are made together (one compiled call where the extension runs): each must be
+    # an ordinary owned DeviceArray with its host leaf's shape, dtype and size, at a 256-byte aligned offset
+    rng = np.random.default_rng(21)
+    state: dict[str, np.ndarray[Any, Any]] = {
+        "matrix": rng.random((3, 5, 7)).astype(np.float32),
+        "empty": np.empty((0, 4), np.int16),
+        "scalar": np.array(7.5),
+        "odd": rng.integers(0, 255, 1001, dtype=np.uint8),
+        "record": np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
+        "big_endian": np.arange(10, dtype=">u4"),
+    }
+    jobs = _jobs(rt)[0]
+    _, device = rt.upload_tree(state).wait()
+    assert list(device) == list(state)
+    if _compiled(rt):
+        assert _jobs(rt)[0] == jobs + 1  # one job: an empty leaf has an address of its own in the allocation
+    for key, host in state.items():
+        leaf = device[key]
+        assert type(leaf) is ferry.DeviceArray
+        assert (leaf.shape, leaf.dtype, leaf.nbytes, leaf.state) == (host.shape, host.dtype, host.nbytes, "owned")
+        assert leaf.size == host.size and leaf.device == 0 and "owned" in repr(leaf)
+        if host.nbytes:
+            assert np.array_equal(rt.to_host(leaf), host)
+    ptrs = [d.ptr for d in device.values() if d.nbytes]  # (leaf by leaf, an empty array has no address)
+    assert all(p % 256 == 0 for p in ptrs) and ptrs == sorted(ptrs)
+    _, back = rt.download_tree(device).wait()
+    assert all(np.array_equal(back[k], v) and back[k].dtype == v.dtype for k, v in state.items())
+    # each view is a full array: an upload into one, a close of one, the runtime's close for the others
+    rt.upload(np.zeros((3, 5, 7), np.float32), device["matrix"]).wait()
+    assert not rt.to_host(device["matrix"]).any()
+    device["odd"].close()
+    assert device["odd"].state == "closed"
+    with pytest.raises(ferry.TransferSubmitError, match="closed"):
+        rt.to_host(device["odd"])
+    rt.close()
+    assert {d.state for d in device.values()} == {"closed"}
+
+
+def _mixed_state(seed: int) -> dict[str, np.ndarray[Any, Any]]:
+    """Runs of same-shaped leaves (padded and unpadded), multi-dimensional ones, odd dtypes, an empty leaf,
+    a scalar and one leaf above the shared size: every way the outputs are laid out."""
+    rng = np.random.default_rng(seed)
+    state: dict[str, np.ndarray[Any, Any]] = {}
+    for i in range(12):  # 1000 bytes each: a run whose rows are padded to 1024
+        state[f"padded{i}"] = rng.integers(0, 255, (10, 25, 4), dtype=np.uint8)
+    for i in range(10):  # 512 bytes each: back to back
+        state[f"block{i}"] = rng.random((8, 8)).astype(np.float64)
+    for i in range(9):  # a record dtype of 12 bytes whose rows are padded
+        state[f"record{i}"] = np.array([(i, 1.5 * i)] * 5, dtype=[("a", "<i4"), ("b", "<f8")])
+    state["empty"] = np.empty((0, 3), np.float32)
+    state["scalar"] = np.array(3.25)
+    state["big"] = rng.integers(0, 255, 2 << 20, dtype=np.uint8)
+    state["tail"] = rng.random(7).astype(np.float16)
+    return state
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_fresh_host_leaves_are_whole_independent_arrays(any_native: ferry.Runtime, pinned: bool) -> None:
+    # fresh outputs (pageable or pinned) are made in runs of same-shaped leaves, as views of one allocation:
+    # each must be a C-contiguous, writable array of its own shape, dtype and bytes, independent of the others
+    rt = any_native
+    state = _mixed_state(22)
+    _, device = rt.upload_tree(state).wait()
+    jobs, copied = _jobs(rt)[0], rt.stats().host_copied_bytes
+    _, host = rt.download_tree(device, pinned=pinned).wait()
+    assert _jobs(rt)[0] == jobs + (not pinned)  # one job (pageable) or one record of DMAs, not leaf by leaf
+    if pinned:
+        assert rt.stats().host_copied_bytes == copied  # DMAs only: no staging
+    assert list(host) == list(state)
+    for key, want in state.items():
+        got = host[key]
+        assert type(got) is np.ndarray and got.flags.c_contiguous and got.flags.writeable
+        assert (got.shape, got.dtype, got.nbytes) == (want.shape, want.dtype, want.nbytes)
+        assert np.array_equal(got, want)
+    del got
+    ends = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in host.values() if a.nbytes)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ends))  # no two overlap
+    host["padded3"][...] = 0  # writing one leaf leaves its neighbours alone
+    host["block4"].fill(-1.0)
+    assert np.array_equal(host["padded2"], state["padded2"]) and np.array_equal(host["padded4"], state["padded4"])
+    assert np.array_equal(host["block3"], state["block3"]) and np.array_equal(host["block5"], state["block5"])
+    # one leaf kept alone keeps its bytes (the allocation lives while any leaf does)
+    leaves = parts_of(rt).host.pinned_leaves
+    live = leaves.live_bytes
+    keep, kept_record = host["padded5"], host["record7"]  # a row of a run, a leaf made alone
+    del host
+    gc.collect()
+    assert leaves.live_bytes == live  # (pinned) the block stays out of the pool while a leaf lives
+    assert np.array_equal(keep, state["padded5"]) and np.array_equal(kept_record, state["record7"])
+    # a later round's outputs are new arrays, not the kept ones' memory
+    _, again = rt.download_tree(device, pinned=pinned).wait()
+    assert np.array_equal(again["padded5"], state["padded5"]) and not np.shares_memory(again["padded5"], keep)
+    del again, keep, kept_record
+    gc.collect()
+    if pinned:
+        assert leaves.live_bytes == live - live  # every leaf went: both blocks are back in the pool
+
+
+def test_pinned_leaves_found_for_many_ranges_at_once(any_native: ferry.Runtime) -> None:
+    rt = any_native
+    leaves = parts_of(rt).host.pinned_leaves
+    _, device = rt.upload_tree(_state(3, 4 * KiB, 23)).wait()
+    _, a = rt.download_tree(device, pinned=True).wait()
+    _, b = rt.download_tree(device, pinned=True).wait()
+    other = np.empty(4 * KiB, np.uint8)
+    arrays = [*a.values(), other, *b.values()]
+    ptrs = [x.ctypes.data for x in arrays]
+    sizes = [x.nbytes for x in arrays]
+    assert leaves.covering_many(ptrs, sizes) == [leaves.covering(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+    found = leaves.covering_many(ptrs, sizes)
+    assert found[3] is None and all(f is not None for i, f in enumerate(found) if i != 3)
+    assert found[0] is found[1] is found[2] and found[4] is not found[0]  # one block for each tree
+    assert leaves.covering_many([ptrs[0]], [64 << 20]) == [None]  # past the block's end
+    assert leaves.covering_many([], []) == []
+
+
+def test_the_compiled_leaf_helpers_change_nothing_when_refused(emu: ferry.Runtime) -> None:
+    module = _native.load()
+    if module is None:
+        pytest.skip("the compiled extension is not built here")
+    rt = emu
+    a, b = rt.empty((4,), np.float32), rt.empty((8,), np.uint8)
+    with pytest.raises(TypeError):
+        module.mark_leaves([a, "not an array", b], "in_flight", 1)
+    assert a.state == b.state == "owned" and a._leases == b._leases == 0  # nothing changed
+    module.mark_leaves((a, b), None, 2)
+    assert a._leases == b._leases == 2 and a.state == "read_leased"
+    module.mark_leaves([a, b], None, -2)
+    assert a.state == b.state == "owned"
+    # fresh views: None (nothing made) unless every host is an exact ndarray
+    assert module.slab_views([np.zeros(3), memoryview(b"abc")], [24, 3], rt, None, 1 << 20, "owned", 0) is None
+    with pytest.raises(TypeError):
+        module.slab_views([np.zeros(3)], ["24"], rt, None, 1 << 20, "owned", 0)

@@ -277,6 +277,14 @@ def new_device_array(
     return array
 
 
+def new_view(
+    owner: object, memory: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int
+) -> DeviceArray:
+    """A device array over part of ``memory`` (a slab of several views), not registered with it: the caller
+    registers the views together (``DeviceSlab.adopt``)."""
+    return DeviceArray(owner, memory, ptr, shape, dtype, nbytes, _token=_FACTORY)
+
+
 def export_cai(array: DeviceArray) -> dict[str, Any]:
     """The CUDA Array Interface (version 3) of a ferry array that is owned or read-leased."""
     state = array.state

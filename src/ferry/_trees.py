@@ -42,6 +42,8 @@ own arrays are writable again).
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 import sys
 import threading
 import time
@@ -53,8 +55,17 @@ import numpy as np
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
+from ._memory._leaves import layout, views
 from ._pending import PendingDownload, PendingUpload
-from ._routes._groups import empty_many, gc_paused, pieces_ready, submit_pieces, submit_pinned, submit_small
+from ._routes._groups import (
+    empty_like_many,
+    empty_many,
+    gc_paused,
+    pieces_ready,
+    submit_pieces,
+    submit_pinned,
+    submit_small,
+)
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
@@ -148,7 +159,9 @@ class TreePort:
             try:
                 got = child.wait()
                 span = record.spans[i]
-                if record.grouped[i]:
+                if record.grouped[i] and len(children) == 1:  # one record for the whole tree, in order
+                    results = list(zip(*got, strict=True))
+                elif record.grouped[i]:
                     hosts, devices = got
                     for k, leaf in enumerate(span):
                         results[leaf] = (hosts[k], devices[k])
@@ -353,12 +366,15 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
             raise _refuse(call, path, problem)
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
     flat = take_flat(tree, np.ndarray, leaves, paths)
     if flat is not None:
-        if any(array.dtype.hasobject or not array.dtype.itemsize for array in leaves):  # the checks below name it
+        if any(dtype.hasobject or not dtype.itemsize for dtype in set(map(_DTYPE, leaves))):  # named below
             leaves.clear()
             paths.clear()
         else:
@@ -520,26 +536,32 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
 
 
 def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
-                   devices: list[Any]) -> Any:
+                   devices: list[Any], fresh_outputs: bool = False) -> Any:
     """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
     handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
     outputs are made first (and closed again when the leaves go another way)."""
     fresh: list[Any] = []
     if upload:
-        missing = [i for i, d in enumerate(devices) if d is None]
-        if missing:
-            made = empty_many(rt, [(hosts[i].shape, hosts[i].dtype) for i in missing])
-            fresh = made
-            devices = list(devices)
-            for i, device in zip(missing, made, strict=True):
-                devices[i] = device
-        handed = [p[0] for p in pairs]
+        if all(d is None for d in devices):  # every destination fresh: made together
+            devices = fresh = empty_like_many(rt, hosts)
+        else:
+            missing = [i for i, d in enumerate(devices) if d is None]
+            if missing:
+                made = empty_like_many(rt, [hosts[i] for i in missing])
+                fresh = made
+                devices = list(devices)
+                for i, device in zip(missing, made, strict=True):
+                    devices[i] = device
+        handed = hosts  # (the pairs' host sides)
+    elif fresh_outputs and all(h is None for h in hosts):  # no out= and no pinned leaves
+        hosts = _fresh_outputs(devices)
+        handed = hosts
     else:
         hosts = [np.empty(d.shape, d.dtype) if h is None and isinstance(d, DeviceArray) else h
                  for h, d in zip(hosts, devices, strict=True)]
         handed = hosts
     try:
-        handle = submit_pieces(rt, upload, hosts, devices, handed)
+        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh_outputs)
     except BaseException:
         for device in fresh:
             if device._state is OWNED:
@@ -549,6 +571,36 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
         for device in fresh:
             device.close()
     return handle
+
+
+SHARED_BYTES = 1 << 20
+"""Fresh pageable outputs of a download tree below this size share one host allocation."""
+
+
+def _fresh_outputs(devices: list[Any]) -> list[Any]:
+    """A download's fresh pageable outputs for device leaves (``None`` where a leaf is not a ferry device
+    array: the checks then refuse the fast way). The leaves under :data:`SHARED_BYTES` are views of one
+    NumPy allocation, back to back (one allocation instead of one per leaf, and views made in runs); the
+    allocation lives while any of them does. Larger leaves get an array of their own."""
+    if not all(type(d) is DeviceArray for d in devices):
+        return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
+    sizes = [d._nbytes for d in devices]
+    if max(sizes) < SHARED_BYTES:  # the common tree of small leaves: all of them in one allocation
+        offsets, total = layout(sizes)
+        return views(np.empty(total, np.uint8), [(d._shape, d._dtype) for d in devices], offsets, sizes)
+    small = [i for i, n in enumerate(sizes) if n < SHARED_BYTES]
+    out: list[Any] = [None] * len(devices)
+    if len(small) > 1:
+        specs = [(devices[i]._shape, devices[i]._dtype) for i in small]
+        small_sizes = [sizes[i] for i in small]
+        offsets, total = layout(small_sizes)
+        made = views(np.empty(total, np.uint8), specs, offsets, small_sizes)
+        for i, array in zip(small, made, strict=True):
+            out[i] = array
+    for i, d in enumerate(devices):
+        if out[i] is None:
+            out[i] = np.empty(d._shape, d._dtype)
+    return out
 
 
 def upload_tree(rt: Any, tree: Any, destination: Any = None, to: str | None = None) -> PendingUpload[Any, Any]:
@@ -618,7 +670,8 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
         outs = _pinned_outputs(rt, call, paths, sources)
         pairs = list(zip(sources, outs, strict=True))
-    fast = _submit_pieces(rt, False, pairs, outs, sources) if len(pairs) > 1 and pieces_ready(rt, False) else None
+    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh_outputs=out is None)
+            if len(pairs) > 1 and pieces_ready(rt, False) else None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -657,21 +710,29 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
 
 def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
+    specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
-    described = [_dtype_of(device) for device in sources]
-    wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
-    specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []
-    total = 0
-    for i in wanted:
-        shape, dtype = described[i]
-        assert dtype is not None
-        specs.append((shape, dtype))
-        total += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    sizes: list[int] | None = None
+    if all(type(d) is DeviceArray for d in sources):  # the common tree: no per-leaf call
+        wanted = list(range(len(sources)))
+        specs = [(d._shape, d._dtype) for d in sources]
+        sizes = [d._nbytes for d in sources]
+        total = sum(sizes)
+    else:
+        described = [_dtype_of(device) for device in sources]
+        wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
+        specs = []
+        total = 0
+        for i in wanted:
+            shape, dtype = described[i]
+            assert dtype is not None
+            specs.append((shape, dtype))
+            total += math.prod(shape) * dtype.itemsize
     what = f"{len(specs)} leaves, {total} bytes"
     try:
-        made = leaves.shared(specs) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
+        made = leaves.shared(specs, sizes) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
     except (MemoryError, ValueError) as exc:
         raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
                                   "submitted") from exc

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import itertools
 import math
 import threading
 import weakref
@@ -127,23 +128,20 @@ class PinnedLeaves:
             self.made += len(made)
         return out
 
-    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray[Any, Any]]:
+    def shared(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]],
+               sizes: list[int] | None = None) -> list[np.ndarray[Any, Any]]:
         """:meth:`array` for every ``(shape, dtype)`` pair, all on one pooled block, each at an offset
         aligned to :data:`ALIGN` bytes, back to back (a tree's leaves then move as few large DMAs). The
         block goes back to the pool once every one of the arrays, and every view of them, was collected.
-        Raises as :meth:`array` (nothing taken)."""
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-        offsets: list[int] = []
-        total = 0
-        for nbytes in sizes:
-            offsets.append(total)
-            total += -(-nbytes // ALIGN) * ALIGN
+        ``sizes``: each pair's bytes, when the caller knows them. Raises as :meth:`array` (nothing taken)."""
+        if sizes is None:
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        offsets, total = layout(sizes)
         block = self.pool.acquire(max(total, 1))
         try:
             raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
             base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
-            out = [base[off:off + nbytes].view(dtype).reshape(shape)
-                   for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            out = _views(base, specs, offsets, sizes)
         except BaseException:
             self.pool.release(block)
             raise
@@ -174,6 +172,21 @@ class PinnedLeaves:
         self._leaves = kept
         self._starts = [leaf.ptr for leaf in kept]
 
+    def covering_many(self, ptrs: list[int], sizes: list[int]) -> list[Leaf | None]:
+        """:meth:`covering` for many ranges at once (one vectorised search for all of them)."""
+        with self._lock:
+            leaves = self._leaves
+            if not leaves or not ptrs:
+                return [None] * len(ptrs)
+            starts = np.array(self._starts, np.uint64)
+            ends = np.array([leaf.ptr + leaf.nbytes if leaf.alive else 0 for leaf in leaves], np.uint64)
+        p = np.array(ptrs, np.uint64)
+        at = np.searchsorted(starts, p, side="right").astype(np.int64) - 1
+        inside = (at >= 0) & (p + np.array(sizes, np.uint64) <= ends[np.maximum(at, 0)])
+        if not inside.any():
+            return [None] * len(ptrs)
+        return [leaves[i] if hit else None for i, hit in zip(at.tolist(), inside.tolist(), strict=True)]
+
     def covering(self, ptr: int, nbytes: int) -> Leaf | None:
         """The live leaf whose block holds ``[ptr, ptr + nbytes)``, if any."""
         with self._lock:
@@ -184,3 +197,48 @@ class PinnedLeaves:
                 if leaf.covers(ptr, nbytes):
                     return leaf
         return None
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of arrays of ``sizes`` bytes placed back to back, each at a multiple of :data:`ALIGN` (an
+    empty one takes :data:`ALIGN` bytes too: no two share an address), and the bytes they span."""
+    if not sizes:
+        return [], 0
+    spans = (np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN
+    ends = np.cumsum(spans)
+    return (ends - spans).tolist(), int(ends[-1])
+
+
+def views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dtype[Any]]], offsets: list[int],
+          sizes: list[int]) -> list[np.ndarray[Any, Any]]:
+    """The arrays of ``specs`` over ``base`` at ``offsets`` (see :func:`_views`)."""
+    return _views(base, specs, offsets, sizes)
+
+
+def _views(base: np.ndarray[Any, Any], specs: list[tuple[tuple[int, ...], np.dtype[Any]]], offsets: list[int],
+           sizes: list[int]) -> list[np.ndarray[Any, Any]]:
+    """The arrays of ``specs`` over ``base`` at ``offsets``: each run of leaves of one shape and dtype (a
+    state dict's blocks, a model's layers) is one strided array of the run, and its leaves are that array's
+    rows (views made by NumPy's iteration, not one Python slicing per leaf). Each is C-contiguous, writable
+    and keeps ``base`` alive."""
+    out: list[np.ndarray[Any, Any]] = []
+    i = 0
+    for (shape, dtype), run_specs in itertools.groupby(specs):  # runs of equal (shape, dtype), compared in C
+        j = i + len(list(run_specs))
+        nbytes = sizes[i]
+        if j - i < 8 or not shape or not nbytes or dtype.fields is not None or dtype.subdtype is not None:
+            # (a structured dtype's rows would carry copies of the dtype, not the leaf's own object)
+            for k in range(i, j):
+                if sizes[k]:
+                    out.append(base[offsets[k]:offsets[k] + sizes[k]].view(specs[k][1]).reshape(specs[k][0]))
+                else:  # (an empty slice of base would start at base's own address, not at its offset)
+                    out.append(np.ndarray(specs[k][0], specs[k][1], buffer=base, offset=offsets[k]))
+        else:
+            strides = [dtype.itemsize]
+            for dim in reversed(shape[1:]):
+                strides.insert(0, strides[0] * dim)
+            run = np.ndarray((j - i, *shape), dtype, buffer=base, offset=offsets[i],
+                             strides=(offsets[i + 1] - offsets[i], *strides))
+            out.extend(run)
+        i = j
+    return out

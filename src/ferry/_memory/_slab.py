@@ -41,7 +41,7 @@ ALIGN = 256
 class DeviceSlab:
     """One device allocation shared by several device arrays (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_live", "_nbytes", "_ptr", "arrays", "backend", "device", "lock", "memory")
+    __slots__ = ("__weakref__", "_live", "_nbytes", "_ptr", "_views", "backend", "device", "lock", "memory")
 
     def __init__(self, memory: DeviceMemory, ptr: int, nbytes: int, views: int) -> None:
         self.memory = memory
@@ -51,20 +51,29 @@ class DeviceSlab:
         self._ptr = ptr
         self._nbytes = nbytes
         self._live = list(range(views))  # one token per live view: the one that pops 0 was the last
-        self.arrays: weakref.WeakSet[Any] = weakref.WeakSet()  # the views, device arrays (new_device_array adds them)
+        self._views: list[weakref.ref[Any]] = []  # the views (adopt() adds them), dead ones included
+
+    def adopt(self, views: list[Any]) -> None:
+        """Remember the device arrays that are this slab's views (weak references: they die as they like)."""
+        self._views.extend(map(weakref.ref, views))
+
+    @property
+    def arrays(self) -> list[Any]:
+        """The views alive now."""
+        return [view for view in (ref() for ref in self._views) if view is not None]
 
     # -- the allocation, as the runtime's device memory sees it ------------------------------------
     @property
     def _state(self) -> State:
         if not self._live:
             return CLOSED
-        if any(view._state is ABANDONED for view in list(self.arrays)):
+        if any(view._state is ABANDONED for view in self.arrays):
             return ABANDONED  # the device may still touch a view: never freed
         return OWNED
 
     def _release_for_close(self) -> None:
         """The runtime closes: every live view is closed, the allocation is freed once (by the caller)."""
-        for view in list(self.arrays):
+        for view in self.arrays:
             view._release_for_close()
         self._live = []
 
@@ -114,5 +123,5 @@ def slab_layout(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> tuple[lis
     total = 0
     for nbytes in sizes:
         offsets.append(total)
-        total += -(-nbytes // ALIGN) * ALIGN
+        total += -(-max(nbytes, 1) // ALIGN) * ALIGN  # an empty array too: no two views share an address
     return offsets, sizes, total

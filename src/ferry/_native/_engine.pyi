@@ -342,6 +342,17 @@ def leaf_pieces(
     """A tree's leaves (host arrays and ferry device arrays, pairwise) as :meth:`Engine.submit_pieces`
     takes them, with their total bytes; ``None`` where a leaf is not the common case (``tree.c``)."""
 
+def slab_views(
+    hosts: list[Any], sizes: list[int], runtime: Any, slab: Any, base: int, owned: Any, zero: int, /
+) -> list[Any] | None:
+    """A fresh owned ``DeviceArray`` view of ``slab`` for each host array (its shape and dtype, ``sizes[i]``
+    bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
+    ``numpy.ndarray`` (``tree.c``)."""
+
+def mark_leaves(devices: list[Any] | tuple[Any, ...], state: Any, leases: int, /) -> None:
+    """Each ``DeviceArray``'s ``_state`` set to ``state`` (unless ``None``) and ``leases`` added to its
+    ``_leases``; ``TypeError`` (nothing changed) for any other item (``tree.c``)."""
+
 def set_hot_types(buffer: type, array: type, block: type, health: type, slot: type, /) -> None:
     """The exact classes whose fields the compiled entries read (each derives from its fields type)."""
 

@@ -86,6 +86,12 @@ static PyMethodDef module_methods[] = {
     {"leaf_pieces", (PyCFunction)(void (*)(void))mod_leaf_pieces, METH_FASTCALL,
      "leaf_pieces(hosts, devices, runtime, owned, upload) -> (pieces, nbytes) or None: a tree's leaves as "
      "Engine.submit_pieces takes them, or None where a leaf is not the common case (tree.c)"},
+    {"slab_views", (PyCFunction)(void (*)(void))mod_slab_views, METH_FASTCALL,
+     "slab_views(hosts, sizes, runtime, slab, base, owned, zero) -> a fresh DeviceArray view of the slab for "
+     "each host array, back to back at 256-byte aligned offsets, or None (tree.c)"},
+    {"mark_leaves", (PyCFunction)(void (*)(void))mod_mark_leaves, METH_FASTCALL,
+     "mark_leaves(devices, state, leases): set each DeviceArray's state (unless None), add leases to its count "
+     "(tree.c)"},
     {"set_hot_types", (PyCFunction)(void (*)(void))mod_set_hot_types, METH_FASTCALL,
      "set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the classes whose fields the entries read"},
     {"array_fields", mod_array_fields, METH_NOARGS,

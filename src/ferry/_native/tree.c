@@ -109,3 +109,141 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(size);
     return result;
 }
+
+/*
+ * slab_views(hosts, sizes, runtime, slab, base, owned, zero): the fresh device arrays of a tree's upload, views of
+ * one device allocation (ferry._memory._slab) at base, one for each host array, each at the next offset aligned to
+ * 256 bytes, with the host array's shape and dtype object and sizes[i] bytes (an empty one takes 256 bytes: no two views
+ * share an address, which leaf_pieces would refuse). Each is made as
+ * ferry._device_array.new_device_array makes one (the exact DeviceArray class, owned, no leases, nothing to wait
+ * for), without a Python call per leaf. None where a host is not an exact numpy.ndarray (or the classes are not
+ * known yet): the caller then makes them in Python. Nothing is registered anywhere: the caller does that.
+ */
+PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 7, "slab_views")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *hosts = args[0], *sizes = args[1], *runtime = args[2], *slab = args[3], *owned = args[5],
+             *zero = args[6];
+    if (!PyList_Check(hosts) || !PyList_Check(sizes) || PyList_Size(hosts) != PyList_Size(sizes)) {
+        PyErr_SetString(PyExc_TypeError, "slab_views: hosts and sizes must be lists of one length");
+        return NULL;
+    }
+    unsigned long long base = PyLong_AsUnsignedLongLong(args[4]);
+    if (base == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyTypeObject *cls = (PyTypeObject *)st->hot_types[HOT_ARRAY];
+    if (!cls || !st->ndarray_type) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_Size(hosts);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!is_ndarray(st, PyList_GetItem(hosts, i))) Py_RETURN_NONE;
+    allocfunc alloc = (allocfunc)PyType_GetSlot(cls, Py_tp_alloc);
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    unsigned long long at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const NumpyArray *a = (const NumpyArray *)PyList_GetItem(hosts, i);
+        PyObject *size = PyList_GetItem(sizes, i);
+        unsigned long long nbytes = PyLong_Check(size) ? PyLong_AsUnsignedLongLong(size) : (unsigned long long)-1;
+        if (nbytes == (unsigned long long)-1) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "slab_views: a size is not an int >= 0");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *shape = PyTuple_New(a->nd);
+        if (!shape) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        for (int k = 0; k < a->nd; k++) {
+            PyObject *d = PyLong_FromSsize_t(a->dimensions[k]);
+            if (!d) {
+                Py_DECREF(shape);
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyTuple_SetItem(shape, k, d);
+        }
+        PyObject *ptr = PyLong_FromUnsignedLongLong(base + at);
+        PyObject *obj = ptr ? alloc(cls, 0) : NULL;
+        if (!obj) {
+            Py_XDECREF(ptr);
+            Py_DECREF(shape);
+            Py_DECREF(out);
+            return NULL;
+        }
+        ArrayFields *f = ARRAY(obj);
+        Py_INCREF(a->descr);
+        f->dtype = a->descr;
+        Py_INCREF(zero);
+        f->leases = zero;
+        Py_INCREF(slab);
+        f->memory = slab;
+        Py_INCREF(size);
+        f->nbytes = size;
+        f->ptr = ptr;
+        Py_INCREF(Py_None);
+        f->ready = Py_None;
+        Py_INCREF(runtime);
+        f->runtime = runtime;
+        f->shape = shape;
+        Py_INCREF(owned);
+        f->state = owned;
+        PyList_SetItem(out, i, obj);
+        at += ((nbytes ? nbytes : 1) + 255) / 256 * 256; /* an empty leaf too: no two views start together */
+    }
+    return out;
+}
+
+/*
+ * mark_leaves(devices, state, leases): the device arrays of a tree's job, queued now, take their new state in one
+ * call: state (unless None) becomes each one's _state, and leases (an int, 0 for none) is added to each one's
+ * _leases. Every item must be an exact DeviceArray (leaf_pieces checked them): TypeError, nothing changed,
+ * otherwise.
+ */
+PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 3, "mark_leaves")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *devices = args[0], *state = args[1], *delta = args[2];
+    int tuple = PyTuple_Check(devices);
+    if (!tuple && !PyList_Check(devices)) {
+        PyErr_SetString(PyExc_TypeError, "mark_leaves: devices must be a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = tuple ? PyTuple_Size(devices) : PyList_Size(devices);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i);
+        if (!is_hot(st, d, HOT_ARRAY) || !ARRAY(d)->leases) {
+            PyErr_SetString(PyExc_TypeError, "mark_leaves: every item must be a DeviceArray");
+            return NULL;
+        }
+    }
+    PyObject **sums = NULL;
+    if (!is_zero(delta)) { /* every new count first: nothing changes if one cannot be made */
+        sums = calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+        if (!sums) return PyErr_NoMemory();
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *d = tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i);
+            if (!(sums[i] = PyNumber_Add(ARRAY(d)->leases, delta))) {
+                for (Py_ssize_t k = 0; k < i; k++) Py_DECREF(sums[k]);
+                free(sums);
+                return NULL;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ArrayFields *f = ARRAY(tuple ? PyTuple_GetItem(devices, i) : PyList_GetItem(devices, i));
+        PyObject *old;
+        if (sums) {
+            old = f->leases;
+            f->leases = sums[i];
+            Py_DECREF(old);
+        }
+        if (state != Py_None) {
+            Py_INCREF(state);
+            old = f->state;
+            f->state = state;
+            Py_XDECREF(old);
+        }
+    }
+    free(sums);
+    Py_RETURN_NONE;
+}

@@ -43,10 +43,10 @@ import numpy as np
 from .. import _native
 from .._backends._base import DeviceError
 from .._completion import Extras
-from .._device_array import DeviceArray, new_device_array
+from .._device_array import DeviceArray, new_device_array, new_view
 from .._errors import RuntimeClosedError, TransferSubmitError
 from .._interop._foreign import order_before
-from .._memory._slab import DeviceSlab, slab_layout
+from .._memory._slab import ALIGN, DeviceSlab, slab_layout
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
 from ._base import array_ptr
@@ -163,9 +163,11 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
             offsets, sizes, total = slab_layout(specs)
             base = memory.alloc(total)
             slab = DeviceSlab(memory, base, total, len(specs))
+            views = [new_view(rt, slab, base + off, shape, dtype, nbytes)
+                     for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            slab.adopt(views)
             memory.arrays.add(slab)
-            return [new_device_array(rt, slab, base + off, shape, dtype, nbytes)  # type: ignore[arg-type]
-                    for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+            return views
         try:
             for shape, dtype in specs:
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -175,6 +177,32 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
                 array.close()
             raise
     return made
+
+
+def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceArray]:
+    """:func:`empty_many` for arrays of the shapes and dtypes of ``hosts`` (checked NumPy arrays, at least
+    two): views of one allocation, made in one compiled call where the extension runs."""
+    module = _native.load()
+    if module is None or len(hosts) < 2:
+        return empty_many(rt, [(h.shape, h.dtype) for h in hosts])
+    parts = rt._parts
+    parts.health.check_open()
+    memory, completion = parts.memory, parts.completion
+    sizes = [h.nbytes for h in hosts]
+    total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())  # as slab_layout
+    with parts.lock:
+        if completion.maintenance_due():
+            completion.maintain()
+        base = memory.alloc(total)
+        slab = DeviceSlab(memory, base, total, len(hosts))
+        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)
+        if views is None:
+            offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
+            views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
+                     for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
+        slab.adopt(views)
+        memory.arrays.add(slab)
+    return views  # type: ignore[no-any-return]
 
 
 def _check_open(rt: Any) -> None:
@@ -196,6 +224,15 @@ def _order(completion: Any, stream: Any, devices: list[DeviceArray]) -> None:
 def _covering(routes: Any, ptr: int, nbytes: int) -> Any:
     found = routes.registrations.covering(ptr, nbytes) if routes.registrations.active else None
     return found if found is not None else routes.pinned_leaves.covering(ptr, nbytes)
+
+
+def _covering_runs(routes: Any, ptrs: list[int], sizes: list[int]) -> list[Any]:
+    """:func:`_covering` for many host ranges: the pinned leaves searched once for all of them."""
+    found: list[Any] = routes.pinned_leaves.covering_many(ptrs, sizes)
+    if routes.registrations.active:
+        found = [reg if reg is not None else routes.registrations.covering(p, n)
+                 for reg, p, n in zip(found, ptrs, sizes, strict=True)]
+    return found
 
 
 def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devices: list[DeviceArray],
@@ -343,8 +380,8 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
     # from here on nothing raises: the copies are queued
     extra = record.extra = Extras()
-    for host in hosts:
-        leases.take(host)
+    for _ in map(leases.take, hosts):
+        pass
     if regs is not None:
         for reg in regs:
             reg._uses += 1
@@ -353,8 +390,8 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     def cleanup(failed: bool) -> None:
         if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
             return
-        for host in hosts:
-            give(host)
+        for _ in map(give, hosts):
+            pass
         if regs is not None:
             for reg in regs:
                 reg._uses -= 1
@@ -363,13 +400,25 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
         extra.finish = staged[0]
         extra.cleanups.append(staged[1])
     extra.cleanups.append(cleanup)
+    _mark(devices, upload)
+    if upload:
+        return PendingUpload(completion, record)
+    return PendingDownload(completion, record)
+
+
+def _mark(devices: list[Any], upload: bool) -> None:
+    """A queued group's device arrays: in flight (an upload's destinations) or read-leased once more (a
+    download's sources). One compiled call where the extension runs."""
+    module = _native.load()
+    if module is not None and all(type(d) is DeviceArray for d in devices):
+        module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
+        return
     if upload:
         for device in devices:
             device._state = IN_FLIGHT
-        return PendingUpload(completion, record)
-    for device in devices:
-        device._leases += 1
-    return PendingDownload(completion, record)
+    else:
+        for device in devices:
+            device._leases += 1
 
 
 def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
@@ -440,10 +489,14 @@ def _emulated_targets(backend: Any, pieces: bytes) -> tuple[bytes, Any]:
     return table.tobytes(), release
 
 
-def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], handed: list[Any], *,
+                  fresh: bool = False) -> Any:
     """One record and one staging job for every leaf (pageable host arrays, ferry device arrays); the
     handle, or None where a leaf is not the common case or the compiled engine is not there (then
-    nothing changed: the caller takes the leaves one by one, which names any problem)."""
+    nothing changed: the caller takes the leaves one by one, which names any problem).
+
+    ``fresh``: the host arrays are a download's fresh outputs, made for it and seen by no one until
+    ``wait()`` hands them out, so they are not flagged read-only meanwhile (no lease per leaf)."""
     routes = rt._parts.host
     completion = routes.completion
     module = _native.load()
@@ -460,16 +513,16 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
             completion.maintain()
         if routes.registrations.active or routes.pinned_leaves.active:
             runs = _runs(pieces)
-            regs = [_covering(routes, h, n) for h, n in zip(runs[0], runs[2], strict=True)]
+            regs = _covering_runs(routes, runs[0], runs[2])
             if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
-                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed)
+                return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed, fresh)
             if any(reg is not None for reg in regs):
                 return None  # some pinned, some not: leaf by leaf
-        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed)
+        return _staged_pieces(rt, engine, upload, pieces, total, hosts, devices, handed, fresh)
 
 
 def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, total: int, hosts: list[Any],
-                   devices: list[Any], handed: list[Any]) -> Any:
+                   devices: list[Any], handed: list[Any], fresh: bool) -> Any:
     """One staging job for pageable leaves (checked by ``leaf_pieces``): its record and handle. Lock held."""
     routes = rt._parts.host
     completion = routes.completion
@@ -504,24 +557,22 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
         moved, leased, result = (), devs, (devs, tuple(handed))
     record = completion.job_record(job, engine, moved, leased, result, total, extra)
     leases = routes.direct.leases
-    for host in hosts:
-        leases.take(host)
+    hosts_leased: list[Any] = [] if fresh else hosts
+    for _ in map(leases.take, hosts_leased):
+        pass
     give = leases.give
 
     def cleanup(failed: bool) -> None:
         with staged._lock:
             staged.host_copied += job.host_bytes
         job.finished()
-        for host in hosts:
-            give(host)
+        for _ in map(give, hosts_leased):
+            pass
 
     extra.cleanups.append(cleanup)
+    _mark(devices, upload)
     if upload:
-        for device in devices:
-            device._state = IN_FLIGHT
         return PendingUpload(completion, record)
-    for device in devices:
-        device._leases += 1
     return PendingDownload(completion, record)
 
 
@@ -539,7 +590,7 @@ def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
 
 
 def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
-                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any]) -> Any:
+                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any], fresh: bool) -> Any:
     """One record for leaves in pinned memory (checked by ``leaf_pieces``, merged into runs): each large
     run one DMA, the small ones one batched copy, one event. Lock held."""
     routes = rt._parts.host
@@ -576,5 +627,5 @@ def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list
         def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
             backend.copy_batch(upload, [], [], [], stream, event)
 
-    return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, routes.direct.leases,
-                    regs, None)
+    return _enqueue(rt, completion, upload, stream, copy, total, [] if fresh else hosts, devices, handed,
+                    routes.direct.leases, regs, None)
