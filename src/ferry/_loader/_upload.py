@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .._backends._base import DeviceError
-from .._device_array import DeviceArray, new_device_array
+from .._device_array import DeviceArray, new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
 from .._routes._direct import _raise_queued
@@ -92,9 +92,10 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
         else:
             slab.reuse(layout.count)
             base = slab._ptr
-        devices = [new_device_array(rt, slab, base + offset, shape, dtype, nbytes)  # type: ignore[arg-type]
+        devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
                    for shape, dtype, offset, nbytes in zip(layout.shapes, layout.dtypes, layout.offsets,
                                                            layout.sizes, strict=True)]
+        slab.adopt(devices)
         try:
             registrations = routes.registrations
             reg = registrations.covering(span[0], span[1]) if registrations.active else None
@@ -259,7 +260,7 @@ class _KeptSlab(DeviceSlab):
     def reuse(self, views: int) -> None:
         """Lent again, for ``views`` new views (every earlier one went). Lock held."""
         self._live = list(range(views))
-        self.arrays = weakref.WeakSet()
+        self._views = []
 
     def _home(self) -> DeviceRing | None:
         return self.home() if self.home is not None else None
