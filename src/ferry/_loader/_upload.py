@@ -41,8 +41,7 @@ from .._backends._base import DeviceError
 from .._device_array import DeviceArray, new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
-from .._routes._direct import _raise_queued
-from .._routes._groups import SMALL_BYTES, _check_open, _enqueue
+from .._routes._groups import SMALL_BYTES, _check_open, _enqueue, batched_copy
 from .._state import IN_FLIGHT, OWNED
 
 __all__: list[str] = []
@@ -107,21 +106,7 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
             small_s = [ptrs[i] for i in small]
             small_n = [layout.sizes[i] for i in small]
             large = [(dptrs[i], ptrs[i], layout.sizes[i]) for i in big]
-            one = backend.htod_record
-
-            def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
-                queued = False
-                if small_d:
-                    backend.copy_batch(True, small_d, small_s, small_n, stream, None if large else event)
-                    queued = True
-                last = len(large) - 1
-                for j, (dst, src, nbytes) in enumerate(large):
-                    try:
-                        one(dst, src, nbytes, stream, event if j == last else None)
-                    except DeviceError as exc:
-                        _raise_queued(exc, after_first=queued)
-                    queued = True
-
+            copy = batched_copy(backend, True, small_d, small_s, small_n, large)
             handle = _enqueue(rt, completion, True, stream, copy, layout.nbytes, leaves, devices, leaves,
                               routes.direct.leases, [reg], None)
         except BaseException:

@@ -324,6 +324,35 @@ static int seq_to_ssize(PyObject *seq, ptrdiff_t *out, Py_ssize_t *n, const char
     return 0;
 }
 
+/* The end of every submit: the plan's refusal as an exception (nothing queued), else the job wrapped in a
+ * Job object (which owns it) and queued; a queue refusal frees it and raises. */
+static PyObject *queue_planned(PyObject *obj, job_t *job, int kind, const char *why, int hand_off) {
+    if (!job) {
+        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
+        return NULL;
+    }
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
+    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
+    if (!jo) {
+        atomic_store(&job->refs, 1);
+        job_decref(job);
+        return NULL;
+    }
+    jo->job = job;
+    Py_INCREF(obj);
+    jo->engine = obj;
+    int rc = engine_queue(((EngineObject *)obj)->eng, job, hand_off);
+    if (rc) { /* nothing was queued */
+        atomic_store(&job->refs, 1);
+        Py_DECREF(jo); /* frees the job */
+        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
+        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
+        return NULL;
+    }
+    return (PyObject *)jo;
+}
+
 static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     EngineObject *self = (EngineObject *)obj;
     static char *kwlist[] = {"host_ptr", "device_ptr", "nbytes", "shape", "strides", "itemsize", "chunk_bytes",
@@ -350,30 +379,7 @@ static PyObject *Engine_submit(PyObject *obj, PyObject *args, PyObject *kwds) {
     const char *why;
     job_t *job = job_plan(eng, (char *)(uintptr_t)host_ptr, (CUdeviceptr)dev_ptr, nbytes, (int)nd_shape, shape, strides,
                           itemsize, chunk_bytes, hand_off, &kind, &why);
-    if (!job) {
-        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
-        return NULL;
-    }
-    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
-    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
-    if (!jo) {
-        atomic_store(&job->refs, 1);
-        job_decref(job);
-        return NULL;
-    }
-    jo->job = job;
-    Py_INCREF(obj);
-    jo->engine = obj;
-    int rc = engine_queue(eng, job, hand_off);
-    if (rc) { /* nothing was queued */
-        atomic_store(&job->refs, 1);
-        Py_DECREF(jo); /* frees the job */
-        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
-        return NULL;
-    }
-    return (PyObject *)jo;
+    return queue_planned(obj, job, kind, why, hand_off);
 }
 
 /*
@@ -417,32 +423,11 @@ static PyObject *Engine_submit_file(PyObject *obj, PyObject *args, PyObject *kwd
     free(dbuf);
     PyBuffer_Release(&chunks);
     PyBuffer_Release(&dmas);
-    if (!job) {
-        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
-        return NULL;
+    if (job) {
+        job->file->inject_chunk = fail_chunk;
+        job->file->inject_errno = fail_errno;
     }
-    job->file->inject_chunk = fail_chunk;
-    job->file->inject_errno = fail_errno;
-    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
-    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
-    if (!jo) {
-        atomic_store(&job->refs, 1);
-        job_decref(job);
-        return NULL;
-    }
-    jo->job = job;
-    Py_INCREF(obj);
-    jo->engine = obj;
-    int rc = engine_queue(self->eng, job, 0);
-    if (rc) { /* nothing was queued */
-        atomic_store(&job->refs, 1);
-        Py_DECREF(jo); /* frees the job */
-        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
-        return NULL;
-    }
-    return (PyObject *)jo;
+    return queue_planned(obj, job, kind, why, 0);
 refused:
     PyBuffer_Release(&chunks);
     PyBuffer_Release(&dmas);
@@ -484,30 +469,7 @@ static PyObject *Engine_submit_pieces(PyObject *obj, PyObject *args, PyObject *k
     int kind;
     const char *why;
     job_t *job = job_plan_pieces(self->eng, pieces, n, chunk_bytes, hand_off, &kind, &why); /* takes pieces */
-    if (!job) {
-        if (kind == PLAN_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(kind == PLAN_OVERFLOW ? PyExc_OverflowError : PyExc_ValueError, why);
-        return NULL;
-    }
-    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj));
-    JobObject *jo = st ? (JobObject *)PyType_GenericAlloc(st->JobType, 0) : NULL;
-    if (!jo) {
-        atomic_store(&job->refs, 1);
-        job_decref(job);
-        return NULL;
-    }
-    jo->job = job;
-    Py_INCREF(obj);
-    jo->engine = obj;
-    int rc = engine_queue(self->eng, job, hand_off);
-    if (rc) { /* nothing was queued */
-        atomic_store(&job->refs, 1);
-        Py_DECREF(jo); /* frees the job */
-        if (rc == ENGINE_NO_MEMORY) return PyErr_NoMemory();
-        PyErr_SetString(PyExc_RuntimeError, "the staging engine is closed");
-        return NULL;
-    }
-    return (PyObject *)jo;
+    return queue_planned(obj, job, kind, why, hand_off);
 }
 
 static PyObject *Engine_streams(PyObject *obj, PyObject *Py_UNUSED(ignored)) {

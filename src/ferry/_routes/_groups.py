@@ -35,7 +35,7 @@ import ctypes
 import gc
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -267,22 +267,30 @@ def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devi
             else:
                 big.append((dst, src, nbytes))
             total += nbytes
-        one = backend.htod_record if upload else backend.dtoh_record
-
-        def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
-            queued = False
-            if small_d:
-                backend.copy_batch(upload, small_d, small_s, small_n, stream, None if big else event)
-                queued = True
-            last = len(big) - 1
-            for j, (dst, src, nbytes) in enumerate(big):
-                try:
-                    one(dst, src, nbytes, stream, event if j == last else None)
-                except DeviceError as exc:
-                    _raise_queued(exc, after_first=queued)
-                queued = True
-
+        copy = batched_copy(backend, upload, small_d, small_s, small_n, big)
         return _enqueue(rt, completion, upload, stream, copy, total, hosts, devices, handed, leases, regs, None)
+
+
+def batched_copy(backend: Any, upload: bool, small_d: list[int], small_s: list[int], small_n: list[int],
+                 big: list[tuple[int, int, int]]) -> Callable[[int, int, int, Any, Any], None]:
+    """The record's copy for many pinned runs: the small ones as one batched copy, then each large one as one
+    DMA; the event is recorded behind the last. A failure after the first enqueue is reported as queued."""
+    one = backend.htod_record if upload else backend.dtoh_record
+
+    def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+        queued = False
+        if small_d:
+            backend.copy_batch(upload, small_d, small_s, small_n, stream, None if big else event)
+            queued = True
+        last = len(big) - 1
+        for j, (dst, src, nbytes) in enumerate(big):
+            try:
+                one(dst, src, nbytes, stream, event if j == last else None)
+            except DeviceError as exc:
+                _raise_queued(exc, after_first=queued)
+            queued = True
+
+    return copy
 
 
 def submit_small(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devices: list[DeviceArray],
