@@ -582,6 +582,9 @@ int engine_queue(engine_t *eng, job_t *job, int hand_off);
 /* The chunk a job of nbytes gets (auto_chunk: dealt to the lanes; coop_chunk: a cooperative one) */
 size_t auto_chunk(const engine_t *eng, size_t nbytes);
 size_t coop_chunk(const engine_t *eng, size_t nbytes);
+/* an upload with at least this many chunks per lane copies them through the cache (job_streams) */
+#define CACHED_CHUNKS_PER_LANE ((size_t)3)
+int job_streams(const engine_t *eng, size_t nchunks, int coop);
 int is_coop(const engine_t *eng, int contiguous, size_t nbytes);
 /* Let every queued job run, then join the lanes and the driver thread (blocks); then engine_free. */
 void engine_stop_lanes(engine_t *eng);

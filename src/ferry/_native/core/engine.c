@@ -45,6 +45,20 @@ size_t coop_chunk(const engine_t *eng, size_t nbytes) {
     return chunk;
 }
 
+/*
+ * Whether a job's chunk copies stream past the cache (copy_bytes). The engine's `nontemporal` says yes, but
+ * for an upload that gives every lane at least CACHED_CHUNKS_PER_LANE chunks (a large array, a state dict):
+ * there each lane reuses its slots chunk after chunk, and plain stores that leave the slot's lines in the
+ * cache for its DMA moved more (on the H200, one run of 4 interleaved rounds: a 1 GiB tree of 16 MiB
+ * leaves 43.9 GB/s against 38.5, 512 x 1 MiB 41.2 against 36.8, one 256 MiB array 41.8 against 38.2),
+ * while a job of one or two chunks per lane, and every cooperative job, lost (8 MiB 14 against 29 GB/s,
+ * 64 MiB 31 against 36.5). Downloads stream: their stores go to the user's array, read much later.
+ */
+int job_streams(const engine_t *eng, size_t nchunks, int coop) {
+    if (!eng->nontemporal) return 0;
+    return !eng->upload || coop || nchunks < CACHED_CHUNKS_PER_LANE * (size_t)eng->nlanes;
+}
+
 int is_coop(const engine_t *eng, int contiguous, size_t nbytes) {
     return eng->helpers > 0 && contiguous && nbytes >= 2 * eng->piece_bytes && nbytes <= eng->coop_max_bytes;
 }
@@ -54,7 +68,6 @@ job_t *job_plan(const engine_t *eng, char *host, CUdeviceptr dev, long long nbyt
                const char **why) {
     job_t *job = calloc(1, sizeof *job);
     if (!job) return plan_failed(NULL, kind, why, PLAN_NO_MEMORY, "out of memory");
-    job->nontemporal = eng->nontemporal;
     if (ndim < 0 || ndim > MAX_DIMS) return plan_failed(job, kind, why, PLAN_VALUE, "too many dimensions");
     memcpy(job->shape, shape, (size_t)ndim * sizeof shape[0]);
     memcpy(job->strides, strides, (size_t)ndim * sizeof strides[0]);
@@ -121,6 +134,7 @@ job_t *job_plan(const engine_t *eng, char *host, CUdeviceptr dev, long long nbyt
         for (int a = 0; a < axis; a++) prefixes *= (size_t)job->shape[a];
         job->nchunks = prefixes * job->nper;
     }
+    job->nontemporal = job_streams(eng, job->nchunks, job->coop);
     if (job->nchunks && job->nchunks <= TRACE_CHUNKS) job->trace = calloc(job->nchunks, sizeof(chunk_trace_t));
     int nl = job->nchunks < (size_t)eng->nlanes ? (int)job->nchunks : eng->nlanes;
     if (job->coop && nl > 1) nl = 1; /* the lead takes every chunk; helpers copy with it */

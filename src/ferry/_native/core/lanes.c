@@ -26,7 +26,8 @@
  * and event waits, because a lane's own driver call right after a chunk's
  * host copy costs several times what a thread that does nothing else pays
  * (the essay above d_enqueue's definition says how much and how it waits).
- * Chunk copies from 64 KiB use streaming stores (copy_bytes).
+ * Chunk copies from 64 KiB use streaming stores (copy_bytes), but for an upload of many chunks per lane
+ * (job_streams in engine.c).
  *
  * In emulated mode (no GPU), each lane also owns a stream worker: a second
  * pthread that runs the lane's "DMAs" (memcpy, then a sleep that models

@@ -66,7 +66,7 @@ job_t *job_plan_pieces(const engine_t *eng, piece_t *pieces, size_t npieces, lon
     }
     job->pieces = pieces;
     job->npieces = npieces;
-    job->nontemporal = eng->nontemporal;
+    job->nontemporal = job_streams(eng, n, 0);
     job->upload = eng->upload;
     job->itemsize = 1;
     job->ndim = 1;
