@@ -124,3 +124,70 @@ def test_a_hundred_thousand_dropped_handles_keep_memory_and_the_queue_bounded() 
     assert s.completed == 100_000 and s.retiring == 0
     gc.collect()
     assert testing.violations(rt) == []
+
+
+# -- the pure-Python staging lanes when the device refuses new slots midway -------------------------------
+
+
+class _RefusingBackend:
+    """The emulated backend, but ``event_create`` refuses once ``allowed`` more events were made."""
+
+    def __init__(self, allowed: int) -> None:
+        from ferry._backends._emulated import EmulatedBackend
+
+        self.inner = EmulatedBackend()
+        self.allowed = allowed
+        self.live_events = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def event_create(self, blocking: bool = False) -> Any:
+        from ferry._backends._base import DeviceError
+
+        if self.allowed <= 0:
+            raise DeviceError("refused for the test", code=2)
+        self.allowed -= 1
+        self.live_events += 1
+        return self.inner.event_create(blocking=blocking)
+
+    def event_destroy(self, event: Any) -> None:
+        self.live_events -= 1
+        self.inner.event_destroy(event)
+
+
+@pytest.mark.parametrize("allowed", [0, 1, 2])
+def test_a_lane_refused_some_of_its_slots_gives_back_the_ones_it_took(allowed: int) -> None:
+    from ferry._backends._base import DeviceError
+    from ferry._memory._pinned import PinnedPool
+    from ferry._routes._staged import StagingConfig, StagingEngine
+
+    backend = _RefusingBackend(allowed)
+    pool = PinnedPool(backend, cache_limit=1 << 30)  # type: ignore[arg-type]
+    config = StagingConfig(lanes=2, slots_per_lane=3, slot_bytes=1 << 20, engine="python")
+    engine = StagingEngine(backend, pool, config, "upload")
+    with pytest.raises(DeviceError, match="refused for the test"):
+        engine.streams()  # starts the lanes: the first cannot get its third slot
+    # nothing is held: every block taken (one per slot made, and the one whose event was refused) is free
+    # in the pool again, the slots' events are destroyed, no lane runs
+    assert pool.free_bytes == pool.held_bytes == (allowed + 1) * (1 << 20)
+    assert backend.live_events == 0 and engine.held_bytes == 0
+
+
+def test_a_lane_that_cannot_replace_abandoned_slots_keeps_none_of_the_new_ones() -> None:
+    from ferry._memory._pinned import PinnedPool
+    from ferry._routes._staged import StagingConfig, StagingEngine
+
+    backend = _RefusingBackend(3)  # the lane's three slots, then one replacement
+    pool = PinnedPool(backend, cache_limit=1 << 30)  # type: ignore[arg-type]
+    config = StagingConfig(lanes=1, slots_per_lane=3, slot_bytes=1 << 20, engine="python")
+    engine = StagingEngine(backend, pool, config, "upload")
+    (lane,) = engine._ensure_lanes()
+    backend.allowed = 1
+    lane._abandon_slots()  # a DMA failed: the three slots are abandoned; one new slot, then a refusal
+    assert lane.slots == [] and lane.gone is not None
+    assert engine.abandoned_bytes == 3 << 20 and engine.held_bytes == 0
+    # the replacement slot made, and the block whose event was refused, are free in the pool again
+    assert pool.free_bytes == 2 << 20
+    assert backend.live_events == 3  # the abandoned slots' events: never destroyed (the device may use them)
+    engine.close()

@@ -349,7 +349,12 @@ class Lane:
         self.index = index
         backend = engine.backend
         self.stream = backend.stream_create()
-        self.slots = [self._new_slot() for _ in range(engine.config.slots_per_lane)]
+        try:
+            self.slots = self._new_slots()
+        except BaseException:
+            with contextlib.suppress(DeviceError):
+                backend.stream_destroy(self.stream)
+            raise
         self.gone: DeviceError | None = None  # why the lane could not replace abandoned slots
         self.jobs: queue.SimpleQueue[tuple[StagedJob, list[Chunk]] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(
@@ -357,10 +362,28 @@ class Lane:
         )
         self.thread.start()
 
-    def _new_slot(self) -> _Slot:
+    def _new_slots(self) -> list[_Slot]:
+        """``slots_per_lane`` fresh slots, or none: a refusal midway gives back what it took (no DMA has
+        touched those) and raises."""
         engine = self.engine
-        # blocking-sync events: a lane waiting for its DMA sleeps instead of spinning a core
-        return _Slot(engine.pool.acquire(engine.config.slot_bytes), engine.backend.event_create(blocking=True))
+        slots: list[_Slot] = []
+        try:
+            for _ in range(engine.config.slots_per_lane):
+                block = engine.pool.acquire(engine.config.slot_bytes)
+                try:
+                    # blocking-sync events: a lane waiting for its DMA sleeps instead of spinning a core
+                    event = engine.backend.event_create(blocking=True)
+                except BaseException:
+                    engine.pool.release(block)
+                    raise
+                slots.append(_Slot(block, event))
+        except BaseException:
+            for slot in slots:
+                engine.pool.release(slot.block)
+                with contextlib.suppress(DeviceError):
+                    engine.backend.event_destroy(slot.event)
+            raise
+        return slots
 
     def _run(self) -> None:
         while True:
@@ -444,7 +467,7 @@ class Lane:
         engine.count(held=-lost, abandoned=lost)
         self.slots = []
         try:
-            self.slots = [self._new_slot() for _ in range(engine.config.slots_per_lane)]
+            self.slots = self._new_slots()
             engine.count(held=sum(s.block.capacity for s in self.slots))
         except DeviceError as exc:
             self.slots = []  # the device is gone; later jobs fail at once, with its error
@@ -493,7 +516,15 @@ class StagingEngine:
 
     def _ensure_lanes(self) -> list[Lane]:
         if not self._lanes:
-            lanes = [Lane(self, i) for i in range(self.config.lanes)]
+            lanes: list[Lane] = []
+            try:
+                for i in range(self.config.lanes):
+                    lanes.append(Lane(self, i))
+            except BaseException:  # the lanes started so far stop and give their slots back
+                for lane in lanes:
+                    lane.stop()
+                    lane.release()
+                raise
             self.count(held=sum(s.block.capacity for lane in lanes for s in lane.slots))
             self._lanes = lanes
         return self._lanes
