@@ -145,11 +145,11 @@ def take_flat(tree: Any, kind: type, leaves: list[Any], paths: list[Path]) -> Bu
     if type(tree) is not dict or not tree:
         return None
     values = list(tree.values())
-    if not all(type(v) is kind for v in values):
+    if type(values[0]) is not kind or len(set(map(type, values))) != 1:  # the types compared in C
         return None
     keys = list(tree)
     leaves.extend(values)
-    paths.extend((key,) for key in keys)
+    paths.extend(zip(keys))  # each key's path: the 1-tuple (key,)
     start = len(leaves) - len(values)
     if start:
         return lambda new: dict(zip(keys, new[start:], strict=True))

@@ -535,33 +535,22 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
     return handles, spans, grouped
 
 
-def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
-                   devices: list[Any], fresh_outputs: bool = False) -> Any:
+def _submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], missing: bool,
+                   fresh_outputs: bool = False) -> Any:
     """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
-    handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
-    outputs are made first (and closed again when the leaves go another way)."""
+    handle, or None (nothing changed) where a leaf is not the common case. ``missing``: no leaf has its other
+    side yet (an upload without a destination, a download without ``out=`` or pinned leaves); those are made
+    first (and closed again when the leaves go another way). Otherwise every leaf has both sides."""
     fresh: list[Any] = []
     if upload:
-        if all(d is None for d in devices):  # every destination fresh: made together
+        if missing:  # every destination fresh: made together
             devices = fresh = empty_like_many(rt, hosts)
-        else:
-            missing = [i for i, d in enumerate(devices) if d is None]
-            if missing:
-                made = empty_like_many(rt, [hosts[i] for i in missing])
-                fresh = made
-                devices = list(devices)
-                for i, device in zip(missing, made, strict=True):
-                    devices[i] = device
-        handed = hosts  # (the pairs' host sides)
-    elif fresh_outputs and all(h is None for h in hosts):  # no out= and no pinned leaves
+    elif missing and fresh_outputs:  # no out= and no pinned leaves
         hosts = _fresh_outputs(devices)
-        handed = hosts
-    else:
-        hosts = [np.empty(d.shape, d.dtype) if h is None and isinstance(d, DeviceArray) else h
-                 for h, d in zip(hosts, devices, strict=True)]
-        handed = hosts
+    elif missing:
+        hosts = [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
     try:
-        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh_outputs)
+        handle = submit_pieces(rt, upload, hosts, devices, hosts, fresh=fresh_outputs)
     except BaseException:
         for device in fresh:
             if device._state is OWNED:
@@ -619,12 +608,12 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
         _, targets, theirs = _flatten_device(call, destination, require=False)
         _same_paths(call, paths, theirs, "destination")
     keep_destination = destination is not None and convert is None
-    pairs = list(zip(sources, targets, strict=True))
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    fast = _submit_pieces(rt, True, pairs, sources, targets) if len(pairs) > 1 and pieces_ready(rt, True) else None
+    fast = (_submit_pieces(rt, True, sources, targets, destination is None)
+            if len(sources) > 1 and pieces_ready(rt, True) else None)
     if fast is not None:
         handles: list[Any] = [fast]
-        spans, grouped = [list(range(len(pairs)))], [True]
+        spans, grouped = [list(range(len(sources)))], [True]
     if destination is not None and fast is None:
         for path, host, device in zip(paths, sources, targets, strict=True):
             _check_device(rt, call, path, device, write=True)
@@ -642,6 +631,7 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
 
     if fast is None:
         sizes = [int(a.nbytes) for a in sources]
+        pairs = list(zip(sources, targets, strict=True))
         handles, spans, grouped = _submit_all(rt, rt.upload, pairs, call, paths, sizes, upload=True)
     record = TreeRecord(True, handles, paths, nbytes, finish, spans, grouped)
     return PendingUpload(PORT, record)  # type: ignore[arg-type]
@@ -665,13 +655,13 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     if out is not None:
         _, outs, theirs = _flatten_host(call, out)
         _same_paths(call, paths, theirs, "out")
-    pairs = list(zip(sources, outs, strict=True))
+    missing = out is None
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
-        outs = _pinned_outputs(rt, call, paths, sources)
-        pairs = list(zip(sources, outs, strict=True))
-    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh_outputs=out is None)
-            if len(pairs) > 1 and pieces_ready(rt, False) else None)
+    if pinned and len(set(map(type, sources))) == 1 and type(sources[0]) is DeviceArray:  # pooled pinned
+        outs = _pinned_outputs(rt, call, paths, sources)  # leaves, then one record
+        missing = False
+    fast = (_submit_pieces(rt, False, outs, sources, missing, fresh_outputs=out is None)
+            if len(sources) > 1 and pieces_ready(rt, False) else None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -681,9 +671,8 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
                 if not host.flags.writeable:
                     raise _refuse(call, path, "out is read-only (or the output of another pending download)")
             _unique(call, paths, outs, "out array")
-        elif pinned and all(o is None for o in outs):
+        elif pinned and missing:
             outs = _pinned_outputs(rt, call, paths, sources)
-            pairs = list(zip(sources, outs, strict=True))
         sizes = [_nbytes_of(d) for d in sources]
         nbytes = sum(sizes)
     else:
@@ -701,9 +690,10 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
         return tree, build(hosts)
 
     if fast is None:
+        pairs = list(zip(sources, outs, strict=True))
         handles, spans, grouped = _submit_all(rt, rt.download, pairs, call, paths, sizes, upload=False)
     else:
-        handles, spans, grouped = [fast], [list(range(len(pairs)))], [True]
+        handles, spans, grouped = [fast], [list(range(len(sources)))], [True]
     record = TreeRecord(False, handles, paths, nbytes, finish, spans, grouped)
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 

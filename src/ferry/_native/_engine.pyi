@@ -447,6 +447,12 @@ class Leases:
     def give(self, array: Any, /) -> None:
         """End one flight's lease; the last one sets the flag back (through ``setflags`` for an array
         that does not own its data, which stays read-only if NumPy refuses)."""
+    def take_many(self, arrays: list[Any] | tuple[Any, ...], /) -> None:
+        """:meth:`take` for every array, in order, in one call: all or none (on an error the leases this
+        call took are given back)."""
+    def give_many(self, arrays: list[Any] | tuple[Any, ...], /) -> None:
+        """:meth:`give` for every array, in one call; each is given back even when one fails (the first
+        error is raised afterwards)."""
 
 # -- dlpack.c: DLPack export and import ------------------------------------------------------------
 

@@ -166,6 +166,72 @@ PyObject *Leases_give(PyObject *obj, PyObject *array) {
     Py_RETURN_NONE;
 }
 
+/* The length of a list or a tuple of arrays, or -1 with TypeError; leases_item reads its i-th (borrowed). */
+static Py_ssize_t leases_count(PyObject *arrays, const char *what) {
+    if (PyList_Check(arrays)) return PyList_Size(arrays);
+    if (PyTuple_Check(arrays)) return PyTuple_Size(arrays);
+    PyErr_Format(PyExc_TypeError, "%s takes a list or a tuple of arrays", what);
+    return -1;
+}
+
+static PyObject *leases_item(PyObject *arrays, Py_ssize_t i) {
+    return PyList_Check(arrays) ? PyList_GetItem(arrays, i) : PyTuple_GetItem(arrays, i);
+}
+
+/* take_many(arrays): take() for each array of a list or tuple, in order, in one call (a tree's leaves). On an
+ * error the leases this call took are given back, so it takes all of them or none. */
+static PyObject *Leases_take_many(PyObject *obj, PyObject *arrays) {
+    Py_ssize_t n = leases_count(arrays, "take_many");
+    if (n < 0) return NULL;
+    Py_INCREF(arrays); /* its items stay alive while flags are flipped */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = leases_item(arrays, i);
+        PyObject *r = item ? Leases_take(obj, &item, 1) : NULL;
+        if (!r) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t k = i - 1; k >= 0; k--) {
+                PyObject *g = Leases_give(obj, leases_item(arrays, k));
+                if (g)
+                    Py_DECREF(g);
+                else
+                    PyErr_Clear();
+            }
+            PyErr_Restore(type, value, tb);
+            Py_DECREF(arrays);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(arrays);
+    Py_RETURN_NONE;
+}
+
+/* give_many(arrays): give() for each array of a list or tuple, in one call. Every array is given back even when
+ * one restore fails; the first error is raised once all of them were. */
+static PyObject *Leases_give_many(PyObject *obj, PyObject *arrays) {
+    Py_ssize_t n = leases_count(arrays, "give_many");
+    if (n < 0) return NULL;
+    Py_INCREF(arrays);
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = leases_item(arrays, i);
+        PyObject *r = item ? Leases_give(obj, item) : NULL;
+        if (r)
+            Py_DECREF(r);
+        else if (!type)
+            PyErr_Fetch(&type, &value, &tb);
+        else
+            PyErr_Clear();
+    }
+    Py_DECREF(arrays);
+    if (type) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Leases_get_table(PyObject *obj, void *Py_UNUSED(closure)) {
     LeasesObject *self = (LeasesObject *)obj;
     Py_INCREF(self->table);
@@ -176,6 +242,8 @@ static PyMethodDef Leases_methods[] = {
     {"take", (PyCFunction)(void (*)(void))Leases_take, METH_FASTCALL,
      "take(array, writeable=None): flag array read-only for one flight (counted)"},
     {"give", Leases_give, METH_O, "give(array): end one flight's lease; the last one restores the flag"},
+    {"take_many", Leases_take_many, METH_O, "take_many(arrays): take() each array of a list or tuple (all or none)"},
+    {"give_many", Leases_give_many, METH_O, "give_many(arrays): give() each array of a list or tuple"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -388,18 +388,15 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
     # from here on nothing raises: the copies are queued
     extra = record.extra = Extras()
-    for _ in map(leases.take, hosts):
-        pass
+    take_all(leases, hosts)
     if regs is not None:
         for reg in regs:
             reg._uses += 1
-    give = leases.give
 
     def cleanup(failed: bool) -> None:
         if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
             return
-        for _ in map(give, hosts):
-            pass
+        give_all(leases, hosts)
         if regs is not None:
             for reg in regs:
                 reg._uses -= 1
@@ -414,13 +411,37 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     return PendingDownload(completion, record)
 
 
+def take_all(leases: Any, hosts: list[Any]) -> None:
+    """``leases.take`` for every host array: one compiled call where the lease table is the extension's
+    (``take_many``: all or none), else one call each."""
+    many = getattr(getattr(leases.take, "__self__", None), "take_many", None)
+    if many is not None:
+        many(hosts)
+        return
+    for _ in map(leases.take, hosts):
+        pass
+
+
+def give_all(leases: Any, hosts: list[Any]) -> None:
+    """``leases.give`` for every host array (one compiled call where the lease table is the extension's)."""
+    many = getattr(getattr(leases.give, "__self__", None), "give_many", None)
+    if many is not None:
+        many(hosts)
+        return
+    for _ in map(leases.give, hosts):
+        pass
+
+
 def _mark(devices: list[Any], upload: bool) -> None:
     """A queued group's device arrays: in flight (an upload's destinations) or read-leased once more (a
     download's sources). One compiled call where the extension runs."""
     module = _native.load()
-    if module is not None and all(type(d) is DeviceArray for d in devices):
-        module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
-        return
+    if module is not None:
+        try:  # it checks that every item is an exact DeviceArray first (TypeError, nothing changed)
+            module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
+            return
+        except TypeError:
+            pass
     if upload:
         for device in devices:
             device._state = IN_FLIGHT
@@ -566,16 +587,13 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
     record = completion.job_record(job, engine, moved, leased, result, total, extra)
     leases = routes.direct.leases
     hosts_leased: list[Any] = [] if fresh else hosts
-    for _ in map(leases.take, hosts_leased):
-        pass
-    give = leases.give
+    take_all(leases, hosts_leased)
 
     def cleanup(failed: bool) -> None:
         with staged._lock:
             staged.host_copied += job.host_bytes
         job.finished()
-        for _ in map(give, hosts_leased):
-            pass
+        give_all(leases, hosts_leased)
 
     extra.cleanups.append(cleanup)
     _mark(devices, upload)
