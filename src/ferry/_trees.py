@@ -47,7 +47,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,7 +69,7 @@ from ._routes._groups import (
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
-from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart, take_flat
+from ._structure import KEEP, Builder, Path, describe, flat_keys, host_array, is_device_array, take_apart
 
 if TYPE_CHECKING:
     from ._pending import _Pending
@@ -90,7 +90,7 @@ class TreeRecord:
         "settled", "spans", "upload", "waiters",
     )
 
-    def __init__(self, upload: bool, children: list[Any], paths: list[Path], nbytes: int,
+    def __init__(self, upload: bool, children: list[Any], paths: Sequence[Path], nbytes: int,
                  finish: Callable[[list[Any]], tuple[Any, Any]], spans: list[list[int]] | None = None,
                  grouped: list[bool] | None = None) -> None:
         self.upload = upload
@@ -100,7 +100,7 @@ class TreeRecord:
         self.grouped = grouped if grouped is not None else [False] * len(children)
         self.paths = paths
         self.nbytes = nbytes
-        self.finish = finish  # the leaves' results -> (tree, other tree)
+        self.finish = finish  # each leaf's new object (an upload's device array, a download's host array) -> trees
         self.result: tuple[Any, ...] = ()
         self.settled = False
         self.claimed = False
@@ -159,14 +159,15 @@ class TreePort:
             try:
                 got = child.wait()
                 span = record.spans[i]
+                # each leaf's new object: the second of what its handle returns (device arrays for an upload,
+                # host arrays for a download)
                 if record.grouped[i] and len(children) == 1:  # one record for the whole tree, in order
-                    results = list(zip(*got, strict=True))
+                    results = list(got[1])
                 elif record.grouped[i]:
-                    hosts, devices = got
-                    for k, leaf in enumerate(span):
-                        results[leaf] = (hosts[k], devices[k])
+                    for leaf, made in zip(span, got[1], strict=True):
+                        results[leaf] = made
                 else:
-                    results[span[0]] = got
+                    results[span[0]] = got[1]
             except TransferFailedError as exc:
                 results.clear()
                 error = self._fail(record, i, exc)
@@ -320,7 +321,7 @@ class TreePort:
                     error = self._fail(record, i, exc)
                     del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
                     raise error from exc.with_traceback(None)
-            return record.finish([(None, d) for d in devices])[1]
+            return record.finish(devices)[1]
 
     def owns(self, record: TreeRecord) -> bool:
         """Whether any leaf of the tree is still pending."""
@@ -369,16 +370,15 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
+def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], Sequence[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
-    flat = take_flat(tree, np.ndarray, leaves, paths)
+    flat = flat_keys(tree, np.ndarray, leaves)
     if flat is not None:
         if any(dtype.hasobject or not dtype.itemsize for dtype in set(map(_DTYPE, leaves))):  # named below
             leaves.clear()
-            paths.clear()
         else:
-            return flat, leaves, paths
+            return flat[0], leaves, flat[1]
     try:
         build = take_apart(tree, leaves, host_array, paths)
     except (TypeError, ValueError, BufferError) as exc:
@@ -393,12 +393,12 @@ def _device_leaf(leaf: Any) -> Any:
     return leaf if isinstance(leaf, DeviceArray) or is_device_array(leaf) else KEEP
 
 
-def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], list[Path]]:
+def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], Sequence[Path]]:
     leaves: list[Any] = []
     paths: list[Path] = []
-    flat = take_flat(tree, DeviceArray, leaves, paths)
+    flat = flat_keys(tree, DeviceArray, leaves)
     if flat is not None:
-        return flat, leaves, paths
+        return flat[0], leaves, flat[1]
 
     def leaf(x: Any) -> Any:
         found = _device_leaf(x)
@@ -413,7 +413,7 @@ def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, li
     return build, leaves, paths
 
 
-def _same_paths(call: str, mine: list[Path], theirs: list[Path], name: str) -> None:
+def _same_paths(call: str, mine: Sequence[Path], theirs: Sequence[Path], name: str) -> None:
     if mine == theirs:
         return
     missing = [p for p in mine if p not in set(theirs)]
@@ -433,7 +433,7 @@ def _check_match(call: str, path: Path, host: np.ndarray[Any, Any], device: Any,
                                   f"the {name} is {shape} {dtype if dtype is not None else ''}".rstrip())
 
 
-def _unique(call: str, paths: list[Path], objects: list[Any], what: str) -> None:
+def _unique(call: str, paths: Sequence[Path], objects: list[Any], what: str) -> None:
     seen: dict[int, Path] = {}
     for path, obj in zip(paths, objects, strict=True):
         first = seen.setdefault(id(obj), path)
@@ -465,7 +465,8 @@ def _converter(to: str | None) -> Callable[[Any], Any] | None:
 
 # -- submission ------------------------------------------------------------------------------------
 def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]], call: str,
-                paths: list[Path], sizes: list[int], *, upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
+                paths: Sequence[Path], sizes: list[int], *,
+                upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
     """Submit every leaf; the handles, the leaves each one copies, and which are groups.
 
     Pinned leaves and small pageable ones go in groups (:mod:`ferry._routes._groups`: one record each);
@@ -621,8 +622,7 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
         _unique(call, paths, targets, "destination")
     nbytes = fast.nbytes if fast is not None else sum(int(a.nbytes) for a in sources)
 
-    def finish(results: list[Any]) -> tuple[Any, Any]:
-        devices = [r[1] for r in results]
+    def finish(devices: list[Any]) -> tuple[Any, Any]:
         if keep_destination:
             return tree, destination
         if convert is not None:
@@ -681,10 +681,9 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     kinds = [isinstance(d, torch.Tensor) for d in sources] if torch is not None and fast is None else None
     keep_out = out is not None
 
-    def finish(results: list[Any]) -> tuple[Any, Any]:
+    def finish(hosts: list[Any]) -> tuple[Any, Any]:
         if keep_out:
             return tree, out
-        hosts = [r[1] for r in results]
         if torch is not None and kinds is not None:
             hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
         return tree, build(hosts)
@@ -698,7 +697,7 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 
 
-def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
+def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
     specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves

@@ -112,6 +112,9 @@ static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t na
     PyObject *flag = was ? Py_True : Py_False;
     Py_INCREF(flag);
     PyList_SetItem(entry, 2, flag);
+    /* only the table refers to an entry, so no reference cycle runs through one: the collector need not
+     * track it (a tree leases thousands of arrays at once; each tracked entry would cost every collection) */
+    PyObject_GC_UnTrack(entry);
     int rc = PyDict_SetItem(self->table, key, entry);
     Py_DECREF(entry);
     Py_DECREF(key);
@@ -150,11 +153,7 @@ PyObject *Leases_give(PyObject *obj, PyObject *array) {
     ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
     if (!st) return NULL;
     if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array)) {
-        PyObject *base = PyObject_GetAttr(array, st->S_base);
-        if (!base) return NULL;
-        int owns = base == Py_None;
-        Py_DECREF(base);
-        if (owns) { /* it owns its data: NumPy would allow it */
+        if (!((const NumpyArray *)array)->base) { /* it owns its data (its base is None): NumPy would allow it */
             *array_flags(array) |= NPY_WRITEABLE_FLAG;
             Py_RETURN_NONE;
         }

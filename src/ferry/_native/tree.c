@@ -90,7 +90,9 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         total += size;
     }
     if (common && n > 1) { /* no two leaves overlap where the transfer writes */
-        qsort(ranges, (size_t)n, sizeof(range_t), by_start);
+        Py_ssize_t sorted = 1; /* a tree's leaves usually lie in order (views of one slab or one block): no sort */
+        while (sorted < n && ranges[sorted - 1].at <= ranges[sorted].at) sorted++;
+        if (sorted < n) qsort(ranges, (size_t)n, sizeof(range_t), by_start);
         for (Py_ssize_t i = 1; i < n && common; i++)
             if (ranges[i - 1].at + ranges[i - 1].n > ranges[i].at) common = 0;
     }
