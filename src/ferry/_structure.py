@@ -146,7 +146,7 @@ def take_flat(tree: Any, kind: type, leaves: list[Any], paths: list[Path]) -> Bu
     if found is None:
         return None
     build, keys = found
-    paths.extend(zip(keys))  # each key's path: the 1-tuple (key,)
+    paths.extend(keys)  # each key's path: the 1-tuple (key,)
     return build
 
 
