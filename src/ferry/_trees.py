@@ -563,6 +563,15 @@ def _submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], 
     return handle
 
 
+_NBYTES = operator.attrgetter("_nbytes")
+_SPEC = operator.attrgetter("_shape", "_dtype")  # a device array's (shape, dtype)
+
+
+def _all_device_arrays(leaves: list[Any]) -> bool:
+    """Whether every leaf is exactly a ferry device array (the types compared in C, not one by one)."""
+    return not leaves or (type(leaves[0]) is DeviceArray and len(set(map(type, leaves))) == 1)
+
+
 SHARED_BYTES = 1 << 20
 """Fresh pageable outputs of a download tree below this size share one host allocation."""
 
@@ -572,12 +581,12 @@ def _fresh_outputs(devices: list[Any]) -> list[Any]:
     array: the checks then refuse the fast way). The leaves under :data:`SHARED_BYTES` are views of one
     NumPy allocation, back to back (one allocation instead of one per leaf, and views made in runs); the
     allocation lives while any of them does. Larger leaves get an array of their own."""
-    if not all(type(d) is DeviceArray for d in devices):
+    if not _all_device_arrays(devices):
         return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
-    sizes = [d._nbytes for d in devices]
+    sizes = list(map(_NBYTES, devices))
     if max(sizes) < SHARED_BYTES:  # the common tree of small leaves: all of them in one allocation
         offsets, total = layout(sizes)
-        return views(np.empty(total, np.uint8), [(d._shape, d._dtype) for d in devices], offsets, sizes)
+        return views(np.empty(total, np.uint8), list(map(_SPEC, devices)), offsets, sizes)
     small = [i for i, n in enumerate(sizes) if n < SHARED_BYTES]
     out: list[Any] = [None] * len(devices)
     if len(small) > 1:
@@ -657,7 +666,7 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
         _same_paths(call, paths, theirs, "out")
     missing = out is None
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    if pinned and len(set(map(type, sources))) == 1 and type(sources[0]) is DeviceArray:  # pooled pinned
+    if pinned and _all_device_arrays(sources):  # pooled pinned
         outs = _pinned_outputs(rt, call, paths, sources)  # leaves, then one record
         missing = False
     fast = (_submit_pieces(rt, False, outs, sources, missing, fresh_outputs=out is None)
@@ -704,10 +713,10 @@ def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
     sizes: list[int] | None = None
-    if all(type(d) is DeviceArray for d in sources):  # the common tree: no per-leaf call
+    if _all_device_arrays(sources):  # the common tree: no per-leaf call
         wanted = list(range(len(sources)))
-        specs = [(d._shape, d._dtype) for d in sources]
-        sizes = [d._nbytes for d in sources]
+        specs = list(map(_SPEC, sources))
+        sizes = list(map(_NBYTES, sources))
         total = sum(sizes)
     else:
         described = [_dtype_of(device) for device in sources]
@@ -729,6 +738,8 @@ def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any
         rt._health.note(exc)
         raise TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
                                   "nothing was submitted") from exc
+    if len(made) == len(sources):  # every leaf has one (the common tree)
+        return list(made)
     outs: list[Any] = [None] * len(sources)
     for i, array in zip(wanted, made, strict=True):
         outs[i] = array
