@@ -541,7 +541,7 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
         if completion.maintenance_due():
             completion.maintain()
         if routes.registrations.active or routes.pinned_leaves.active:
-            runs = _runs(pieces)
+            runs = _runs(pieces, padded=fresh and not upload)  # fresh outputs: pinned ones made for it
             regs = _covering_runs(routes, runs[0], runs[2])
             if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
                 return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed, fresh)
@@ -602,17 +602,31 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
     return PendingDownload(completion, record)
 
 
-def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
+def _runs(pieces: bytes, padded: bool = False) -> tuple[list[int], list[int], list[int]]:
     """The pieces (host, device, bytes) merged where they follow each other on both sides; empty ones
-    dropped: (hosts, devices, sizes)."""
+    dropped: (hosts, devices, sizes).
+
+    ``padded``: the host side was laid out by this transfer (fresh pinned outputs, each leaf at a multiple of
+    :data:`ALIGN` bytes), so the bytes between two of its leaves belong to no one. Two pieces then also merge
+    where the same gap of less than :data:`ALIGN` bytes separates them on both sides (a device slab's views
+    and a pinned block's leaves, whose sizes are not multiples of it): the run copies the padding too, which
+    only reads the device."""
     table = np.frombuffer(pieces, np.uint64).reshape(-1, 3)
     table = table[table[:, 2] > 0]
     if len(table) < 2:
         return table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist()
     h, d, n = table[:, 0], table[:, 1], table[:, 2]
     ends_h, ends_d = h[:-1] + n[:-1], d[:-1] + n[:-1]
-    starts = np.concatenate(([0], np.flatnonzero((ends_h != h[1:]) | (ends_d != d[1:])) + 1))
-    return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+    if padded:  # (uint64: a piece that starts before the last one ended wraps to a huge gap: never merged)
+        gap = h[1:] - ends_h
+        breaks = (gap != d[1:] - ends_d) | (gap >= np.uint64(ALIGN))
+    else:
+        breaks = (ends_h != h[1:]) | (ends_d != d[1:])
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    if not padded:
+        return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+    last = np.append(starts[1:], len(table)) - 1  # each run from its first piece's start to its last one's end
+    return h[starts].tolist(), d[starts].tolist(), (h[last] + n[last] - h[starts]).tolist()
 
 
 def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
