@@ -100,3 +100,32 @@ def test_runs_merge_across_equal_padding_only_when_asked() -> None:
     # a gap of ALIGN bytes or more, unequal gaps, or a piece before the previous one's end: no merge
     far = ((0, 0, 10), (266, 266, 10), (300, 310, 10), (290, 400, 5))
     assert _runs(pieces(*far), padded=True) == ([0, 266, 300, 290], [0, 266, 310, 400], [10, 10, 10, 5])
+
+
+def test_a_handed_off_tree_notes_the_stream_once_per_allocation(native: ferry.Runtime) -> None:
+    # every leaf of a tree of views of one device allocation is handed back owned; the consumer stream is
+    # noted for the allocation once, not once per view
+    rt = native
+    tree = {f"w{i}": np.full(512, i % 200, np.uint8) for i in range(300)}
+    _, dev = rt.upload_tree(tree).wait()
+    slab = dev["w0"]._memory
+    assert all(d._memory is slab for d in dev.values())
+    memory = slab.memory
+    noted: list[int] = []
+    note = memory.note_stream
+
+    def counted(ptr: int, stream: Any) -> None:
+        noted.append(ptr)
+        note(ptr, stream)
+
+    memory.note_stream = counted
+    try:
+        stream = testing.side_stream(rt)
+        pending = rt.upload_tree(tree, dev)
+        handed = pending.hand_off(stream)
+    finally:
+        del memory.note_stream
+    assert handed is dev and all(d.state == "owned" for d in dev.values())
+    assert noted == [slab._ptr]
+    _, back = rt.download_tree(dev).wait()
+    assert all(np.array_equal(back[k], v) for k, v in tree.items())

@@ -455,7 +455,8 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
         record = handle._record
-        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in record.moved)]
+        moving = set(map(id, record.moved))
+        handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in moving]
         if handed:
             for device in handed:
                 device._state = OWNED
@@ -472,8 +473,14 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
 
             completion.extras(record).cleanups.append(forget)
         if stream is not None:
+            slabs: set[int] = set()  # a slab's views note the stream once for the whole allocation
             for device in devices:
-                device._memory.note_stream(device._ptr, stream)
+                memory = device._memory
+                if type(memory) is DeviceSlab:
+                    if id(memory) in slabs:
+                        continue
+                    slabs.add(id(memory))
+                memory.note_stream(device._ptr, stream)
     return devices
 
 
