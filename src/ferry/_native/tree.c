@@ -118,8 +118,12 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
  * 256 bytes, with the host array's shape and dtype object and sizes[i] bytes (an empty one takes 256 bytes: no two views
  * share an address, which leaf_pieces would refuse). Each is made as
  * ferry._device_array.new_device_array makes one (the exact DeviceArray class, owned, no leases, nothing to wait
- * for), without a Python call per leaf. None where a host is not an exact numpy.ndarray (or the classes are not
- * known yet): the caller then makes them in Python. Nothing is registered anywhere: the caller does that.
+ * for), without a Python call per leaf. Each view is adopted by the slab as DeviceSlab.adopt does (a weak
+ * reference appended to slab._views). None where a host is not an exact numpy.ndarray, the slab has no _views
+ * list (or the classes are not known yet): the caller then makes them in Python. Nothing else is registered:
+ * the caller does that. The shape tuples and the weak references (no callback) refer to nothing that can
+ * make a cycle, so the collector does not track them (a tree of thousands of leaves would cost every
+ * collection that many objects more).
  */
 PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 7, "slab_views")) return NULL;
@@ -137,9 +141,24 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PyList_Size(hosts);
     for (Py_ssize_t i = 0; i < n; i++)
         if (!is_ndarray(st, PyList_GetItem(hosts, i))) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every size an int >= 0 (TypeError), before anything is made */
+        PyObject *size = PyList_GetItem(sizes, i);
+        if (!PyLong_Check(size) || (PyLong_AsUnsignedLongLong(size) == (unsigned long long)-1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "slab_views: a size is not an int >= 0");
+            return NULL;
+        }
+    }
+    PyObject *adopted = PyObject_GetAttrString(slab, "_views");
+    if (!adopted || !PyList_Check(adopted)) {
+        Py_XDECREF(adopted);
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t had = PyList_Size(adopted);
     allocfunc alloc = (allocfunc)PyType_GetSlot(cls, Py_tp_alloc);
     PyObject *out = PyList_New(n);
-    if (!out) return NULL;
+    if (!out) goto failed;
     unsigned long long at = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const NumpyArray *a = (const NumpyArray *)PyList_GetItem(hosts, i);
@@ -147,30 +166,25 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         unsigned long long nbytes = PyLong_Check(size) ? PyLong_AsUnsignedLongLong(size) : (unsigned long long)-1;
         if (nbytes == (unsigned long long)-1) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "slab_views: a size is not an int >= 0");
-            Py_DECREF(out);
-            return NULL;
+            goto failed;
         }
         PyObject *shape = PyTuple_New(a->nd);
-        if (!shape) {
-            Py_DECREF(out);
-            return NULL;
-        }
+        if (!shape) goto failed;
         for (int k = 0; k < a->nd; k++) {
             PyObject *d = PyLong_FromSsize_t(a->dimensions[k]);
             if (!d) {
                 Py_DECREF(shape);
-                Py_DECREF(out);
-                return NULL;
+                goto failed;
             }
             PyTuple_SetItem(shape, k, d);
         }
+        PyObject_GC_UnTrack(shape); /* ints only */
         PyObject *ptr = PyLong_FromUnsignedLongLong(base + at);
         PyObject *obj = ptr ? alloc(cls, 0) : NULL;
         if (!obj) {
             Py_XDECREF(ptr);
             Py_DECREF(shape);
-            Py_DECREF(out);
-            return NULL;
+            goto failed;
         }
         ArrayFields *f = ARRAY(obj);
         Py_INCREF(a->descr);
@@ -190,9 +204,21 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(owned);
         f->state = owned;
         PyList_SetItem(out, i, obj);
+        PyObject *ref = PyWeakref_NewRef(obj, NULL);
+        if (!ref) goto failed;
+        PyObject_GC_UnTrack(ref); /* no callback: it refers to nothing */
+        int rc = PyList_Append(adopted, ref);
+        Py_DECREF(ref);
+        if (rc) goto failed;
         at += ((nbytes ? nbytes : 1) + 255) / 256 * 256; /* an empty leaf too: no two views start together */
     }
+    Py_DECREF(adopted);
     return out;
+failed: /* nothing adopted stays: the views made so far die with the list */
+    if (PyList_Size(adopted) > had) PyList_SetSlice(adopted, had, PyList_Size(adopted), NULL);
+    Py_DECREF(adopted);
+    Py_XDECREF(out);
+    return NULL;
 }
 
 /*

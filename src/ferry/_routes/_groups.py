@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -188,21 +189,24 @@ def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceAr
     parts = rt._parts
     parts.health.check_open()
     memory, completion = parts.memory, parts.completion
-    sizes = [h.nbytes for h in hosts]
+    sizes = list(map(_HOST_NBYTES, hosts))
     total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())  # as slab_layout
     with parts.lock:
         if completion.maintenance_due():
             completion.maintain()
         base = memory.alloc(total)
         slab = DeviceSlab(memory, base, total, len(hosts))
-        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)
+        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)  # adopted by the slab too
         if views is None:
             offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
             views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
                      for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
-        slab.adopt(views)
+            slab.adopt(views)
         memory.arrays.add(slab)
     return views  # type: ignore[no-any-return]
+
+
+_HOST_NBYTES = operator.attrgetter("nbytes")
 
 
 def _check_open(rt: Any) -> None:
