@@ -41,6 +41,7 @@ def test_fresh_leaves_are_adopted_views_of_one_allocation(native: ferry.Runtime)
     assert len(slab._views) == len(views)
     assert not any(gc.is_tracked(ref) for ref in slab._views)
     assert not any(gc.is_tracked(v._shape) for v in views)
+    assert not any(gc.is_tracked(v) for v in views)
     assert all(v.shape == tree[k].shape and v.dtype == tree[k].dtype for k, v in dev.items())
     memory = parts_of(rt).memory
     assert slab in memory.arrays
@@ -73,3 +74,16 @@ def test_the_runtime_closes_the_live_views_of_a_slab(native: ferry.Runtime) -> N
     _, dev = rt.upload_tree(_tree(10)).wait()
     rt.close()
     assert {v.state for v in dev.values()} == {"closed"}
+
+
+def test_views_of_one_shape_share_it_and_every_view_has_its_own(native: ferry.Runtime) -> None:
+    rt = native
+    shapes = [(2, 3), (2, 3), (2, 3), (4,), (4,), (2, 3), (), (), (0,), (0,), (3, 0, 2), (2, 3)]
+    tree = {f"w{i}": np.full(shape, i, np.int16) for i, shape in enumerate(shapes)}
+    _, dev = rt.upload_tree(tree).wait()
+    assert [dev[k].shape for k in tree] == shapes
+    leaves = list(dev.values())
+    assert leaves[0]._shape is leaves[1]._shape is leaves[2]._shape  # a run of one shape: one tuple
+    assert leaves[3]._shape is leaves[4]._shape and leaves[5]._shape is not leaves[2]._shape
+    _, back = rt.download_tree(dev).wait()
+    assert all(back[k].shape == v.shape and np.array_equal(back[k], v) for k, v in tree.items())
