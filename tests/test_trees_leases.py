@@ -201,3 +201,50 @@ def test_flat_keys_and_take_flat_walk_a_state_dict_alike() -> None:
     assert build2([None, 1, 2]) == {"x": 1, "y": 2}
     assert flat_keys({"x": np.zeros(2), "y": 3}, np.ndarray, []) is None  # not every value a leaf
     assert flat_keys({}, np.ndarray, []) is None and flat_keys([np.zeros(2)], np.ndarray, []) is None
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_flat_keys_takes_a_state_dict_apart_with_or_without_the_extension(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry import _structure
+
+    if compiled and _native.load() is None:
+        pytest.skip("the compiled extension is not here")
+    if not compiled:
+        monkeypatch.setattr(_structure, "_flat_leaves", lambda: None)
+    f32, u8 = np.dtype(np.float32), np.dtype(np.uint8)
+    tree = {"a": np.zeros(2, f32), 7: np.zeros(3, u8), "c": np.ones(1, f32), ("t",): np.ones(4, f32)}
+    leaves: list[Any] = []
+    dtypes: set[Any] = set()
+    found = flat_keys(tree, np.ndarray, leaves, dtypes)
+    assert found is not None
+    build, paths = found
+    assert list(paths) == [("a",), (7,), ("c",), (("t",),)]
+    assert all(x is y for x, y in zip(leaves, tree.values(), strict=True))
+    assert dtypes == {f32, u8}
+    assert build(list("wxyz")) == {"a": "w", 7: "x", "c": "y", ("t",): "z"}
+    # anything but a plain non-empty dict of exactly that type: None, nothing appended
+    for other in ({"a": np.zeros(2), "b": np.zeros(2).view(Stubborn)}, {"a": np.zeros(2), "b": [1]},
+                  {}, [np.zeros(2)], {"a": 1}):
+        before = list(leaves)
+        assert flat_keys(other, np.ndarray, leaves, dtypes) is None and leaves == before
+    from collections import OrderedDict
+
+    assert flat_keys(OrderedDict(a=np.zeros(2)), np.ndarray, []) is None  # a dict subclass keeps its type
+    devices = {"x": object(), "y": object()}
+    assert flat_keys(devices, object, []) is not None  # any kind: no dtypes asked for, none read
+
+
+def test_the_compiled_flat_leaves_answers_the_dtypes_met(table: Any) -> None:
+    module = _native.load()
+    assert module is not None
+    f16 = np.dtype(np.float16)
+    tree = {"a": np.zeros(2, f16), "b": np.zeros(2, f16), "c": np.zeros(2, np.int8), "d": np.zeros(2, f16)}
+    keys, values, met = module.flat_leaves(tree, np.ndarray)
+    assert keys == list(tree) and all(x is y for x, y in zip(values, tree.values(), strict=True))
+    assert met == [f16, np.dtype(np.int8), f16]  # consecutive repeats dropped
+    assert module.flat_leaves({"a": 1, "b": 2}, int)[2] is None
+    assert module.flat_leaves({"a": 1, "b": 2.0}, int) is None
+    with pytest.raises(TypeError):
+        module.flat_leaves(tree)

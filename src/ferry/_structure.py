@@ -17,6 +17,7 @@ this one walk; each passes its own leaf function.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -150,20 +151,44 @@ def take_flat(tree: Any, kind: type, leaves: list[Any], paths: list[Path]) -> Bu
     return build
 
 
-def flat_keys(tree: Any, kind: type, leaves: list[Any]) -> tuple[Builder, KeyPaths] | None:
+def flat_keys(tree: Any, kind: type, leaves: list[Any],
+              dtypes: set[Any] | None = None) -> tuple[Builder, KeyPaths] | None:
     """:func:`take_flat` without a tuple per leaf: appends the values, and returns the builder and the
-    leaves' paths as a :class:`KeyPaths` (``None``, nothing appended, for any other structure)."""
+    leaves' paths as a :class:`KeyPaths` (``None``, nothing appended, for any other structure). ``dtypes``
+    (NumPy leaves): gets the leaves' distinct dtypes. One compiled pass where the extension runs."""
     if type(tree) is not dict or not tree:
         return None
-    values = list(tree.values())
-    if type(values[0]) is not kind or len(set(map(type, values))) != 1:  # the types compared in C
-        return None
-    keys = list(tree)
+    split = _flat_leaves()
+    if split is not None:
+        found = split(tree, kind)
+        if found is None:
+            return None
+        keys, values, met = found
+        if dtypes is not None:
+            dtypes.update(met if met is not None else map(_DTYPE, values))
+    else:
+        values = list(tree.values())
+        if type(values[0]) is not kind or len(set(map(type, values))) != 1:  # the types compared in C
+            return None
+        keys = list(tree)
+        if dtypes is not None:
+            dtypes.update(map(_DTYPE, values))
     start = len(leaves)
     leaves.extend(values)
     if start:
         return (lambda new: dict(zip(keys, new[start:], strict=True))), KeyPaths(keys)
     return (lambda new: dict(zip(keys, new, strict=True))), KeyPaths(keys)
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _flat_leaves() -> Callable[[Any, type], Any] | None:
+    """The compiled ``flat_leaves`` where the extension runs, else None."""
+    from . import _native
+
+    module = _native.load()
+    return None if module is None else module.flat_leaves  # type: ignore[no-any-return]
 
 
 class KeyPaths(Sequence[Path]):

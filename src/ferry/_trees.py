@@ -367,15 +367,13 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
             raise _refuse(call, path, problem)
 
 
-_DTYPE = operator.attrgetter("dtype")
-
-
 def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], Sequence[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
-    flat = flat_keys(tree, np.ndarray, leaves)
+    dtypes: set[np.dtype[Any]] = set()
+    flat = flat_keys(tree, np.ndarray, leaves, dtypes)
     if flat is not None:
-        if any(dtype.hasobject or not dtype.itemsize for dtype in set(map(_DTYPE, leaves))):  # named below
+        if any(dtype.hasobject or not dtype.itemsize for dtype in dtypes):  # named below
             leaves.clear()
         else:
             return flat[0], leaves, flat[1]

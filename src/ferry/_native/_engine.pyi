@@ -349,6 +349,11 @@ def slab_views(
     bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
     ``numpy.ndarray`` (``tree.c``)."""
 
+def flat_leaves(tree: Any, kind: type, /) -> tuple[list[Any], list[Any], list[Any] | None] | None:
+    """A plain non-empty ``dict`` whose values are all exactly of type ``kind``: its keys, its values and
+    (for ``numpy.ndarray``) the distinct dtype objects met, consecutive repeats dropped; ``None`` for any
+    other tree (``tree.c``)."""
+
 def mark_leaves(devices: list[Any] | tuple[Any, ...], state: Any, leases: int, /) -> None:
     """Each ``DeviceArray``'s ``_state`` set to ``state`` (unless ``None``) and ``leases`` added to its
     ``_leases``; ``TypeError`` (nothing changed) for any other item (``tree.c``)."""

@@ -288,3 +288,51 @@ PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     free(sums);
     Py_RETURN_NONE;
 }
+
+/*
+ * flat_leaves(tree, kind) -> (keys, values, dtypes) or None: a plain dict (exactly dict, not empty) whose values
+ * are all exactly of type kind, taken apart in one pass: its keys and its values as lists, in order, and, when
+ * kind is numpy.ndarray (and its fields' layout was verified), the distinct dtype objects of the values in the
+ * order met (consecutive repeats dropped: few items, the caller makes a set), else None for dtypes. None for any
+ * other tree. Calls no Python code (the dict cannot change under it).
+ */
+PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 2, "flat_leaves")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *tree = args[0], *kind = args[1];
+    if (!PyDict_CheckExact(tree) || PyDict_Size(tree) == 0) Py_RETURN_NONE;
+    Py_ssize_t n = PyDict_Size(tree), pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(tree, &pos, &key, &value)) /* every value of the kind first: nothing made otherwise */
+        if ((PyObject *)Py_TYPE(value) != kind) Py_RETURN_NONE;
+    int arrays = st->ndarray_type && kind == st->ndarray_type;
+    PyObject *keys = PyList_New(n), *values = PyList_New(n), *dtypes = arrays ? PyList_New(0) : Py_None;
+    if (!arrays) Py_INCREF(Py_None);
+    if (!keys || !values || !dtypes) goto failed;
+    PyObject *last = NULL;
+    pos = 0;
+    while (PyDict_Next(tree, &pos, &key, &value) && i < n) {
+        Py_INCREF(key);
+        PyList_SetItem(keys, i, key);
+        Py_INCREF(value);
+        PyList_SetItem(values, i, value);
+        i++;
+        if (arrays) {
+            PyObject *descr = ((const NumpyArray *)value)->descr;
+            if (descr != last) {
+                if (PyList_Append(dtypes, descr)) goto failed;
+                last = descr;
+            }
+        }
+    }
+    PyObject *out = PyTuple_Pack(3, keys, values, dtypes);
+    Py_DECREF(keys);
+    Py_DECREF(values);
+    Py_DECREF(dtypes);
+    return out;
+failed:
+    Py_XDECREF(keys);
+    Py_XDECREF(values);
+    Py_XDECREF(dtypes);
+    return NULL;
+}
