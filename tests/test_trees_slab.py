@@ -87,3 +87,24 @@ def test_views_of_one_shape_share_it_and_every_view_has_its_own(native: ferry.Ru
     assert leaves[3]._shape is leaves[4]._shape and leaves[5]._shape is not leaves[2]._shape
     _, back = rt.download_tree(dev).wait()
     assert all(back[k].shape == v.shape and np.array_equal(back[k], v) for k, v in tree.items())
+
+
+def test_device_specs_reads_every_leaf_or_none(native: ferry.Runtime) -> None:
+    rt = native
+    module = _native.load()
+    assert module is not None
+    tree = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 3), np.float32), "c": np.zeros(5, np.int8)}
+    _, dev = rt.upload_tree(tree).wait()
+    leaves = list(dev.values())
+    specs, sizes, total = module.device_specs(leaves)
+    assert specs == [((2, 3), np.dtype(np.float32))] * 2 + [((5,), np.dtype(np.int8))]
+    assert specs[0] is specs[1]  # the same shape and dtype objects: one pair
+    assert sizes == [24, 24, 5] and total == 53
+    assert module.device_specs([]) == ([], [], 0)
+    assert module.device_specs([*leaves, np.zeros(3)]) is None  # not every item a DeviceArray
+    with pytest.raises(TypeError):
+        module.device_specs(tuple(leaves))
+    # the fresh host leaves of a download are made from them, pageable and pinned
+    for pinned in (False, True):
+        _, back = rt.download_tree(dev, pinned=pinned).wait()
+        assert all(back[k].shape == v.shape and back[k].dtype == v.dtype for k, v in tree.items())

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _native
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
@@ -565,6 +566,18 @@ _NBYTES = operator.attrgetter("_nbytes")
 _SPEC = operator.attrgetter("_shape", "_dtype")  # a device array's (shape, dtype)
 
 
+def _device_specs(leaves: list[Any]) -> tuple[list[tuple[tuple[int, ...], np.dtype[Any]]], list[int], int] | None:
+    """Every leaf's ``(shape, dtype)`` and size in bytes, and their sum, where every leaf is exactly a ferry
+    device array (one compiled call where the extension runs); None otherwise."""
+    module = _native.load()
+    if module is not None:
+        return module.device_specs(leaves)  # type: ignore[no-any-return]
+    if not _all_device_arrays(leaves):
+        return None
+    sizes = list(map(_NBYTES, leaves))
+    return list(map(_SPEC, leaves)), sizes, sum(sizes)
+
+
 def _all_device_arrays(leaves: list[Any]) -> bool:
     """Whether every leaf is exactly a ferry device array (the types compared in C, not one by one)."""
     return not leaves or (type(leaves[0]) is DeviceArray and len(set(map(type, leaves))) == 1)
@@ -579,12 +592,13 @@ def _fresh_outputs(devices: list[Any]) -> list[Any]:
     array: the checks then refuse the fast way). The leaves under :data:`SHARED_BYTES` are views of one
     NumPy allocation, back to back (one allocation instead of one per leaf, and views made in runs); the
     allocation lives while any of them does. Larger leaves get an array of their own."""
-    if not _all_device_arrays(devices):
+    found = _device_specs(devices)
+    if found is None:
         return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
-    sizes = list(map(_NBYTES, devices))
+    specs, sizes, _ = found
     if max(sizes) < SHARED_BYTES:  # the common tree of small leaves: all of them in one allocation
         offsets, total = layout(sizes)
-        return views(np.empty(total, np.uint8), list(map(_SPEC, devices)), offsets, sizes)
+        return views(np.empty(total, np.uint8), specs, offsets, sizes)
     small = [i for i, n in enumerate(sizes) if n < SHARED_BYTES]
     out: list[Any] = [None] * len(devices)
     if len(small) > 1:
@@ -711,11 +725,10 @@ def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
     sizes: list[int] | None = None
-    if _all_device_arrays(sources):  # the common tree: no per-leaf call
+    found = _device_specs(sources)
+    if found is not None:  # the common tree: no per-leaf call
         wanted = list(range(len(sources)))
-        specs = list(map(_SPEC, sources))
-        sizes = list(map(_NBYTES, sources))
-        total = sum(sizes)
+        specs, sizes, total = found
     else:
         described = [_dtype_of(device) for device in sources]
         wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy

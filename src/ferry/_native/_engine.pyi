@@ -354,6 +354,10 @@ def flat_leaves(tree: Any, kind: type, /) -> tuple[list[Any], list[Any], list[An
     (for ``numpy.ndarray``) the distinct dtype objects met, consecutive repeats dropped; ``None`` for any
     other tree (``tree.c``)."""
 
+def device_specs(devices: list[Any], /) -> tuple[list[tuple[Any, Any]], list[int], int] | None:
+    """Each exact ``DeviceArray``'s ``(shape, dtype)`` (consecutive equal ones one shared pair) and size in
+    bytes, and their sum; ``None`` where an item is not an exact ``DeviceArray`` (``tree.c``)."""
+
 def mark_leaves(devices: list[Any] | tuple[Any, ...], state: Any, leases: int, /) -> None:
     """Each ``DeviceArray``'s ``_state`` set to ``state`` (unless ``None``) and ``leases`` added to its
     ``_leases``; ``TypeError`` (nothing changed) for any other item (``tree.c``)."""

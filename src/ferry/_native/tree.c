@@ -336,3 +336,55 @@ failed:
     Py_XDECREF(dtypes);
     return NULL;
 }
+
+/*
+ * device_specs(devices) -> (specs, sizes, total) or None: for a list of exact DeviceArrays, each one's (shape,
+ * dtype) pair and its size in bytes (its own objects), and the sizes' sum; the fresh host leaves of a download
+ * are made from these. Consecutive leaves with the very same shape and dtype objects (a slab's views of one
+ * shape share them) share one pair. None where an item is not an exact DeviceArray or a size not an int >= 0.
+ */
+PyObject *mod_device_specs(PyObject *mod, PyObject *arg) {
+    ferry_state *st = mod_state(mod);
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "device_specs: devices must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(arg);
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every item checked first: nothing made otherwise */
+        PyObject *d = PyList_GetItem(arg, i);
+        if (!is_hot(st, d, HOT_ARRAY)) Py_RETURN_NONE;
+        ArrayFields *f = ARRAY(d);
+        if (!f->shape || !f->dtype || !f->nbytes || !PyLong_Check(f->nbytes)) Py_RETURN_NONE;
+        unsigned long long size = PyLong_AsUnsignedLongLong(f->nbytes);
+        if (size == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        total += size;
+    }
+    PyObject *specs = PyList_New(n), *sizes = PyList_New(n);
+    if (!specs || !sizes) goto failed;
+    PyObject *spec = NULL; /* the pair before (borrowed from specs) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ArrayFields *f = ARRAY(PyList_GetItem(arg, i));
+        if (spec && PyTuple_GetItem(spec, 0) == f->shape && PyTuple_GetItem(spec, 1) == f->dtype) {
+            Py_INCREF(spec);
+        } else if (!(spec = PyTuple_Pack(2, f->shape, f->dtype))) {
+            goto failed;
+        }
+        PyList_SetItem(specs, i, spec);
+        Py_INCREF(f->nbytes);
+        PyList_SetItem(sizes, i, f->nbytes);
+    }
+    PyObject *sum = PyLong_FromUnsignedLongLong(total);
+    PyObject *out = sum ? PyTuple_Pack(3, specs, sizes, sum) : NULL;
+    Py_XDECREF(sum);
+    Py_DECREF(specs);
+    Py_DECREF(sizes);
+    return out;
+failed:
+    Py_XDECREF(specs);
+    Py_XDECREF(sizes);
+    return NULL;
+}
