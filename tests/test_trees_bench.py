@@ -44,7 +44,10 @@ def test_the_trees_group_runs_every_case_and_verifies_it(rt: ferry.Runtime) -> N
     names = {c.name: c for c in compute_checks(ctx.results)}
     assert names["pinned pool bounded over offload/reload rounds"].passed is True
     assert names["trees 2048 x 1 MiB d2h into a reused out= tree"].passed is not None
-    assert names["upload_tree of 2,048 leaves returns"].passed is not None
+    assert names["upload_tree of 2,048 leaves returns (into a device tree)"].passed is not None
+    assert names["upload_tree of 2,048 leaves returns (fresh)"].passed is not None
+    fresh = [r for r in rows if r.config == "2048-leaf submit" and r.route == "upload_tree submit, fresh"]
+    assert len(fresh) == 1 and fresh[0].valid is True
     report = markdown({"backend": rt.backend}, ctx.results, compute_checks(ctx.results))
     assert "## trees" in report and "| 1.5B mixed | ferry | pinned | d2h |" in report
 

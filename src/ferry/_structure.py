@@ -17,8 +17,9 @@ this one walk; each passes its own leaf function.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -142,18 +143,89 @@ def take_flat(tree: Any, kind: type, leaves: list[Any], paths: list[Path]) -> Bu
     type ``kind`` (each a kept leaf, as the leaf function would keep it). Appends the values and their
     paths and returns the builder; ``None`` (nothing appended) for any other structure. A walk of
     thousands of leaves then costs tens of nanoseconds each."""
+    found = flat_keys(tree, kind, leaves)
+    if found is None:
+        return None
+    build, keys = found
+    paths.extend(keys)  # each key's path: the 1-tuple (key,)
+    return build
+
+
+def flat_keys(tree: Any, kind: type, leaves: list[Any],
+              dtypes: set[Any] | None = None) -> tuple[Builder, KeyPaths] | None:
+    """:func:`take_flat` without a tuple per leaf: appends the values, and returns the builder and the
+    leaves' paths as a :class:`KeyPaths` (``None``, nothing appended, for any other structure). ``dtypes``
+    (NumPy leaves): gets the leaves' distinct dtypes. One compiled pass where the extension runs."""
     if type(tree) is not dict or not tree:
         return None
-    values = list(tree.values())
-    if not all(type(v) is kind for v in values):
-        return None
-    keys = list(tree)
+    split = _flat_leaves()
+    if split is not None:
+        found = split(tree, kind)
+        if found is None:
+            return None
+        keys, values, met = found
+        if dtypes is not None:
+            dtypes.update(met if met is not None else map(_DTYPE, values))
+    else:
+        values = list(tree.values())
+        if type(values[0]) is not kind or len(set(map(type, values))) != 1:  # the types compared in C
+            return None
+        keys = list(tree)
+        if dtypes is not None:
+            dtypes.update(map(_DTYPE, values))
+    start = len(leaves)
     leaves.extend(values)
-    paths.extend((key,) for key in keys)
-    start = len(leaves) - len(values)
     if start:
-        return lambda new: dict(zip(keys, new[start:], strict=True))
-    return lambda new: dict(zip(keys, new, strict=True))
+        return (lambda new: dict(zip(keys, new[start:], strict=True))), KeyPaths(keys)
+    return (lambda new: dict(zip(keys, new, strict=True))), KeyPaths(keys)
+
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _flat_leaves() -> Callable[[Any, type], Any] | None:
+    """The compiled ``flat_leaves`` where the extension runs, else None."""
+    from . import _native
+
+    module = _native.load()
+    return None if module is None else module.flat_leaves  # type: ignore[no-any-return]
+
+
+class KeyPaths(Sequence[Path]):
+    """The paths of a flat dict's leaves, ``(key,)`` for each key in order, made when asked for (a state
+    dict of thousands of leaves makes no tuple per leaf). Equal to another sequence of the same paths."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: list[Any]) -> None:
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, index: int) -> Path: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Path]: ...
+    def __getitem__(self, index: int | slice) -> Path | list[Path]:
+        if isinstance(index, slice):
+            return list(zip(self.keys[index]))
+        return (self.keys[index],)
+
+    def __iter__(self) -> Iterator[Path]:
+        return zip(self.keys)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, KeyPaths):
+            return self.keys == other.keys  # the same key objects: compared by identity, in C
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self.keys) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"KeyPaths({self.keys!r})"
 
 
 def describe(path: Path) -> str:

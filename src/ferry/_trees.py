@@ -47,11 +47,12 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _native
 from ._backends._base import DeviceError
 from ._device_array import DeviceArray
 from ._errors import FerryError, RuntimeClosedError, TransferFailedError, TransferSubmitError
@@ -69,7 +70,7 @@ from ._routes._groups import (
 from ._routes._groups import hand_off as hand_group
 from ._routes._groups import plan as plan_groups
 from ._state import OWNED
-from ._structure import KEEP, Builder, Path, describe, host_array, is_device_array, take_apart, take_flat
+from ._structure import KEEP, Builder, Path, describe, flat_keys, host_array, is_device_array, take_apart
 
 if TYPE_CHECKING:
     from ._pending import _Pending
@@ -90,7 +91,7 @@ class TreeRecord:
         "settled", "spans", "upload", "waiters",
     )
 
-    def __init__(self, upload: bool, children: list[Any], paths: list[Path], nbytes: int,
+    def __init__(self, upload: bool, children: list[Any], paths: Sequence[Path], nbytes: int,
                  finish: Callable[[list[Any]], tuple[Any, Any]], spans: list[list[int]] | None = None,
                  grouped: list[bool] | None = None) -> None:
         self.upload = upload
@@ -100,7 +101,7 @@ class TreeRecord:
         self.grouped = grouped if grouped is not None else [False] * len(children)
         self.paths = paths
         self.nbytes = nbytes
-        self.finish = finish  # the leaves' results -> (tree, other tree)
+        self.finish = finish  # each leaf's new object (an upload's device array, a download's host array) -> trees
         self.result: tuple[Any, ...] = ()
         self.settled = False
         self.claimed = False
@@ -159,14 +160,15 @@ class TreePort:
             try:
                 got = child.wait()
                 span = record.spans[i]
+                # each leaf's new object: the second of what its handle returns (device arrays for an upload,
+                # host arrays for a download)
                 if record.grouped[i] and len(children) == 1:  # one record for the whole tree, in order
-                    results = list(zip(*got, strict=True))
+                    results = list(got[1])
                 elif record.grouped[i]:
-                    hosts, devices = got
-                    for k, leaf in enumerate(span):
-                        results[leaf] = (hosts[k], devices[k])
+                    for leaf, made in zip(span, got[1], strict=True):
+                        results[leaf] = made
                 else:
-                    results[span[0]] = got
+                    results[span[0]] = got[1]
             except TransferFailedError as exc:
                 results.clear()
                 error = self._fail(record, i, exc)
@@ -320,7 +322,7 @@ class TreePort:
                     error = self._fail(record, i, exc)
                     del child  # neither this frame nor the leaf's error (its traceback) keeps a handle
                     raise error from exc.with_traceback(None)
-            return record.finish([(None, d) for d in devices])[1]
+            return record.finish(devices)[1]
 
     def owns(self, record: TreeRecord) -> bool:
         """Whether any leaf of the tree is still pending."""
@@ -366,19 +368,16 @@ def _check_device(owner: object, call: str, path: Path, leaf: Any, *, write: boo
             raise _refuse(call, path, problem)
 
 
-_DTYPE = operator.attrgetter("dtype")
-
-
-def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], list[Path]]:
+def _flatten_host(call: str, tree: Any) -> tuple[Builder, list[np.ndarray[Any, Any]], Sequence[Path]]:
     leaves: list[np.ndarray[Any, Any]] = []
     paths: list[Path] = []
-    flat = take_flat(tree, np.ndarray, leaves, paths)
+    dtypes: set[np.dtype[Any]] = set()
+    flat = flat_keys(tree, np.ndarray, leaves, dtypes)
     if flat is not None:
-        if any(dtype.hasobject or not dtype.itemsize for dtype in set(map(_DTYPE, leaves))):  # named below
+        if any(dtype.hasobject or not dtype.itemsize for dtype in dtypes):  # named below
             leaves.clear()
-            paths.clear()
         else:
-            return flat, leaves, paths
+            return flat[0], leaves, flat[1]
     try:
         build = take_apart(tree, leaves, host_array, paths)
     except (TypeError, ValueError, BufferError) as exc:
@@ -393,12 +392,12 @@ def _device_leaf(leaf: Any) -> Any:
     return leaf if isinstance(leaf, DeviceArray) or is_device_array(leaf) else KEEP
 
 
-def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], list[Path]]:
+def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, list[Any], Sequence[Path]]:
     leaves: list[Any] = []
     paths: list[Path] = []
-    flat = take_flat(tree, DeviceArray, leaves, paths)
+    flat = flat_keys(tree, DeviceArray, leaves)
     if flat is not None:
-        return flat, leaves, paths
+        return flat[0], leaves, flat[1]
 
     def leaf(x: Any) -> Any:
         found = _device_leaf(x)
@@ -413,7 +412,7 @@ def _flatten_device(call: str, tree: Any, *, require: bool) -> tuple[Builder, li
     return build, leaves, paths
 
 
-def _same_paths(call: str, mine: list[Path], theirs: list[Path], name: str) -> None:
+def _same_paths(call: str, mine: Sequence[Path], theirs: Sequence[Path], name: str) -> None:
     if mine == theirs:
         return
     missing = [p for p in mine if p not in set(theirs)]
@@ -433,7 +432,7 @@ def _check_match(call: str, path: Path, host: np.ndarray[Any, Any], device: Any,
                                   f"the {name} is {shape} {dtype if dtype is not None else ''}".rstrip())
 
 
-def _unique(call: str, paths: list[Path], objects: list[Any], what: str) -> None:
+def _unique(call: str, paths: Sequence[Path], objects: list[Any], what: str) -> None:
     seen: dict[int, Path] = {}
     for path, obj in zip(paths, objects, strict=True):
         first = seen.setdefault(id(obj), path)
@@ -465,7 +464,8 @@ def _converter(to: str | None) -> Callable[[Any], Any] | None:
 
 # -- submission ------------------------------------------------------------------------------------
 def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[Any, Any]], call: str,
-                paths: list[Path], sizes: list[int], *, upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
+                paths: Sequence[Path], sizes: list[int], *,
+                upload: bool) -> tuple[list[Any], list[list[int]], list[bool]]:
     """Submit every leaf; the handles, the leaves each one copies, and which are groups.
 
     Pinned leaves and small pageable ones go in groups (:mod:`ferry._routes._groups`: one record each);
@@ -535,33 +535,22 @@ def _submit_all(rt: Any, submit: Callable[[Any, Any], Any], pairs: list[tuple[An
     return handles, spans, grouped
 
 
-def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: list[Any],
-                   devices: list[Any], fresh_outputs: bool = False) -> Any:
+def _submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], missing: bool,
+                   fresh_outputs: bool = False) -> Any:
     """Every leaf as one piece of one staging job (:func:`ferry._routes._groups.submit_pieces`): its
-    handle, or None (nothing changed) where a leaf is not the common case. Fresh destinations and
-    outputs are made first (and closed again when the leaves go another way)."""
+    handle, or None (nothing changed) where a leaf is not the common case. ``missing``: no leaf has its other
+    side yet (an upload without a destination, a download without ``out=`` or pinned leaves); those are made
+    first (and closed again when the leaves go another way). Otherwise every leaf has both sides."""
     fresh: list[Any] = []
     if upload:
-        if all(d is None for d in devices):  # every destination fresh: made together
+        if missing:  # every destination fresh: made together
             devices = fresh = empty_like_many(rt, hosts)
-        else:
-            missing = [i for i, d in enumerate(devices) if d is None]
-            if missing:
-                made = empty_like_many(rt, [hosts[i] for i in missing])
-                fresh = made
-                devices = list(devices)
-                for i, device in zip(missing, made, strict=True):
-                    devices[i] = device
-        handed = hosts  # (the pairs' host sides)
-    elif fresh_outputs and all(h is None for h in hosts):  # no out= and no pinned leaves
+    elif missing and fresh_outputs:  # no out= and no pinned leaves
         hosts = _fresh_outputs(devices)
-        handed = hosts
-    else:
-        hosts = [np.empty(d.shape, d.dtype) if h is None and isinstance(d, DeviceArray) else h
-                 for h, d in zip(hosts, devices, strict=True)]
-        handed = hosts
+    elif missing:
+        hosts = [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
     try:
-        handle = submit_pieces(rt, upload, hosts, devices, handed, fresh=fresh_outputs)
+        handle = submit_pieces(rt, upload, hosts, devices, hosts, fresh=fresh_outputs)
     except BaseException:
         for device in fresh:
             if device._state is OWNED:
@@ -573,6 +562,27 @@ def _submit_pieces(rt: Any, upload: bool, pairs: list[tuple[Any, Any]], hosts: l
     return handle
 
 
+_NBYTES = operator.attrgetter("_nbytes")
+_SPEC = operator.attrgetter("_shape", "_dtype")  # a device array's (shape, dtype)
+
+
+def _device_specs(leaves: list[Any]) -> tuple[list[tuple[tuple[int, ...], np.dtype[Any]]], list[int], int] | None:
+    """Every leaf's ``(shape, dtype)`` and size in bytes, and their sum, where every leaf is exactly a ferry
+    device array (one compiled call where the extension runs); None otherwise."""
+    module = _native.load()
+    if module is not None:
+        return module.device_specs(leaves)  # type: ignore[no-any-return]
+    if not _all_device_arrays(leaves):
+        return None
+    sizes = list(map(_NBYTES, leaves))
+    return list(map(_SPEC, leaves)), sizes, sum(sizes)
+
+
+def _all_device_arrays(leaves: list[Any]) -> bool:
+    """Whether every leaf is exactly a ferry device array (the types compared in C, not one by one)."""
+    return not leaves or (type(leaves[0]) is DeviceArray and len(set(map(type, leaves))) == 1)
+
+
 SHARED_BYTES = 1 << 20
 """Fresh pageable outputs of a download tree below this size share one host allocation."""
 
@@ -582,12 +592,13 @@ def _fresh_outputs(devices: list[Any]) -> list[Any]:
     array: the checks then refuse the fast way). The leaves under :data:`SHARED_BYTES` are views of one
     NumPy allocation, back to back (one allocation instead of one per leaf, and views made in runs); the
     allocation lives while any of them does. Larger leaves get an array of their own."""
-    if not all(type(d) is DeviceArray for d in devices):
+    found = _device_specs(devices)
+    if found is None:
         return [np.empty(d.shape, d.dtype) if isinstance(d, DeviceArray) else None for d in devices]
-    sizes = [d._nbytes for d in devices]
+    specs, sizes, _ = found
     if max(sizes) < SHARED_BYTES:  # the common tree of small leaves: all of them in one allocation
         offsets, total = layout(sizes)
-        return views(np.empty(total, np.uint8), [(d._shape, d._dtype) for d in devices], offsets, sizes)
+        return views(np.empty(total, np.uint8), specs, offsets, sizes)
     small = [i for i, n in enumerate(sizes) if n < SHARED_BYTES]
     out: list[Any] = [None] * len(devices)
     if len(small) > 1:
@@ -619,12 +630,12 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
         _, targets, theirs = _flatten_device(call, destination, require=False)
         _same_paths(call, paths, theirs, "destination")
     keep_destination = destination is not None and convert is None
-    pairs = list(zip(sources, targets, strict=True))
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    fast = _submit_pieces(rt, True, pairs, sources, targets) if len(pairs) > 1 and pieces_ready(rt, True) else None
+    fast = (_submit_pieces(rt, True, sources, targets, destination is None)
+            if len(sources) > 1 and pieces_ready(rt, True) else None)
     if fast is not None:
         handles: list[Any] = [fast]
-        spans, grouped = [list(range(len(pairs)))], [True]
+        spans, grouped = [list(range(len(sources)))], [True]
     if destination is not None and fast is None:
         for path, host, device in zip(paths, sources, targets, strict=True):
             _check_device(rt, call, path, device, write=True)
@@ -632,8 +643,7 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
         _unique(call, paths, targets, "destination")
     nbytes = fast.nbytes if fast is not None else sum(int(a.nbytes) for a in sources)
 
-    def finish(results: list[Any]) -> tuple[Any, Any]:
-        devices = [r[1] for r in results]
+    def finish(devices: list[Any]) -> tuple[Any, Any]:
         if keep_destination:
             return tree, destination
         if convert is not None:
@@ -642,6 +652,7 @@ def _upload_tree(rt: Any, tree: Any, destination: Any, to: str | None) -> Pendin
 
     if fast is None:
         sizes = [int(a.nbytes) for a in sources]
+        pairs = list(zip(sources, targets, strict=True))
         handles, spans, grouped = _submit_all(rt, rt.upload, pairs, call, paths, sizes, upload=True)
     record = TreeRecord(True, handles, paths, nbytes, finish, spans, grouped)
     return PendingUpload(PORT, record)  # type: ignore[arg-type]
@@ -665,13 +676,13 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     if out is not None:
         _, outs, theirs = _flatten_host(call, out)
         _same_paths(call, paths, theirs, "out")
-    pairs = list(zip(sources, outs, strict=True))
+    missing = out is None
     # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    if pinned and all(type(d) is DeviceArray for d in sources):  # pooled pinned leaves, then one record
-        outs = _pinned_outputs(rt, call, paths, sources)
-        pairs = list(zip(sources, outs, strict=True))
-    fast = (_submit_pieces(rt, False, pairs, outs, sources, fresh_outputs=out is None)
-            if len(pairs) > 1 and pieces_ready(rt, False) else None)
+    if pinned and _all_device_arrays(sources):  # pooled pinned
+        outs = _pinned_outputs(rt, call, paths, sources)  # leaves, then one record
+        missing = False
+    fast = (_submit_pieces(rt, False, outs, sources, missing, fresh_outputs=out is None)
+            if len(sources) > 1 and pieces_ready(rt, False) else None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -681,9 +692,8 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
                 if not host.flags.writeable:
                     raise _refuse(call, path, "out is read-only (or the output of another pending download)")
             _unique(call, paths, outs, "out array")
-        elif pinned and all(o is None for o in outs):
+        elif pinned and missing:
             outs = _pinned_outputs(rt, call, paths, sources)
-            pairs = list(zip(sources, outs, strict=True))
         sizes = [_nbytes_of(d) for d in sources]
         nbytes = sum(sizes)
     else:
@@ -692,34 +702,33 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     kinds = [isinstance(d, torch.Tensor) for d in sources] if torch is not None and fast is None else None
     keep_out = out is not None
 
-    def finish(results: list[Any]) -> tuple[Any, Any]:
+    def finish(hosts: list[Any]) -> tuple[Any, Any]:
         if keep_out:
             return tree, out
-        hosts = [r[1] for r in results]
         if torch is not None and kinds is not None:
             hosts = [torch.from_numpy(h) if k else h for h, k in zip(hosts, kinds, strict=True)]
         return tree, build(hosts)
 
     if fast is None:
+        pairs = list(zip(sources, outs, strict=True))
         handles, spans, grouped = _submit_all(rt, rt.download, pairs, call, paths, sizes, upload=False)
     else:
-        handles, spans, grouped = [fast], [list(range(len(pairs)))], [True]
+        handles, spans, grouped = [fast], [list(range(len(sources)))], [True]
     record = TreeRecord(False, handles, paths, nbytes, finish, spans, grouped)
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 
 
-def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
+def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
     specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves
     with rt._lock:
         rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
     sizes: list[int] | None = None
-    if all(type(d) is DeviceArray for d in sources):  # the common tree: no per-leaf call
+    found = _device_specs(sources)
+    if found is not None:  # the common tree: no per-leaf call
         wanted = list(range(len(sources)))
-        specs = [(d._shape, d._dtype) for d in sources]
-        sizes = [d._nbytes for d in sources]
-        total = sum(sizes)
+        specs, sizes, total = found
     else:
         described = [_dtype_of(device) for device in sources]
         wanted = [i for i, (_, dtype) in enumerate(described) if dtype is not None]  # DLPack alone: plain NumPy
@@ -740,6 +749,8 @@ def _pinned_outputs(rt: Any, call: str, paths: list[Path], sources: list[Any]) -
         rt._health.note(exc)
         raise TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
                                   "nothing was submitted") from exc
+    if len(made) == len(sources):  # every leaf has one (the common tree)
+        return list(made)
     outs: list[Any] = [None] * len(sources)
     for i, array in zip(wanted, made, strict=True):
         outs[i] = array

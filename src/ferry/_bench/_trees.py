@@ -387,8 +387,9 @@ def shape_case_count(ctx: Context) -> int:
 
 def case_count(ctx: Context) -> int:
     """The progress bar's total for this group."""
-    # 256 MiB both ways, the fresh 16 B upload (ferry, and torch), the 2048-leaf submit, the pool rounds
-    extras = 2 + 1 + int("torch" in ctx.peers) + 1 + 1
+    # 256 MiB both ways, the fresh 16 B upload (ferry, and torch), the 2048-leaf submit (into a device tree,
+    # fresh), the pool rounds
+    extras = 2 + 1 + int("torch" in ctx.peers) + 2 + 1
     skipped = int("torch" in ctx.peers and _tensordict()[0] is None)  # a row that says why TensorDict is not run
     return skipped + len(shapes(ctx.rt.backend == "emulated", ctx.quick)) * shape_case_count(ctx) + extras
 
@@ -479,7 +480,8 @@ def _singles(ctx: Context, torch: Any) -> None:
 
 
 def _submit_time(ctx: Context) -> None:
-    """How long ``upload_tree`` of 2,048 leaves (1 MiB each on a GPU) takes to return: submission only."""
+    """How long ``upload_tree`` of 2,048 leaves (1 MiB each on a GPU) takes to return, into an existing device
+    tree and into fresh device leaves: submission only (the previous round is waited for untimed)."""
     rt = ctx.rt
     leaf = 64 * KiB if rt.backend == "emulated" else MiB
     tree = make_tree(_uniform(2048, leaf), 9)
@@ -498,11 +500,28 @@ def _submit_time(ctx: Context) -> None:
         settle()
         return same(rt.download_tree(box["dev"]).wait()[1], tree)
 
+    def settle_fresh() -> None:
+        pending = box.pop("f", None)
+        if pending is not None:
+            pending.wait()  # (its fresh device tree is dropped: freed once its copy completed)
+
+    def op_fresh() -> None:
+        box["f"] = rt.upload_tree(tree)
+
+    def check_fresh() -> bool:
+        op_fresh()
+        _, made = box.pop("f").wait()
+        return same(rt.download_tree(made).wait()[1], tree)
+
     try:
         _run(ctx, "2048-leaf submit", Case("ferry", "upload_tree submit", "h2d", _nbytes(tree), op, check,
                                            setup=settle))
+        settle()
+        _run(ctx, "2048-leaf submit", Case("ferry", "upload_tree submit, fresh", "h2d", _nbytes(tree), op_fresh,
+                                           check_fresh, setup=settle_fresh))
     finally:
         settle()
+        settle_fresh()
         box.clear()
 
 
@@ -591,9 +610,10 @@ def checks(results: list[Result], check: Callable[..., Any]) -> list[Any]:
         "not measured" if f16 is None or t16 is None else f"{f16.median * 1e6:.2f} vs {t16.median * 1e6:.2f} us",
         "<= 1.0x", None if f16 is None or t16 is None else f16.median <= t16.median,
     ))
-    sub = _get(results, "2048-leaf submit", "ferry", "upload_tree submit", "h2d")
-    out.append(Check("upload_tree of 2,048 leaves returns", "not measured" if sub is None else
-                     f"{sub.median * 1e3:.3f} ms", "< 2 ms", None if sub is None else sub.median < 2e-3))
+    for how, what in (("upload_tree submit", "into a device tree"), ("upload_tree submit, fresh", "fresh")):
+        sub = _get(results, "2048-leaf submit", "ferry", how, "h2d")
+        out.append(Check(f"upload_tree of 2,048 leaves returns ({what})", "not measured" if sub is None else
+                         f"{sub.median * 1e3:.3f} ms", "< 2 ms", None if sub is None else sub.median < 2e-3))
     pool = next((r for r in results if r.group == "trees" and r.config == "pool"), None)
     if pool is None or not pool.valid or "pool bytes per round: " not in pool.note:
         out.append(Check("pinned pool bounded over offload/reload rounds", "not measured", "stops growing", None))

@@ -349,6 +349,15 @@ def slab_views(
     bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
     ``numpy.ndarray`` (``tree.c``)."""
 
+def flat_leaves(tree: Any, kind: type, /) -> tuple[list[Any], list[Any], list[Any] | None] | None:
+    """A plain non-empty ``dict`` whose values are all exactly of type ``kind``: its keys, its values and
+    (for ``numpy.ndarray``) the distinct dtype objects met, consecutive repeats dropped; ``None`` for any
+    other tree (``tree.c``)."""
+
+def device_specs(devices: list[Any], /) -> tuple[list[tuple[Any, Any]], list[int], int] | None:
+    """Each exact ``DeviceArray``'s ``(shape, dtype)`` (consecutive equal ones one shared pair) and size in
+    bytes, and their sum; ``None`` where an item is not an exact ``DeviceArray`` (``tree.c``)."""
+
 def mark_leaves(devices: list[Any] | tuple[Any, ...], state: Any, leases: int, /) -> None:
     """Each ``DeviceArray``'s ``_state`` set to ``state`` (unless ``None``) and ``leases`` added to its
     ``_leases``; ``TypeError`` (nothing changed) for any other item (``tree.c``)."""
@@ -447,6 +456,12 @@ class Leases:
     def give(self, array: Any, /) -> None:
         """End one flight's lease; the last one sets the flag back (through ``setflags`` for an array
         that does not own its data, which stays read-only if NumPy refuses)."""
+    def take_many(self, arrays: list[Any] | tuple[Any, ...], /) -> None:
+        """:meth:`take` for every array, in order, in one call: all or none (on an error the leases this
+        call took are given back)."""
+    def give_many(self, arrays: list[Any] | tuple[Any, ...], /) -> None:
+        """:meth:`give` for every array, in one call; each is given back even when one fails (the first
+        error is raised afterwards)."""
 
 # -- dlpack.c: DLPack export and import ------------------------------------------------------------
 

@@ -7,17 +7,84 @@
 /*
  * Leases(ndarray_type): HostLeases' table (ferry/_routes/_base.py) in C. The caller's NumPy arrays are
  * flagged read-only while transfers use them, counted per array, the flag restored by the last one.
- * `table` maps an array's address to [array, count, writeable] as the Python class does; take() and
- * give() are its methods, one C call each where the Python ones cost ~0.2 us apiece (a small pageable
- * transfer makes one of each). An exact ndarray (ndarray_type) has its flag flipped at the verified
- * offset (set_array_layout); any other array goes through array.flags and array.setflags, as in Python.
+ * The leases live in a hash table of the arrays' addresses (each entry a strong reference, a count and the
+ * flag to restore); `table` answers a snapshot dict, address -> [array, count, writeable], as the Python
+ * class keeps it. take() and give() cost tens of nanoseconds (no Python object made per lease), and
+ * take_many() / give_many() do a tree's leaves in one call. An exact ndarray (ndarray_type) has its flag
+ * flipped at the verified offset (set_array_layout); any other array goes through array.flags and
+ * array.setflags, as in Python (which may run Python code: the table is looked up again afterwards).
  */
 
-typedef struct { /* a PairObject's shape (its traverse, clear and dealloc are Pair_*) */
+/* The table: open addressing on the array's address, linear probing; a free slot has no array, a removed one
+ * the TOMB marker. Each used slot holds a strong reference to its array. */
+typedef struct {
+    PyObject *array;
+    Py_ssize_t count;
+    int writeable;
+} lease_t;
+
+#define TOMB ((PyObject *)1)
+
+typedef struct {
     PyObject_HEAD
-    PyObject *table, *ndarray;
+    PyObject *ndarray;
+    lease_t *slots;
+    size_t cap, used, filled; /* cap a power of two (or 0); used: live entries; filled: live and removed */
 } LeasesObject;
 
+static size_t lease_hash(PyObject *array) {
+    uint64_t x = (uint64_t)(uintptr_t)array >> 4;
+    x *= 0x9E3779B97F4A7C15ull;
+    return (size_t)(x >> 20);
+}
+
+/* The slot of `array`, or NULL when it holds no lease. */
+static lease_t *lease_find(LeasesObject *self, PyObject *array) {
+    if (!self->cap) return NULL;
+    size_t mask = self->cap - 1;
+    for (size_t i = lease_hash(array) & mask;; i = (i + 1) & mask) {
+        lease_t *e = &self->slots[i];
+        if (e->array == array) return e;
+        if (!e->array) return NULL;
+    }
+}
+
+/* Room for one more entry (grown, or cleaned of removed slots, at two thirds): 0, or -1 with MemoryError. */
+static int lease_room(LeasesObject *self) {
+    if ((self->filled + 1) * 3 < self->cap * 2) return 0;
+    size_t cap = 64; /* removed slots are dropped: the live entries alone decide, at most a third full */
+    while (cap < 3 * (self->used + 1)) cap *= 2;
+    lease_t *slots = calloc(cap, sizeof(lease_t));
+    if (!slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t k = 0; k < self->cap; k++) {
+        lease_t *e = &self->slots[k];
+        if (!e->array || e->array == TOMB) continue;
+        size_t i = lease_hash(e->array) & (cap - 1);
+        while (slots[i].array) i = (i + 1) & (cap - 1);
+        slots[i] = *e;
+    }
+    free(self->slots);
+    self->slots = slots;
+    self->cap = cap;
+    self->filled = self->used;
+    return 0;
+}
+
+/* A new entry for `array` (not in the table; lease_room called): its reference is taken. */
+static void lease_insert(LeasesObject *self, PyObject *array, int writeable) {
+    size_t mask = self->cap - 1;
+    size_t i = lease_hash(array) & mask;
+    while (self->slots[i].array && self->slots[i].array != TOMB) i = (i + 1) & mask;
+    if (!self->slots[i].array) self->filled++;
+    Py_INCREF(array);
+    self->slots[i].array = array;
+    self->slots[i].count = 1;
+    self->slots[i].writeable = writeable;
+    self->used++;
+}
 
 static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"ndarray_type", NULL};
@@ -26,15 +93,43 @@ static PyObject *Leases_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
     LeasesObject *self = (LeasesObject *)alloc(type, 0);
     if (!self) return NULL;
-    if (!(self->table = PyDict_New())) {
-        Py_DECREF(self);
-        return NULL;
-    }
     Py_INCREF(ndarray);
     self->ndarray = ndarray;
+    self->slots = NULL;
+    self->cap = self->used = self->filled = 0;
     return (PyObject *)self;
 }
 
+static int Leases_traverse(PyObject *obj, visitproc visit, void *arg) {
+    LeasesObject *self = (LeasesObject *)obj;
+    Py_VISIT(self->ndarray);
+    for (size_t k = 0; k < self->cap; k++)
+        if (self->slots[k].array && self->slots[k].array != TOMB) Py_VISIT(self->slots[k].array);
+    Py_VISIT((PyObject *)Py_TYPE(obj));
+    return 0;
+}
+
+static int Leases_clear(PyObject *obj) {
+    LeasesObject *self = (LeasesObject *)obj;
+    lease_t *slots = self->slots;
+    size_t cap = self->cap;
+    self->slots = NULL;
+    self->cap = self->used = self->filled = 0;
+    for (size_t k = 0; k < cap; k++)
+        if (slots[k].array && slots[k].array != TOMB) Py_DECREF(slots[k].array);
+    free(slots);
+    Py_CLEAR(self->ndarray);
+    return 0;
+}
+
+static void Leases_dealloc(PyObject *obj) {
+    PyTypeObject *tp = Py_TYPE(obj);
+    PyObject_GC_UnTrack(obj);
+    Leases_clear(obj);
+    freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    f(obj);
+    Py_DECREF((PyObject *)tp);
+}
 
 /* array.setflags(write=value): 0, or -1 with the error set. */
 static int leases_setflags(ferry_state *st, PyObject *array, int value) {
@@ -60,31 +155,21 @@ static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     PyObject *array = args[0], *known = nargs == 2 ? args[1] : Py_None;
-    PyObject *key = PyLong_FromVoidPtr(array);
-    if (!key) return NULL;
-    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
-    if (entry) {
-        long count = PyLong_AsLong(PyList_GetItem(entry, 1));
-        PyObject *v = (count == -1 && PyErr_Occurred()) ? NULL : PyLong_FromLong(count + 1);
-        Py_DECREF(key);
-        if (!v || PyList_SetItem(entry, 1, v)) return NULL; /* steals v */
+    lease_t *e = lease_find(self, array);
+    if (e) {
+        e->count++;
         Py_RETURN_NONE;
     }
-    if (PyErr_Occurred()) {
-        Py_DECREF(key);
-        return NULL;
-    }
-    int was;
+    if (lease_room(self)) return NULL; /* nothing changed */
     ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
-    if (!st) {
-        Py_DECREF(key);
-        return NULL;
-    }
+    if (!st) return NULL;
+    int was;
     if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array)) {
         int *flags = array_flags(array);
         was = (*flags & NPY_WRITEABLE_FLAG) != 0;
         *flags &= ~NPY_WRITEABLE_FLAG;
     } else {
+        Py_INCREF(array);
         if (known == Py_None) {
             PyObject *flags = PyObject_GetAttr(array, st->S_flags);
             PyObject *w = flags ? PyObject_GetAttr(flags, st->S_writeable) : NULL;
@@ -95,100 +180,166 @@ static PyObject *Leases_take(PyObject *obj, PyObject *const *args, Py_ssize_t na
             was = PyObject_IsTrue(known);
         }
         if (was < 0 || (was && leases_setflags(st, array, 0))) {
-            Py_DECREF(key);
+            Py_DECREF(array);
             return NULL;
         }
+        /* Python ran: another lease of it may have been taken meanwhile, the table may have moved */
+        e = lease_find(self, array);
+        if (e) {
+            e->count++;
+            Py_DECREF(array);
+            Py_RETURN_NONE;
+        }
+        if (lease_room(self)) {
+            Py_DECREF(array);
+            return NULL; /* the flag stays cleared: as in Python, where the table's insert cannot fail */
+        }
+        lease_insert(self, array, was);
+        Py_DECREF(array);
+        Py_RETURN_NONE;
     }
-    PyObject *one = PyLong_FromLong(1);
-    entry = one ? PyList_New(3) : NULL;
-    if (!entry) {
-        Py_XDECREF(one);
-        Py_DECREF(key);
-        return NULL; /* the flag stays cleared: as in Python, where the table's insert cannot fail */
-    }
-    Py_INCREF(array);
-    PyList_SetItem(entry, 0, array);
-    PyList_SetItem(entry, 1, one);
-    PyObject *flag = was ? Py_True : Py_False;
-    Py_INCREF(flag);
-    PyList_SetItem(entry, 2, flag);
-    int rc = PyDict_SetItem(self->table, key, entry);
-    Py_DECREF(entry);
-    Py_DECREF(key);
-    if (rc) return NULL;
+    lease_insert(self, array, was);
     Py_RETURN_NONE;
 }
 
 /* give(array): end one flight's lease of `array`; the last one restores its flag. */
 PyObject *Leases_give(PyObject *obj, PyObject *array) {
     LeasesObject *self = (LeasesObject *)obj;
-    PyObject *key = PyLong_FromVoidPtr(array);
-    if (!key) return NULL;
-    PyObject *entry = PyDict_GetItemWithError(self->table, key); /* borrowed */
-    if (!entry) {
-        Py_DECREF(key);
-        if (PyErr_Occurred()) return NULL;
+    lease_t *e = lease_find(self, array);
+    if (!e) Py_RETURN_NONE;
+    if (--e->count > 0) Py_RETURN_NONE;
+    int was = e->writeable;
+    e->array = TOMB; /* its reference is ours now */
+    self->used--;
+    if (!was) {
+        Py_DECREF(array);
         Py_RETURN_NONE;
     }
-    long count = PyLong_AsLong(PyList_GetItem(entry, 1));
-    if (count == -1 && PyErr_Occurred()) {
-        Py_DECREF(key);
+    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
+    if (!st) {
+        Py_DECREF(array);
         return NULL;
     }
-    if (count > 1) {
-        PyObject *v = PyLong_FromLong(count - 1);
-        Py_DECREF(key);
-        if (!v || PyList_SetItem(entry, 1, v)) return NULL;
+    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array) && !((const NumpyArray *)array)->base) {
+        *array_flags(array) |= NPY_WRITEABLE_FLAG; /* it owns its data (its base is None): NumPy would allow it */
+        Py_DECREF(array);
         Py_RETURN_NONE;
     }
-    Py_INCREF(entry);
-    int rc = PyDict_DelItem(self->table, key);
-    Py_DECREF(key);
-    int was = rc ? -1 : PyObject_IsTrue(PyList_GetItem(entry, 2));
-    Py_DECREF(entry);
-    if (was <= 0) return was < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
-    ferry_state *st = (ferry_state *)PyType_GetModuleState(Py_TYPE(obj)); /* Leases' module */
-    if (!st) return NULL;
-    if ((PyObject *)Py_TYPE(array) == self->ndarray && is_ndarray(st, array)) {
-        PyObject *base = PyObject_GetAttr(array, st->S_base);
-        if (!base) return NULL;
-        int owns = base == Py_None;
-        Py_DECREF(base);
-        if (owns) { /* it owns its data: NumPy would allow it */
-            *array_flags(array) |= NPY_WRITEABLE_FLAG;
-            Py_RETURN_NONE;
-        }
-    }
-    if (leases_setflags(st, array, 1)) {
+    int rc = leases_setflags(st, array, 1);
+    Py_DECREF(array);
+    if (rc) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
         PyErr_Clear(); /* its base became read-only meanwhile: it stays so */
     }
     Py_RETURN_NONE;
 }
 
+/* table: a dict of the leases now, address -> [array, count, writeable] (a snapshot). */
 static PyObject *Leases_get_table(PyObject *obj, void *Py_UNUSED(closure)) {
     LeasesObject *self = (LeasesObject *)obj;
-    Py_INCREF(self->table);
-    return self->table;
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (size_t k = 0; k < self->cap; k++) {
+        lease_t *e = &self->slots[k];
+        if (!e->array || e->array == TOMB) continue;
+        PyObject *key = PyLong_FromVoidPtr(e->array);
+        PyObject *entry = key ? Py_BuildValue("[OnO]", e->array, e->count, e->writeable ? Py_True : Py_False) : NULL;
+        int rc = entry ? PyDict_SetItem(out, key, entry) : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(entry);
+        if (rc) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* The length of a list or a tuple of arrays, or -1 with TypeError; leases_item reads its i-th (borrowed). */
+static Py_ssize_t leases_count(PyObject *arrays, const char *what) {
+    if (PyList_Check(arrays)) return PyList_Size(arrays);
+    if (PyTuple_Check(arrays)) return PyTuple_Size(arrays);
+    PyErr_Format(PyExc_TypeError, "%s takes a list or a tuple of arrays", what);
+    return -1;
+}
+
+static PyObject *leases_item(PyObject *arrays, Py_ssize_t i) {
+    return PyList_Check(arrays) ? PyList_GetItem(arrays, i) : PyTuple_GetItem(arrays, i);
+}
+
+/* take_many(arrays): take() for each array of a list or tuple, in order, in one call (a tree's leaves). On an
+ * error the leases this call took are given back, so it takes all of them or none. */
+static PyObject *Leases_take_many(PyObject *obj, PyObject *arrays) {
+    Py_ssize_t n = leases_count(arrays, "take_many");
+    if (n < 0) return NULL;
+    Py_INCREF(arrays); /* its items stay alive while flags are flipped */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = leases_item(arrays, i);
+        PyObject *r = item ? Leases_take(obj, &item, 1) : NULL;
+        if (!r) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t k = i - 1; k >= 0; k--) {
+                PyObject *g = Leases_give(obj, leases_item(arrays, k));
+                if (g)
+                    Py_DECREF(g);
+                else
+                    PyErr_Clear();
+            }
+            PyErr_Restore(type, value, tb);
+            Py_DECREF(arrays);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(arrays);
+    Py_RETURN_NONE;
+}
+
+/* give_many(arrays): give() for each array of a list or tuple, in one call. Every array is given back even when
+ * one restore fails; the first error is raised once all of them were. */
+static PyObject *Leases_give_many(PyObject *obj, PyObject *arrays) {
+    Py_ssize_t n = leases_count(arrays, "give_many");
+    if (n < 0) return NULL;
+    Py_INCREF(arrays);
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = leases_item(arrays, i);
+        PyObject *r = item ? Leases_give(obj, item) : NULL;
+        if (r)
+            Py_DECREF(r);
+        else if (!type)
+            PyErr_Fetch(&type, &value, &tb);
+        else
+            PyErr_Clear();
+    }
+    Py_DECREF(arrays);
+    if (type) {
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef Leases_methods[] = {
     {"take", (PyCFunction)(void (*)(void))Leases_take, METH_FASTCALL,
      "take(array, writeable=None): flag array read-only for one flight (counted)"},
     {"give", Leases_give, METH_O, "give(array): end one flight's lease; the last one restores the flag"},
+    {"take_many", Leases_take_many, METH_O, "take_many(arrays): take() each array of a list or tuple (all or none)"},
+    {"give_many", Leases_give_many, METH_O, "give_many(arrays): give() each array of a list or tuple"},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef Leases_getset[] = {
-    {"table", Leases_get_table, NULL, "address -> [array, count, writeable] (the arrays leased now)", NULL},
+    {"table", Leases_get_table, NULL, "address -> [array, count, writeable] of the arrays leased now (a snapshot)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyType_Slot Leases_slots[] = {
     {Py_tp_new, Leases_new},
-    {Py_tp_dealloc, Pair_dealloc}, /* a PairObject: table, ndarray */
-    {Py_tp_traverse, Pair_traverse},
-    {Py_tp_clear, Pair_clear},
+    {Py_tp_dealloc, Leases_dealloc},
+    {Py_tp_traverse, Leases_traverse},
+    {Py_tp_clear, Leases_clear},
     {Py_tp_methods, Leases_methods},
     {Py_tp_getset, Leases_getset},
     {Py_tp_doc, "Leases(ndarray_type): HostLeases' table of read-only flags in flight, in C"},

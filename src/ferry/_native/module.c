@@ -92,6 +92,11 @@ static PyMethodDef module_methods[] = {
     {"mark_leaves", (PyCFunction)(void (*)(void))mod_mark_leaves, METH_FASTCALL,
      "mark_leaves(devices, state, leases): set each DeviceArray's state (unless None), add leases to its count "
      "(tree.c)"},
+    {"flat_leaves", (PyCFunction)(void (*)(void))mod_flat_leaves, METH_FASTCALL,
+     "flat_leaves(tree, kind) -> (keys, values, dtypes) or None: a plain dict of leaves of exactly that type, "
+     "taken apart in one pass (tree.c)"},
+    {"device_specs", mod_device_specs, METH_O,
+     "device_specs(devices) -> (specs, sizes, total) or None: each DeviceArray's (shape, dtype) and size (tree.c)"},
     {"set_hot_types", (PyCFunction)(void (*)(void))mod_set_hot_types, METH_FASTCALL,
      "set_hot_types(PinnedHostBuffer, DeviceArray, Block, Health, Slot): the classes whose fields the entries read"},
     {"array_fields", mod_array_fields, METH_NOARGS,

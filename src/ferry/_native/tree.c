@@ -90,7 +90,9 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         total += size;
     }
     if (common && n > 1) { /* no two leaves overlap where the transfer writes */
-        qsort(ranges, (size_t)n, sizeof(range_t), by_start);
+        Py_ssize_t sorted = 1; /* a tree's leaves usually lie in order (views of one slab or one block): no sort */
+        while (sorted < n && ranges[sorted - 1].at <= ranges[sorted].at) sorted++;
+        if (sorted < n) qsort(ranges, (size_t)n, sizeof(range_t), by_start);
         for (Py_ssize_t i = 1; i < n && common; i++)
             if (ranges[i - 1].at + ranges[i - 1].n > ranges[i].at) common = 0;
     }
@@ -116,8 +118,12 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
  * 256 bytes, with the host array's shape and dtype object and sizes[i] bytes (an empty one takes 256 bytes: no two views
  * share an address, which leaf_pieces would refuse). Each is made as
  * ferry._device_array.new_device_array makes one (the exact DeviceArray class, owned, no leases, nothing to wait
- * for), without a Python call per leaf. None where a host is not an exact numpy.ndarray (or the classes are not
- * known yet): the caller then makes them in Python. Nothing is registered anywhere: the caller does that.
+ * for), without a Python call per leaf. Each view is adopted by the slab as DeviceSlab.adopt does (a weak
+ * reference appended to slab._views). None where a host is not an exact numpy.ndarray, the slab has no _views
+ * list (or the classes are not known yet): the caller then makes them in Python. Nothing else is registered:
+ * the caller does that. The views, their shape tuples and the weak references (no callback) are not tracked
+ * by the collector (see below: none can be part of a cycle only it could break), so a tree of thousands of
+ * leaves costs no collection.
  */
 PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 7, "slab_views")) return NULL;
@@ -135,40 +141,57 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = PyList_Size(hosts);
     for (Py_ssize_t i = 0; i < n; i++)
         if (!is_ndarray(st, PyList_GetItem(hosts, i))) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every size an int >= 0 (TypeError), before anything is made */
+        PyObject *size = PyList_GetItem(sizes, i);
+        if (!PyLong_Check(size) || (PyLong_AsUnsignedLongLong(size) == (unsigned long long)-1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "slab_views: a size is not an int >= 0");
+            return NULL;
+        }
+    }
+    PyObject *adopted = PyObject_GetAttrString(slab, "_views");
+    if (!adopted || !PyList_Check(adopted)) {
+        Py_XDECREF(adopted);
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t had = PyList_Size(adopted);
     allocfunc alloc = (allocfunc)PyType_GetSlot(cls, Py_tp_alloc);
     PyObject *out = PyList_New(n);
-    if (!out) return NULL;
+    if (!out) goto failed;
     unsigned long long at = 0;
+    const NumpyArray *prev = NULL; /* the host array before: leaves of its shape share its view's shape tuple */
     for (Py_ssize_t i = 0; i < n; i++) {
         const NumpyArray *a = (const NumpyArray *)PyList_GetItem(hosts, i);
         PyObject *size = PyList_GetItem(sizes, i);
         unsigned long long nbytes = PyLong_Check(size) ? PyLong_AsUnsignedLongLong(size) : (unsigned long long)-1;
         if (nbytes == (unsigned long long)-1) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "slab_views: a size is not an int >= 0");
-            Py_DECREF(out);
-            return NULL;
+            goto failed;
         }
-        PyObject *shape = PyTuple_New(a->nd);
-        if (!shape) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        for (int k = 0; k < a->nd; k++) {
-            PyObject *d = PyLong_FromSsize_t(a->dimensions[k]);
-            if (!d) {
-                Py_DECREF(shape);
-                Py_DECREF(out);
-                return NULL;
+        PyObject *shape = NULL;
+        if (prev && prev->nd == a->nd &&
+            (a->nd == 0 || !memcmp(prev->dimensions, a->dimensions, (size_t)a->nd * sizeof(Py_ssize_t)))) {
+            shape = ARRAY(PyList_GetItem(out, i - 1))->shape; /* the leaf before's: tuples are immutable */
+            Py_INCREF(shape);
+        } else {
+            if (!(shape = PyTuple_New(a->nd))) goto failed;
+            for (int k = 0; k < a->nd; k++) {
+                PyObject *d = PyLong_FromSsize_t(a->dimensions[k]);
+                if (!d) {
+                    Py_DECREF(shape);
+                    goto failed;
+                }
+                PyTuple_SetItem(shape, k, d);
             }
-            PyTuple_SetItem(shape, k, d);
+            PyObject_GC_UnTrack(shape); /* ints only */
         }
         PyObject *ptr = PyLong_FromUnsignedLongLong(base + at);
         PyObject *obj = ptr ? alloc(cls, 0) : NULL;
         if (!obj) {
             Py_XDECREF(ptr);
             Py_DECREF(shape);
-            Py_DECREF(out);
-            return NULL;
+            goto failed;
         }
         ArrayFields *f = ARRAY(obj);
         Py_INCREF(a->descr);
@@ -188,9 +211,27 @@ PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(owned);
         f->state = owned;
         PyList_SetItem(out, i, obj);
+        /* Not tracked by the collector either: a view's fields are its runtime, its slab (which refers to
+         * its views weakly), ints, its shape and dtype, and a record while a hand-off of it is pending, which
+         * the record's cleanup clears; so no cycle that only the collector could break runs through it. A
+         * fresh tree of 16,384 leaves otherwise costs ~4 ms of collections. */
+        PyObject_GC_UnTrack(obj);
+        PyObject *ref = PyWeakref_NewRef(obj, NULL);
+        if (!ref) goto failed;
+        PyObject_GC_UnTrack(ref); /* no callback: it refers to nothing */
+        int rc = PyList_Append(adopted, ref);
+        Py_DECREF(ref);
+        if (rc) goto failed;
         at += ((nbytes ? nbytes : 1) + 255) / 256 * 256; /* an empty leaf too: no two views start together */
+        prev = a;
     }
+    Py_DECREF(adopted);
     return out;
+failed: /* nothing adopted stays: the views made so far die with the list */
+    if (PyList_Size(adopted) > had) PyList_SetSlice(adopted, had, PyList_Size(adopted), NULL);
+    Py_DECREF(adopted);
+    Py_XDECREF(out);
+    return NULL;
 }
 
 /*
@@ -246,4 +287,104 @@ PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     }
     free(sums);
     Py_RETURN_NONE;
+}
+
+/*
+ * flat_leaves(tree, kind) -> (keys, values, dtypes) or None: a plain dict (exactly dict, not empty) whose values
+ * are all exactly of type kind, taken apart in one pass: its keys and its values as lists, in order, and, when
+ * kind is numpy.ndarray (and its fields' layout was verified), the distinct dtype objects of the values in the
+ * order met (consecutive repeats dropped: few items, the caller makes a set), else None for dtypes. None for any
+ * other tree. Calls no Python code (the dict cannot change under it).
+ */
+PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 2, "flat_leaves")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *tree = args[0], *kind = args[1];
+    if (!PyDict_CheckExact(tree) || PyDict_Size(tree) == 0) Py_RETURN_NONE;
+    Py_ssize_t n = PyDict_Size(tree), pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(tree, &pos, &key, &value)) /* every value of the kind first: nothing made otherwise */
+        if ((PyObject *)Py_TYPE(value) != kind) Py_RETURN_NONE;
+    int arrays = st->ndarray_type && kind == st->ndarray_type;
+    PyObject *keys = PyList_New(n), *values = PyList_New(n), *dtypes = arrays ? PyList_New(0) : Py_None;
+    if (!arrays) Py_INCREF(Py_None);
+    if (!keys || !values || !dtypes) goto failed;
+    PyObject *last = NULL;
+    pos = 0;
+    while (PyDict_Next(tree, &pos, &key, &value) && i < n) {
+        Py_INCREF(key);
+        PyList_SetItem(keys, i, key);
+        Py_INCREF(value);
+        PyList_SetItem(values, i, value);
+        i++;
+        if (arrays) {
+            PyObject *descr = ((const NumpyArray *)value)->descr;
+            if (descr != last) {
+                if (PyList_Append(dtypes, descr)) goto failed;
+                last = descr;
+            }
+        }
+    }
+    PyObject *out = PyTuple_Pack(3, keys, values, dtypes);
+    Py_DECREF(keys);
+    Py_DECREF(values);
+    Py_DECREF(dtypes);
+    return out;
+failed:
+    Py_XDECREF(keys);
+    Py_XDECREF(values);
+    Py_XDECREF(dtypes);
+    return NULL;
+}
+
+/*
+ * device_specs(devices) -> (specs, sizes, total) or None: for a list of exact DeviceArrays, each one's (shape,
+ * dtype) pair and its size in bytes (its own objects), and the sizes' sum; the fresh host leaves of a download
+ * are made from these. Consecutive leaves with the very same shape and dtype objects (a slab's views of one
+ * shape share them) share one pair. None where an item is not an exact DeviceArray or a size not an int >= 0.
+ */
+PyObject *mod_device_specs(PyObject *mod, PyObject *arg) {
+    ferry_state *st = mod_state(mod);
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "device_specs: devices must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_Size(arg);
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every item checked first: nothing made otherwise */
+        PyObject *d = PyList_GetItem(arg, i);
+        if (!is_hot(st, d, HOT_ARRAY)) Py_RETURN_NONE;
+        ArrayFields *f = ARRAY(d);
+        if (!f->shape || !f->dtype || !f->nbytes || !PyLong_Check(f->nbytes)) Py_RETURN_NONE;
+        unsigned long long size = PyLong_AsUnsignedLongLong(f->nbytes);
+        if (size == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        total += size;
+    }
+    PyObject *specs = PyList_New(n), *sizes = PyList_New(n);
+    if (!specs || !sizes) goto failed;
+    PyObject *spec = NULL; /* the pair before (borrowed from specs) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ArrayFields *f = ARRAY(PyList_GetItem(arg, i));
+        if (spec && PyTuple_GetItem(spec, 0) == f->shape && PyTuple_GetItem(spec, 1) == f->dtype) {
+            Py_INCREF(spec);
+        } else if (!(spec = PyTuple_Pack(2, f->shape, f->dtype))) {
+            goto failed;
+        }
+        PyList_SetItem(specs, i, spec);
+        Py_INCREF(f->nbytes);
+        PyList_SetItem(sizes, i, f->nbytes);
+    }
+    PyObject *sum = PyLong_FromUnsignedLongLong(total);
+    PyObject *out = sum ? PyTuple_Pack(3, specs, sizes, sum) : NULL;
+    Py_XDECREF(sum);
+    Py_DECREF(specs);
+    Py_DECREF(sizes);
+    return out;
+failed:
+    Py_XDECREF(specs);
+    Py_XDECREF(sizes);
+    return NULL;
 }

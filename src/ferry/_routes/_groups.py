@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -188,21 +189,24 @@ def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceAr
     parts = rt._parts
     parts.health.check_open()
     memory, completion = parts.memory, parts.completion
-    sizes = [h.nbytes for h in hosts]
+    sizes = list(map(_HOST_NBYTES, hosts))
     total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())  # as slab_layout
     with parts.lock:
         if completion.maintenance_due():
             completion.maintain()
         base = memory.alloc(total)
         slab = DeviceSlab(memory, base, total, len(hosts))
-        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)
+        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)  # adopted by the slab too
         if views is None:
             offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
             views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
                      for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
-        slab.adopt(views)
+            slab.adopt(views)
         memory.arrays.add(slab)
     return views  # type: ignore[no-any-return]
+
+
+_HOST_NBYTES = operator.attrgetter("nbytes")
 
 
 def _check_open(rt: Any) -> None:
@@ -388,18 +392,15 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
     # from here on nothing raises: the copies are queued
     extra = record.extra = Extras()
-    for _ in map(leases.take, hosts):
-        pass
+    take_all(leases, hosts)
     if regs is not None:
         for reg in regs:
             reg._uses += 1
-    give = leases.give
 
     def cleanup(failed: bool) -> None:
         if failed and regs is not None:  # the device may still touch pinned leaves: read-only and in use
             return
-        for _ in map(give, hosts):
-            pass
+        give_all(leases, hosts)
         if regs is not None:
             for reg in regs:
                 reg._uses -= 1
@@ -414,13 +415,37 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     return PendingDownload(completion, record)
 
 
+def take_all(leases: Any, hosts: list[Any]) -> None:
+    """``leases.take`` for every host array: one compiled call where the lease table is the extension's
+    (``take_many``: all or none), else one call each."""
+    many = getattr(getattr(leases.take, "__self__", None), "take_many", None)
+    if many is not None:
+        many(hosts)
+        return
+    for _ in map(leases.take, hosts):
+        pass
+
+
+def give_all(leases: Any, hosts: list[Any]) -> None:
+    """``leases.give`` for every host array (one compiled call where the lease table is the extension's)."""
+    many = getattr(getattr(leases.give, "__self__", None), "give_many", None)
+    if many is not None:
+        many(hosts)
+        return
+    for _ in map(leases.give, hosts):
+        pass
+
+
 def _mark(devices: list[Any], upload: bool) -> None:
     """A queued group's device arrays: in flight (an upload's destinations) or read-leased once more (a
     download's sources). One compiled call where the extension runs."""
     module = _native.load()
-    if module is not None and all(type(d) is DeviceArray for d in devices):
-        module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
-        return
+    if module is not None:
+        try:  # it checks that every item is an exact DeviceArray first (TypeError, nothing changed)
+            module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
+            return
+        except TypeError:
+            pass
     if upload:
         for device in devices:
             device._state = IN_FLIGHT
@@ -434,7 +459,8 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
         record = handle._record
-        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in record.moved)]
+        moving = set(map(id, record.moved))
+        handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in moving]
         if handed:
             for device in handed:
                 device._state = OWNED
@@ -451,8 +477,14 @@ def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
 
             completion.extras(record).cleanups.append(forget)
         if stream is not None:
+            slabs: set[int] = set()  # a slab's views note the stream once for the whole allocation
             for device in devices:
-                device._memory.note_stream(device._ptr, stream)
+                memory = device._memory
+                if type(memory) is DeviceSlab:
+                    if id(memory) in slabs:
+                        continue
+                    slabs.add(id(memory))
+                memory.note_stream(device._ptr, stream)
     return devices
 
 
@@ -520,7 +552,7 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
         if completion.maintenance_due():
             completion.maintain()
         if routes.registrations.active or routes.pinned_leaves.active:
-            runs = _runs(pieces)
+            runs = _runs(pieces, padded=fresh and not upload)  # fresh outputs: pinned ones made for it
             regs = _covering_runs(routes, runs[0], runs[2])
             if all(reg is not None for reg in regs):  # every leaf in pinned memory: DMAs, no staging
                 return _pinned_pieces(rt, upload, runs, regs, total, hosts, devices, handed, fresh)
@@ -566,16 +598,13 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
     record = completion.job_record(job, engine, moved, leased, result, total, extra)
     leases = routes.direct.leases
     hosts_leased: list[Any] = [] if fresh else hosts
-    for _ in map(leases.take, hosts_leased):
-        pass
-    give = leases.give
+    take_all(leases, hosts_leased)
 
     def cleanup(failed: bool) -> None:
         with staged._lock:
             staged.host_copied += job.host_bytes
         job.finished()
-        for _ in map(give, hosts_leased):
-            pass
+        give_all(leases, hosts_leased)
 
     extra.cleanups.append(cleanup)
     _mark(devices, upload)
@@ -584,17 +613,31 @@ def _staged_pieces(rt: Any, engine: NativeEngine, upload: bool, pieces: bytes, t
     return PendingDownload(completion, record)
 
 
-def _runs(pieces: bytes) -> tuple[list[int], list[int], list[int]]:
+def _runs(pieces: bytes, padded: bool = False) -> tuple[list[int], list[int], list[int]]:
     """The pieces (host, device, bytes) merged where they follow each other on both sides; empty ones
-    dropped: (hosts, devices, sizes)."""
+    dropped: (hosts, devices, sizes).
+
+    ``padded``: the host side was laid out by this transfer (fresh pinned outputs, each leaf at a multiple of
+    :data:`ALIGN` bytes), so the bytes between two of its leaves belong to no one. Two pieces then also merge
+    where the same gap of less than :data:`ALIGN` bytes separates them on both sides (a device slab's views
+    and a pinned block's leaves, whose sizes are not multiples of it): the run copies the padding too, which
+    only reads the device."""
     table = np.frombuffer(pieces, np.uint64).reshape(-1, 3)
     table = table[table[:, 2] > 0]
     if len(table) < 2:
         return table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist()
     h, d, n = table[:, 0], table[:, 1], table[:, 2]
     ends_h, ends_d = h[:-1] + n[:-1], d[:-1] + n[:-1]
-    starts = np.concatenate(([0], np.flatnonzero((ends_h != h[1:]) | (ends_d != d[1:])) + 1))
-    return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+    if padded:  # (uint64: a piece that starts before the last one ended wraps to a huge gap: never merged)
+        gap = h[1:] - ends_h
+        breaks = (gap != d[1:] - ends_d) | (gap >= np.uint64(ALIGN))
+    else:
+        breaks = (ends_h != h[1:]) | (ends_d != d[1:])
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    if not padded:
+        return h[starts].tolist(), d[starts].tolist(), np.add.reduceat(n, starts).tolist()
+    last = np.append(starts[1:], len(table)) - 1  # each run from its first piece's start to its last one's end
+    return h[starts].tolist(), d[starts].tolist(), (h[last] + n[last] - h[starts]).tolist()
 
 
 def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],

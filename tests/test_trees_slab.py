@@ -1,0 +1,110 @@
+"""A tree's fresh device leaves: views of one device allocation, made and adopted in one compiled call.
+
+``upload_tree`` into fresh destinations makes every leaf a view of one device slab. The compiled
+``slab_views`` makes the views and adopts them (the slab's weak references, which it needs to close them
+with the runtime); the shape tuples and weak references it makes are not tracked by the collector. The slab
+is freed once its last view went, whichever way the views go.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import _native
+from ferry._runtime import parts_of
+
+
+@pytest.fixture
+def native(emu: ferry.Runtime) -> ferry.Runtime:
+    if _native.load() is None:
+        pytest.skip("the compiled extension is not here")
+    return emu
+
+
+def _tree(n: int) -> dict[str, np.ndarray[Any, Any]]:
+    return {f"w{i}": np.full((i % 3 + 1, 7), i, np.float32) for i in range(n)}
+
+
+def test_fresh_leaves_are_adopted_views_of_one_allocation(native: ferry.Runtime) -> None:
+    rt = native
+    tree = _tree(50)
+    _, dev = rt.upload_tree(tree).wait()
+    views = list(dev.values())
+    slab = views[0]._memory
+    assert all(v._memory is slab for v in views)
+    assert slab.arrays == views  # adopted, in order (one weak reference each)
+    assert len(slab._views) == len(views)
+    assert not any(gc.is_tracked(ref) for ref in slab._views)
+    assert not any(gc.is_tracked(v._shape) for v in views)
+    assert not any(gc.is_tracked(v) for v in views)
+    assert all(v.shape == tree[k].shape and v.dtype == tree[k].dtype for k, v in dev.items())
+    memory = parts_of(rt).memory
+    assert slab in memory.arrays
+    _, back = rt.download_tree(dev).wait()
+    assert all(np.array_equal(back[k], v) for k, v in tree.items())
+
+
+def test_a_slab_is_freed_once_its_last_view_went(native: ferry.Runtime) -> None:
+    rt = native
+    memory = parts_of(rt).memory
+    before = memory.bytes
+    _, dev = rt.upload_tree(_tree(40)).wait()
+    assert memory.bytes > before
+    views = list(dev.values())
+    del dev
+    for view in views[:20]:
+        view.close()  # some closed
+    del views[:20]
+    gc.collect()
+    rt.poll()
+    assert memory.bytes > before  # the others still hold it
+    del views  # the rest collected
+    gc.collect()
+    rt.poll()
+    assert memory.bytes == before
+
+
+def test_the_runtime_closes_the_live_views_of_a_slab(native: ferry.Runtime) -> None:
+    rt = native
+    _, dev = rt.upload_tree(_tree(10)).wait()
+    rt.close()
+    assert {v.state for v in dev.values()} == {"closed"}
+
+
+def test_views_of_one_shape_share_it_and_every_view_has_its_own(native: ferry.Runtime) -> None:
+    rt = native
+    shapes = [(2, 3), (2, 3), (2, 3), (4,), (4,), (2, 3), (), (), (0,), (0,), (3, 0, 2), (2, 3)]
+    tree = {f"w{i}": np.full(shape, i, np.int16) for i, shape in enumerate(shapes)}
+    _, dev = rt.upload_tree(tree).wait()
+    assert [dev[k].shape for k in tree] == shapes
+    leaves = list(dev.values())
+    assert leaves[0]._shape is leaves[1]._shape is leaves[2]._shape  # a run of one shape: one tuple
+    assert leaves[3]._shape is leaves[4]._shape and leaves[5]._shape is not leaves[2]._shape
+    _, back = rt.download_tree(dev).wait()
+    assert all(back[k].shape == v.shape and np.array_equal(back[k], v) for k, v in tree.items())
+
+
+def test_device_specs_reads_every_leaf_or_none(native: ferry.Runtime) -> None:
+    rt = native
+    module = _native.load()
+    assert module is not None
+    tree = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((2, 3), np.float32), "c": np.zeros(5, np.int8)}
+    _, dev = rt.upload_tree(tree).wait()
+    leaves = list(dev.values())
+    specs, sizes, total = module.device_specs(leaves)
+    assert specs == [((2, 3), np.dtype(np.float32))] * 2 + [((5,), np.dtype(np.int8))]
+    assert specs[0] is specs[1]  # the same shape and dtype objects: one pair
+    assert sizes == [24, 24, 5] and total == 53
+    assert module.device_specs([]) == ([], [], 0)
+    assert module.device_specs([*leaves, np.zeros(3)]) is None  # not every item a DeviceArray
+    with pytest.raises(TypeError):
+        module.device_specs(tuple(leaves))
+    # the fresh host leaves of a download are made from them, pageable and pinned
+    for pinned in (False, True):
+        _, back = rt.download_tree(dev, pinned=pinned).wait()
+        assert all(back[k].shape == v.shape and back[k].dtype == v.dtype for k, v in tree.items())
