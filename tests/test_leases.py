@@ -38,7 +38,7 @@ def test_a_leased_array_is_read_only_until_its_last_lease_ends(leases: Any) -> N
     leases.give(a)
     assert not a.flags.writeable  # one flight is still pending
     leases.give(a)
-    assert a.flags.writeable and leases._leases == {}
+    assert a.flags.writeable and leases.leased() == {}
     a[0] = 5  # writable again
     leases.give(a)  # a give without a lease changes nothing
     assert a.flags.writeable
@@ -62,7 +62,7 @@ def test_a_view_is_restored_unless_numpy_refuses(leases: Any) -> None:
     leases.take(view)
     base.setflags(write=False)  # its base became read-only meanwhile: NumPy refuses the restore
     leases.give(view)
-    assert not view.flags.writeable and leases._leases == {}
+    assert not view.flags.writeable and leases.leased() == {}
 
 
 def test_an_ndarray_subclass_and_a_known_flag_take_the_generic_path(leases: Any) -> None:
@@ -87,3 +87,20 @@ def test_the_lease_for_cleanup_restores_once(leases: Any) -> None:
     assert not a.flags.writeable
     cleanup(False)
     assert a.flags.writeable
+
+
+def test_take_many_takes_all_or_none(leases: Any) -> None:
+    a, b = np.arange(4), np.arange(4)
+
+    class Refuses(np.ndarray):  # type: ignore[type-arg]
+        def setflags(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("refused")
+
+    bad = np.arange(4).view(Refuses)
+    with pytest.raises(RuntimeError, match="refused"):
+        leases.take_many([a, b, bad])
+    assert a.flags.writeable and b.flags.writeable and leases.leased() == {}
+    leases.take_many([a, b])
+    assert not a.flags.writeable and not b.flags.writeable and len(leases.leased()) == 2
+    leases.give_many([a, b])
+    assert a.flags.writeable and b.flags.writeable and leases.leased() == {}

@@ -83,11 +83,34 @@ class HostLeases:
         flags = writeable_flags()
         self._clear: Callable[[Any], bool] | None = flags[0] if flags is not None else None
         self._restore: Callable[[Any], None] | None = flags[1] if flags is not None else None
-        compiled = lease_table()
+        self._compiled = compiled = lease_table()
         if compiled is not None:
-            self._leases = compiled.table
             self.take = compiled.take  # type: ignore[method-assign]
             self.give = self._unlease = compiled.give  # type: ignore[method-assign]
+            self.take_many = compiled.take_many  # type: ignore[method-assign]
+            self.give_many = compiled.give_many  # type: ignore[method-assign]
+
+    def leased(self) -> dict[int, list[Any]]:
+        """The arrays leased now: ``id(array) -> [array, count, writeable]`` (a snapshot)."""
+        compiled = self._compiled
+        return dict(compiled.table) if compiled is not None else {k: list(v) for k, v in self._leases.items()}
+
+    def take_many(self, arrays: list[Any]) -> None:
+        """:meth:`take` for each array, all or none: a refusal gives back the leases this call took."""
+        done = 0
+        try:
+            for array in arrays:
+                self.take(array)
+                done += 1
+        except BaseException:
+            for array in arrays[:done]:
+                self.give(array)
+            raise
+
+    def give_many(self, arrays: list[Any]) -> None:
+        """:meth:`give` for each array."""
+        for array in arrays:
+            self.give(array)
 
     def lease(self, array: np.ndarray[Any, Any]) -> Callable[[bool], None]:
         """Flag ``array`` read-only for one flight; return the cleanup that restores it."""

@@ -50,7 +50,7 @@ from .._interop._foreign import order_before
 from .._memory._slab import ALIGN, DeviceSlab, slab_layout
 from .._pending import PendingDownload, PendingUpload
 from .._state import IN_FLIGHT, OWNED
-from ._base import array_ptr
+from ._base import HostLeases, array_ptr
 from ._direct import _raise_queued
 from ._native import NativeEngine, NativeJob
 
@@ -415,25 +415,15 @@ def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, tot
     return PendingDownload(completion, record)
 
 
-def take_all(leases: Any, hosts: list[Any]) -> None:
-    """``leases.take`` for every host array: one compiled call where the lease table is the extension's
-    (``take_many``: all or none), else one call each."""
-    many = getattr(getattr(leases.take, "__self__", None), "take_many", None)
-    if many is not None:
-        many(hosts)
-        return
-    for _ in map(leases.take, hosts):
-        pass
+def take_all(leases: HostLeases, hosts: list[Any]) -> None:
+    """``leases.take`` for every host array, all or none (one compiled call where the lease table is the
+    extension's)."""
+    leases.take_many(hosts)
 
 
-def give_all(leases: Any, hosts: list[Any]) -> None:
+def give_all(leases: HostLeases, hosts: list[Any]) -> None:
     """``leases.give`` for every host array (one compiled call where the lease table is the extension's)."""
-    many = getattr(getattr(leases.give, "__self__", None), "give_many", None)
-    if many is not None:
-        many(hosts)
-        return
-    for _ in map(leases.give, hosts):
-        pass
+    leases.give_many(hosts)
 
 
 def _mark(devices: list[Any], upload: bool) -> None:
