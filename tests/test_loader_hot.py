@@ -311,15 +311,50 @@ def test_the_main_process_s_pipe_framing_is_multiprocessing_s() -> None:
     assert [reader.recv_bytes() for _ in payloads] == payloads
 
     big = np.arange(300_000, dtype=np.uint8).tobytes()  # over a pipe's buffer: read while it is written
+    frames = _dataloader._Frames()
     sender = threading.Thread(target=lambda: [writer.send_bytes(p) for p in (b"x", big, b"")])
     sender.start()
-    got = [_dataloader._receive_from(reader.fileno()) for _ in range(3)]
+    got: list[bytes] = []
+    while len(got) < 3:
+        got += frames.read(reader.fileno())
     sender.join()
     assert got == [b"x", big, b""]
     writer.close()
     with pytest.raises(EOFError):
-        _dataloader._receive_from(reader.fileno())
+        frames.read(reader.fileno())
     reader.close()
+
+
+def test_one_read_takes_every_message_waiting_and_keeps_a_partial_one() -> None:
+    """Messages that arrived together come out of one read, in order; one cut anywhere (in its header, in
+    a long message's 8-byte length, in its bytes) comes out whole once the rest arrived."""
+    import os
+    import struct
+
+    messages = [b"a", b"", bytes(range(200)), b"q" * 5000]
+    stream = b"".join(struct.pack("!i", len(m)) + m for m in messages)
+    stream += struct.pack("!i", -1) + struct.pack("!Q", 7) + b"longlen"  # the 64-bit length form
+    expected = [*messages, b"longlen"]
+    for cut in (1, 3, 4, 6, 205, 5000, len(stream) - 9, len(stream) - 1):
+        r, w = os.pipe()
+        try:
+            frames = _dataloader._Frames()
+            os.write(w, stream[:cut])
+            got = frames.read(r)
+            os.write(w, stream[cut:])
+            got += frames.read(r)
+            assert got == expected, cut
+            assert not frames.rest and frames.need == 0
+        finally:
+            os.close(r)
+            os.close(w)
+    r, w = os.pipe()
+    try:
+        os.write(w, stream)
+        assert _dataloader._Frames().read(r) == expected  # all of it in one read
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 class Images:

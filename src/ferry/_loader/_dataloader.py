@@ -56,7 +56,7 @@ from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
 from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_slot
-from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
+from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
 
@@ -680,6 +680,7 @@ class _Engine:
         self.local_epoch = -1
         self._poller: Any = None
         self._watched: dict[int, tuple[bool, int]] = {}  # fd -> (is the process's sentinel, worker)
+        self._frames: dict[int, _Frames] = {}  # a worker's result pipe -> what it delivered, not yet filed
         self._plans: dict[int, _Plan] = {}  # each worker's last batch layout, decoded (0: this process's)
         self._local_plan: Any = None  # this process's last (skeleton, layout) (num_workers=0)
 
@@ -868,6 +869,7 @@ class _Engine:
         ring = self.ring
         assert ring is not None
         limit = self.workers * self.prefetch_factor if ring.sized else 1
+        state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
             worker = state.next_worker()
             if worker is None:
@@ -879,6 +881,7 @@ class _Engine:
             if ring.sized:
                 slot = self._take_slot(worker, state.next_task)
                 if slot is None:
+                    state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return
             if self.iterable:
                 indices, packed = None, False
@@ -907,8 +910,13 @@ class _Engine:
             state.outstanding += 1
 
     def _receive(self, state: _EpochState, deadline: float | None = None) -> None:
-        """Wait for a message from any worker (or a worker's death) and file it; at most until ``deadline``."""
-        timeout = 1 if self.inflight and self.table.free == 0 else 1000  # ms
+        """Wait for messages from the workers (or a worker's death) and file them; at most until ``deadline``.
+
+        One system call waits on every worker's pipe and process sentinel, and one read per pipe that woke
+        takes every message waiting in it. The wait sleeps until a message or a death: it wakes every
+        millisecond only while no slot is free for a task the workers could start (then a copy completing
+        frees one)."""
+        timeout = 1 if state.starved and self.inflight else 1000  # ms
         if deadline is not None:
             timeout = max(0, min(timeout, math.ceil((deadline - time.monotonic()) * 1000)))
         poller = self._poller
@@ -919,25 +927,42 @@ class _Engine:
                 poller.register(process.sentinel, select.POLLIN)
                 self._watched[conn.fileno()] = (False, worker)
                 self._watched[process.sentinel] = (True, worker)
+                self._frames[conn.fileno()] = _Frames()
         dead = []
+        watched, frames = self._watched, self._frames
         for fd, _ in poller.poll(timeout):
-            ended, worker = self._watched[fd]
+            ended, worker = watched[fd]
             if ended:
                 dead.append(worker)
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = pickle.loads(_receive_from(fd))
+                messages = frames[fd].read(fd)
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
-            self._file(state, message)
+            for message in messages:
+                self._file_bytes(state, message)
         for worker in dead:
             conn = self.results[worker]
+            reader = frames[conn.fileno()]
             with contextlib.suppress(EOFError, OSError):
-                while conn.poll():
-                    self._file(state, pickle.loads(conn.recv_bytes()))
+                while conn.poll():  # what it sent before it died (poll reads nothing)
+                    for message in reader.read(conn.fileno()):
+                        self._file_bytes(state, message)
             self._died(state, worker)
+
+    def _file_bytes(self, state: _EpochState, message: bytes) -> None:
+        """File one message as it came from a worker's pipe."""
+        if message[:1] == SAME_TAG:  # the common case: written in the slot, laid out as its previous batch
+            _, batch, worker, slot = SAME.unpack(message)
+            state.pending.pop(batch, None)
+            state.per_worker[worker] -= 1
+            state.outstanding -= 1
+            self.table.filled(slot, worker, batch)
+            state.ready[batch] = ("ok", batch, worker, slot, self._plans[worker])
+            return
+        self._file(state, pickle.loads(message))
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:
         kind, batch, worker, slot = message[:4]
@@ -1130,27 +1155,58 @@ def _send(fd: int, payload: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
-def _read(fd: int, n: int) -> bytes:
-    data = os.read(fd, n)
-    if len(data) == n:
-        return data
-    parts = [data]
-    left = n - len(data)
-    while left:
-        if not data:
+_READ = 1 << 16  # a pipe's buffer: one read takes every small message waiting
+
+
+class _Frames:
+    """What one worker's pipe delivered, cut into the messages it sent (``Connection.send_bytes``'s
+    framing: a 4-byte length, or -1 and an 8-byte one, then the bytes). One read takes every message
+    waiting; a message still being written stays here (its bytes so far) until a later read ends it."""
+
+    __slots__ = ("need", "rest")
+
+    def __init__(self) -> None:
+        self.rest = bytearray()  # the start of a message not yet whole
+        self.need = 0  # that message's length with its header (0: not known yet)
+
+    def read(self, fd: int) -> list[bytes]:
+        """The whole messages after one read of ``fd`` (which must be readable: it blocks otherwise);
+        EOFError once the pipe is closed and empty."""
+        rest = self.rest
+        chunk = os.read(fd, max(_READ, self.need - len(rest)))
+        if not chunk:
             raise EOFError("the worker's pipe closed")
-        data = os.read(fd, left)
-        parts.append(data)
-        left -= len(data)
-    return b"".join(parts)
-
-
-def _receive_from(fd: int) -> bytes:
-    """One message a worker sent with ``Connection.send_bytes`` or ``send`` (blocks until it is whole)."""
-    (n,) = _HEADER.unpack(_read(fd, 4))
-    if n == -1:
-        (n,) = _LONG.unpack(_read(fd, 8))
-    return _read(fd, n)
+        if rest:
+            rest += chunk
+            data: bytes | bytearray = rest
+        else:
+            data = chunk
+        messages = []
+        pos, end = 0, len(data)
+        while end - pos >= 4:
+            (n,) = _HEADER.unpack_from(data, pos)
+            head = 4
+            if n == -1:
+                if end - pos < 12:
+                    self.need = 0
+                    break
+                (n,) = _LONG.unpack_from(data, pos + 4)
+                head = 12
+            if end - pos - head < n:
+                self.need = head + n
+                break
+            message = data[pos + head:pos + head + n]
+            messages.append(bytes(message) if data is rest else message)  # type: ignore[arg-type]
+            pos += head + n
+        else:
+            self.need = 0
+        if data is rest:
+            del rest[:pos]
+        elif pos < end:
+            rest += data[pos:]
+        if not rest:
+            self.need = 0
+        return messages
 
 
 def _take(stream: Iterator[Any], n: int) -> Iterator[Any]:
@@ -1176,6 +1232,7 @@ class _EpochState:
         self.active = list(range(workers))  # workers whose iterable is not exhausted
         self.gone: set[int] = set()  # workers that died
         self.death: tuple[int, str] | None = None  # the first death: worker, what to say
+        self.starved = False  # the last dispatch found no free slot for a worker that could take a task
         self._turn = 0
 
     def next_worker(self) -> int | None:

@@ -11,16 +11,18 @@ main -> worker
     ends the worker.
 worker -> main
     ``("ok", batch, worker, slot, plan, nbytes)``: written in the slot, where
-    ``plan`` is ``(skeleton, layout)``, or ``None`` when it is the same as
-    this worker's previous ``"ok"`` batch (the common case: the main process
-    keeps what it decoded from the last one); ``("fresh", batch, worker, slot,
+    ``plan`` is ``(skeleton, layout)``; a batch laid out as this worker's
+    previous ``"ok"`` batch (the common case: the main process keeps what it
+    decoded from the last one) sends only :data:`SAME` instead (tag, batch,
+    worker, slot; packed, no pickle); ``("fresh", batch, worker, slot,
     batch_object, nbytes)``: did not fit (or no slot), the batch itself;
     ``("end", batch, worker, slot)``: the iterable is exhausted; ``("error",
     batch, worker, slot, text, exception)``.
 
 Tasks and ``"ok"`` descriptors are plain pickles sent as bytes
-(:func:`encode`); the other messages go through ``Connection.send``. Both
-are read with ``pickle.loads(conn.recv_bytes())``.
+(:func:`encode`), or :data:`SAME`; the other messages go through
+``Connection.send``. The main process reads every message waiting in a pipe
+at once and cuts them apart (``Connection``'s framing).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pickle
 import queue
 import random
 import signal
+import struct
 import sys
 import threading
 import traceback
@@ -159,6 +162,12 @@ def seed_worker(base_seed: int, worker_id: int, num_workers: int, dataset: Any) 
             pass
 
 
+SAME_TAG = b"S"  # never a pickle's first byte (0x80)
+SAME = struct.Struct("<cqqq")
+"""The ``"ok"`` descriptor of a batch laid out as the worker's previous one: the tag, the batch, the
+worker and the slot, packed (no pickle on either side)."""
+
+
 def encode(message: Any) -> bytes:
     """A small message (a task, a descriptor) as bytes for ``Connection.send_bytes``."""
     return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
@@ -266,11 +275,11 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 del buffer, samples
                 if fresh is None:
                     plan: Any = (skeleton, layout)
-                    if same_plan(plan, last_plan):
-                        plan = None  # the main process decoded it with the previous batch
+                    if same_plan(plan, last_plan):  # the main process decoded it with the previous batch
+                        results.send_bytes(SAME.pack(SAME_TAG, batch, worker_id, slot))
                     else:
                         last_plan = plan
-                    results.send_bytes(encode(("ok", batch, worker_id, slot, plan, nbytes)))
+                        results.send_bytes(encode(("ok", batch, worker_id, slot, plan, nbytes)))
                     del plan
                 else:
                     results.send(("fresh", batch, worker_id, slot, fresh, nbytes))
