@@ -16,7 +16,7 @@ import ferry
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
-from ferry._loader._upload import upload_slot
+from ferry._loader._upload import upload_slot, upload_views
 from ferry._runtime import parts_of
 from test_loader import _Baseline, _host
 
@@ -126,7 +126,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
     nothing of it stays in flight and the loader still closes clean."""
     calls = []
-    original = upload_slot
+    original = upload_views
 
     def refuse_third(*args: Any) -> Any:
         calls.append(threading.get_ident())
@@ -134,7 +134,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
             raise TransferSubmitError("refused for the test")
         return original(*args)
 
-    monkeypatch.setattr(_dataloader, "upload_slot", refuse_third)
+    monkeypatch.setattr(_dataloader, "upload_views", refuse_third)
     got = []
     with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
             pytest.raises(ferry.PrefetchError) as info:

@@ -436,14 +436,17 @@ class Prefetcher:
         queue = self._unconfirmed
         while queue:
             flight = queue[0]
-            while flight.handles:
-                handle = flight.handles[0]
-                with _failure_of(flight):
+            handles = flight.handles
+            while handles:
+                handle = handles[0]
+                try:  # (what _failure_of says, without a context manager per handle and step)
                     if not handle.is_ready():
                         break
                     handle.wait()  # returns at once: the copy is complete
-                flight.handles.pop(0)
-            if flight.handles:
+                except TransferFailedError as exc:
+                    raise _failed_after_yield(flight, exc) from exc
+                handles.pop(0)
+            if handles:
                 break
             queue.popleft()
         if len(queue) > self._limit:
@@ -547,9 +550,13 @@ def _failure_of(flight: _Flight) -> Iterator[None]:
     try:
         yield
     except TransferFailedError as exc:
-        raise PrefetchError(
-            f"batch {flight.index} failed on the device after it was yielded: its arrays are abandoned ({exc})",
-            flight.index) from exc
+        raise _failed_after_yield(flight, exc) from exc
+
+
+def _failed_after_yield(flight: _Flight, exc: TransferFailedError) -> PrefetchError:
+    return PrefetchError(
+        f"batch {flight.index} failed on the device after it was yielded: its arrays are abandoned ({exc})",
+        flight.index)
 
 
 class _EndError(Exception):

@@ -55,7 +55,7 @@ from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_slot
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_views
 from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -439,13 +439,12 @@ class _LoaderPrefetcher(Prefetcher):
         self._completion = parts_of(runtime).completion
 
     def _submit(self, index: int, batch: Any) -> Any:
-        if type(batch) is not _SlotBatch:  # a batch that came back as arrays: prefetch's own way
+        if type(batch) is not _SlotViews:  # a batch that came back as arrays: prefetch's own way
             flight = super()._submit(index, batch)
             self._engine.submitted(list(flight.handles))
             return flight
         try:
-            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span,
-                                 self._engine.device_ring)[0]
+            handle = upload_views(self._rt, batch, self._engine.device_ring)
         except BaseException as exc:  # nothing of it enqueued, its arrays closed
             self._engine.submitted([])  # nothing reads the slot
             if isinstance(exc, RuntimeClosedError) or not isinstance(
@@ -497,10 +496,8 @@ class _LoaderPrefetcher(Prefetcher):
             convert = self._convert
             leaves = [convert(device, stream) for device in devices[0]]
         self._yielded += 1
-        if not flight.waits:  # proven complete (or failed) at a later step
-            confirm = _Flight(flight.index)
-            confirm.handles = flight.handles
-            self._unconfirmed.append(confirm)
+        if not flight.waits:  # proven complete (or failed) at a later step (the flight is done with)
+            self._unconfirmed.append(flight)
         return flight.build(leaves)
 
 
@@ -510,30 +507,24 @@ class _SlotFlight(_Flight):
     __slots__ = ()
 
 
-class _SlotBatch:
-    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views (in
-    the order of the batch's structure), their addresses and the slot's span, the layout's upload plan,
-    and what puts the structure together around device leaves."""
-
-    __slots__ = ("build", "layout", "leaves", "ptrs", "span")
-
-    def __init__(self, views: _SlotViews, plan: _Plan) -> None:
-        self.leaves = views.leaves
-        self.ptrs = views.ptrs
-        self.span = views.span
-        self.build = plan.build
-        self.layout = plan.layout
-
-
 class _SlotViews:
-    """One slot's views for one layout, their addresses and the slot's span (made once, kept)."""
+    """A batch in a ring slot, as the engine hands it to its prefetcher: the slot's views for one layout
+    (in the order of the batch's structure), their upload sources (the layout's small leaves' addresses,
+    the large ones'), the slot's span, the layout's upload plan and what puts the structure together
+    around device leaves. Made once per slot and layout, and handed out for every batch of that layout in
+    that slot (no object is made per batch)."""
 
-    __slots__ = ("leaves", "ptrs", "span")
+    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "small_src", "span", "uploadable")
 
-    def __init__(self, ring: Ring, slot: int, specs: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:
-        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in specs]  # type: ignore[arg-type]
+    def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
+        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
         self.ptrs = [array_ptr(leaf) for leaf in self.leaves]
         self.span = ring.span(slot)
+        self.build = plan.build
+        layout = self.layout = plan.layout
+        self.small_src = [self.ptrs[i] for i in layout.small]
+        self.big_src = [self.ptrs[i] for i in layout.big]
+        self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
 
 
 class _Plan:
@@ -553,7 +544,7 @@ class _Plan:
     def slot(self, ring: Ring, slot: int) -> _SlotViews:
         views = self.views.get(slot)
         if views is None:
-            views = self.views[slot] = _SlotViews(ring, slot, self.specs)
+            views = self.views[slot] = _SlotViews(ring, slot, self)
         return views
 
 
@@ -843,12 +834,12 @@ class _Engine:
             slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            views = plan.slot(ring, slot)
+            views = plan.views.get(slot) or plan.slot(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            if not views.leaves or not all(plan.layout.sizes):  # nothing to copy for some: leaf by leaf
+            if not views.uploadable:  # nothing to copy for some: leaf by leaf
                 return build_plan(plan, views.leaves)
-            return _SlotBatch(views, plan)
+            return views
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
