@@ -16,7 +16,7 @@ import ferry
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
-from ferry._loader._upload import upload_slot, upload_views
+from ferry._loader._upload import upload_views
 from ferry._runtime import parts_of
 from test_loader import _Baseline, _host
 

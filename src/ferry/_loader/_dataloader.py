@@ -1172,7 +1172,7 @@ class _Frames:
             data: bytes | bytearray = rest
         else:
             data = chunk
-        messages = []
+        messages: list[bytes] = []
         pos, end = 0, len(data)
         while end - pos >= 4:
             (n,) = _HEADER.unpack_from(data, pos)

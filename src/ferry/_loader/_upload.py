@@ -71,23 +71,21 @@ class SlotLayout:
 def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
     """:func:`upload_slot` of a slot's views made once (``leaves``, ``small_src`` and ``big_src``, ``span``,
     ``layout``: the loader's), with the sources worked out once; the group's handle."""
-    return _upload(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring)[0]
+    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring)[0]
 
-def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], ptrs: list[int],
-                span: tuple[int, int], ring: DeviceRing | None = None) -> tuple[Any, list[DeviceArray]]:
+
+def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
+                big_s: list[int], span: tuple[int, int],
+                ring: DeviceRing | None = None) -> tuple[Any, list[DeviceArray]]:
     """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
 
     ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
-    ``ptrs`` their addresses and ``span`` the slot's ``(address, size)``; ``ring``, when given, lends the
-    device memory of a dropped batch and keeps this batch's once it is dropped. All or nothing: a refusal
-    (the runtime closed, out of device memory, the ring no longer registered, the copy refused) closes
-    the arrays made for it and raises, with nothing enqueued and the leaves untouched.
+    ``small_s`` and ``big_s`` the addresses of ``layout.small``'s and ``layout.big``'s leaves, ``span``
+    the slot's ``(address, size)``; ``ring``, when given, lends the device memory of a dropped batch and
+    keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
+    memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
+    with nothing enqueued and the leaves untouched.
     """
-    return _upload(rt, layout, leaves, [ptrs[i] for i in layout.small], [ptrs[i] for i in layout.big], span, ring)
-
-
-def _upload(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int], big_s: list[int],
-            span: tuple[int, int], ring: DeviceRing | None) -> tuple[Any, list[DeviceArray]]:
     parts = rt._parts
     routes = parts.host
     memory, completion = parts.memory, routes.completion
