@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=25, help="functions listed by the profile")
     args = ap.parse_args()
     rt = ferry.Runtime(args.backend)
     total = args.warmup + args.steps
@@ -111,7 +112,10 @@ def main() -> None:
                 print(f"  profile: {calls:.0f} calls per batch, {(spent - driver) / args.steps * 1e3:.3f} ms/batch"
                       " under the profiler outside the driver's copy calls: " + ", ".join(
                     f"{w} {100 * s / spent:.0f}%" for w, s in sorted(shares.items(), key=lambda kv: -kv[1])[:9]))
-                stats.sort_stats("tottime").print_stats(int(__import__("os").environ.get("PROBE_TOP", "18")))
+                top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]  # type: ignore[attr-defined]
+                for (filename, line, name), (_, calls, own, cum, _) in top:
+                    print(f"    {own / args.steps * 1e6:6.1f} us own {cum / args.steps * 1e6:6.1f} us cum "
+                          f"{calls / args.steps:5.2f} calls  {_where(filename)}:{line}({name})")
     finally:
         loader.close()
         rt.close()

@@ -425,3 +425,24 @@ def test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batche
     assert result.returncode == 0, result.stdout + result.stderr
     calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert sum(calls.values()) <= 2, calls  # the second epoch's 12 batches: no allocation or free per batch
+
+
+def test_tasks_read_back_as_they_were_given() -> None:
+    """A task (range indices, packed int64 bytes, a list, no indices at all; a slot or none) reads back
+    in the worker as the main process gave it, and the end of the workers (None) too."""
+    from ferry._loader._worker import decode_task, encode_task
+
+    packed = np.array([5, 3, 2**40], np.int64).tobytes()
+    cases = [
+        (0, 7, range(8, 12), False, 3, 4096, 10),
+        (2, 9, packed, True, None, 8192, 12),
+        (1, 0, [4, 1, 9], False, 0, 4096, 10),
+        (3, 5, None, False, 2, 4096, 10),
+        (0, 1, range(0, 10, 2), False, 1, 4096, 10),  # a step: not the packed form, still read back
+    ]
+    for task in cases:
+        assert decode_task(encode_task(*task)) == task
+    assert encode_task(*cases[0])[:1] == b"T" and encode_task(*cases[1])[:1] == b"T"
+    import pickle
+
+    assert decode_task(pickle.dumps(None)) is None

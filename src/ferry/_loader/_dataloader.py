@@ -56,7 +56,7 @@ from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
 from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_views
-from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode, same_plan, worker_loop
+from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode_task, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
 
@@ -888,7 +888,7 @@ class _Engine:
             batch = state.next_task
             try:
                 _send(self.tasks[worker].fileno(),
-                      encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
+                      encode_task(state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
@@ -1141,9 +1141,12 @@ _LONG = struct.Struct("!Q")  # after a length of -1: a 64-bit length
 
 def _send(fd: int, payload: bytes) -> None:
     """One message to a worker's ``Connection.recv_bytes``, in one write (a task is small)."""
-    data = memoryview(_HEADER.pack(len(payload)) + payload)
-    while data:
-        data = data[os.write(fd, data):]
+    data = _HEADER.pack(len(payload)) + payload
+    written = os.write(fd, data)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view):]
 
 
 _READ = 1 << 16  # a pipe's buffer: one read takes every small message waiting

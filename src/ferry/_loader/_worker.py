@@ -4,7 +4,8 @@ A worker makes no device call: it maps the ring's shared file and writes
 bytes. Messages (pickled, over one pipe each way):
 
 main -> worker
-    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)``: load ``batch``
+    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)`` (:func:`encode_task`:
+    packed without pickle when the indices are a range or int64 bytes): load ``batch``
     (``indices`` for a map-style dataset, int64 bytes when ``packed``;
     ``None`` for an iterable one: its next
     batch) into ``slot`` (``None``: no slot, send the batch itself). ``None``
@@ -168,6 +169,33 @@ SAME = struct.Struct("<cqqq")
 worker and the slot, packed (no pickle on either side)."""
 
 
+TASK_TAG = b"T"
+TASK = struct.Struct("<cqqqqqqqq")
+"""A task whose indices are a ``range`` or packed int64 bytes (what the loader's own samplers give):
+the tag, the epoch, the batch, the slot (-1: none), the slot's size, the slots, the indices' kind (1: a
+range, 2: int64 bytes following the header), the range's start and stop (packed, no pickle)."""
+
+
+def encode_task(epoch: int, batch: int, indices: Any, packed: bool, slot: int | None, slot_bytes: int,
+                slots: int) -> bytes:
+    """A task as bytes for ``Connection.recv_bytes`` (:func:`decode_task` reads it back)."""
+    where = -1 if slot is None else slot
+    if type(indices) is range and indices.step == 1:
+        return TASK.pack(TASK_TAG, epoch, batch, where, slot_bytes, slots, 1, indices.start, indices.stop)
+    if packed and type(indices) is bytes:
+        return TASK.pack(TASK_TAG, epoch, batch, where, slot_bytes, slots, 2, 0, 0) + indices
+    return encode((epoch, batch, indices, packed, slot, slot_bytes, slots))
+
+
+def decode_task(data: bytes) -> Any:
+    """What :func:`encode_task` (or a pickled message: ``None`` ends the worker) was given."""
+    if data[:1] != TASK_TAG:
+        return pickle.loads(data)
+    _, epoch, batch, slot, slot_bytes, slots, kind, start, stop = TASK.unpack_from(data)
+    indices: Any = range(start, stop) if kind == 1 else data[TASK.size:]
+    return epoch, batch, indices, kind == 2, None if slot < 0 else slot, slot_bytes, slots
+
+
 def encode(message: Any) -> bytes:
     """A small message (a task, a descriptor) as bytes for ``Connection.send_bytes``."""
     return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
@@ -216,7 +244,7 @@ def _read_tasks(tasks: Any, inbox: queue.SimpleQueue[Any], parent: int) -> None:
                 if os.getppid() != first_parent or not _alive(parent):
                     break
                 continue
-            task = tasks.recv()
+            task = decode_task(tasks.recv_bytes())
             if task is None:
                 break
             inbox.put(task)
