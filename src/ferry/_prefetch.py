@@ -427,9 +427,8 @@ class Prefetcher:
             self._unconfirmed.append(confirm)
         return flight.build(leaves)
 
-    def _overdue(self, stream: Any) -> tuple[Any, Any] | None:
-        """Settle what completed (never blocks); return what the host must wait for first, if the
-        host is more than ``depth + 1`` batches ahead: ``("upload", flight)`` or ``("mark", event)``.
+    def _settle(self) -> deque[_Flight]:
+        """Settle the yielded batches whose copies completed, oldest first (never blocks); the rest.
 
         Raises PrefetchError for a yielded batch whose copy failed.
         """
@@ -449,6 +448,15 @@ class Prefetcher:
             if handles:
                 break
             queue.popleft()
+        return queue
+
+    def _overdue(self, stream: Any) -> tuple[Any, Any] | None:
+        """Settle what completed (never blocks); return what the host must wait for first, if the
+        host is more than ``depth + 1`` batches ahead: ``("upload", flight)`` or ``("mark", event)``.
+
+        Raises PrefetchError for a yielded batch whose copy failed.
+        """
+        queue = self._settle()
         if len(queue) > self._limit:
             return "upload", queue[0]
         marks = self._marks

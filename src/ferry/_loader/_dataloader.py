@@ -438,6 +438,17 @@ class _LoaderPrefetcher(Prefetcher):
         self._engine = engine
         self._completion = parts_of(runtime).completion
 
+    def _take(self, fill: bool = True) -> _Flight:
+        # the yielded batches whose copies completed are settled before the next batch is taken: the
+        # engine then gives their slots back to the workers without asking the device about them again
+        if fill and self._unconfirmed and not self._closed:
+            try:
+                self._settle()
+            except BaseException:
+                self.close()
+                raise
+        return super()._take(fill)
+
     def _submit(self, index: int, batch: Any) -> Any:
         if type(batch) is not _SlotViews:  # a batch that came back as arrays: prefetch's own way
             flight = super()._submit(index, batch)
