@@ -746,12 +746,14 @@ class _Engine:
 
     def _next_message(self, state: _EpochState) -> Any:
         deadline = time.monotonic() + self.timeout if self.timeout else None
+        ask = False  # the first pass gives out the slots the prefetcher proved free; later ones ask the device
         while True:
             # the handles the prefetcher waited are let go at once: each keeps its batch's device arrays
             # alive (they return to the pool when the consumer drops them only if nothing else holds them)
             self._reclaim(ask=False)
             if self.workers:
-                self._dispatch(state)
+                self._dispatch(state, ask)
+            ask = True
             ready = state.ready.pop(state.next_out, None)
             if ready is not None:
                 state.next_out += 1
@@ -807,11 +809,11 @@ class _Engine:
             inflight.popleft()
             self.table.completed(slot)
 
-    def _take_slot(self, worker: int, batch: int) -> int | None:
+    def _take_slot(self, worker: int, batch: int, ask: bool = True) -> int | None:
         """A free slot for ``batch``; the device is asked about the slots whose copies may have completed
-        only when none is free."""
+        only when none is free (and ``ask``)."""
         slot = self.table.take(worker, batch)
-        if slot is None and self.inflight:
+        if slot is None and ask and self.inflight:
             self._reclaim()
             slot = self.table.take(worker, batch)
         return slot
@@ -866,8 +868,9 @@ class _Engine:
         self.broken = True
         raise error
 
-    def _dispatch(self, state: _EpochState) -> None:
-        """Give batches to the workers while a slot is free (round robin, ``prefetch_factor`` each)."""
+    def _dispatch(self, state: _EpochState, ask: bool = True) -> None:
+        """Give batches to the workers while a slot is free (round robin, ``prefetch_factor`` each); with
+        ``ask``, when none is, the device is asked whether the oldest copies completed."""
         ring = self.ring
         assert ring is not None
         limit = self.workers * self.prefetch_factor if ring.sized else 1
@@ -881,7 +884,7 @@ class _Engine:
                 return
             slot = None
             if ring.sized:
-                slot = self._take_slot(worker, state.next_task)
+                slot = self._take_slot(worker, state.next_task, ask)
                 if slot is None:
                     state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return
