@@ -6,7 +6,9 @@ Datasets are defined at module level so that spawn workers can import them.
 
 from __future__ import annotations
 
+import select
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -446,3 +448,56 @@ def test_tasks_read_back_as_they_were_given() -> None:
     import pickle
 
     assert decode_task(pickle.dumps(None)) is None
+
+
+class SlowFromFour:
+    """Sample i: 64 float32 holding i, and i; the samples of batch 4 on take 0.05 s each to load."""
+
+    def __len__(self) -> int:
+        return 14
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= 8:
+            time.sleep(0.05)
+        return np.full(64, i, np.float32), i
+
+
+def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_run(
+        rt: ferry.Runtime, leaks: _Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slot in use (copies held on the device), every worker busy with its batches: the main process
+    waits for the next one in one sleep on the pipes (no wake-up every millisecond to ask the device about
+    slots no worker could take yet), and every batch still comes, right and in order."""
+    timeouts: list[int] = []
+    real = select.poll
+
+    class Poll:
+        def __init__(self) -> None:
+            self._poll = real()
+
+        def register(self, *args: Any) -> None:
+            self._poll.register(*args)
+
+        def unregister(self, fd: int) -> None:
+            self._poll.unregister(fd)
+
+        def poll(self, timeout: int) -> Any:
+            timeouts.append(timeout)
+            return self._poll.poll(timeout)
+
+    monkeypatch.setattr(_dataloader.select, "poll", Poll)
+    got = []
+    held = testing.hold(rt, "upload")
+    with ferry.DataLoader(SlowFromFour(), batch_size=2, num_workers=1, prefetch_factor=2, depth=1, runtime=rt,
+                          multiprocessing_context="fork") as loader:
+        it = iter(loader)
+        held.__enter__()  # no copy completes: the ring's slots stay in flight
+        timer = threading.Timer(0.6, held.__exit__, (None, None, None))
+        timer.start()
+        try:
+            batches = [x for x, _ in it]  # (read after: a download would wait for the held upload)
+        finally:
+            timer.join()
+        got = [int(rt.to_host(x)[0, 0]) for x in batches]
+        del batches
+    assert got == list(range(0, 14, 2))
+    assert timeouts and all(t == 1000 for t in timeouts), timeouts
