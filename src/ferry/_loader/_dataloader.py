@@ -673,6 +673,7 @@ class _Engine:
         self.closed = False
         self.procs: list[Any] = []
         self.tasks: list[Any] = []
+        self.task_fds: list[int] = []  # the tasks' pipes, by worker
         self.results: list[Any] = []
         self.seed_generator = loader.generator
         self.base_seed = 0
@@ -707,6 +708,7 @@ class _Engine:
                 )
                 self.procs.append(process)
                 self.tasks.append(task_writer)
+                self.task_fds.append(task_writer.fileno())
                 self.results.append(result_reader)
                 process.start()
                 task_reader.close()
@@ -873,17 +875,20 @@ class _Engine:
         ``ask``, when none is, the device is asked whether the oldest copies completed."""
         ring = self.ring
         assert ring is not None
-        limit = self.workers * self.prefetch_factor if ring.sized else 1
+        sized = ring.sized
+        limit = self.workers * self.prefetch_factor if sized else 1
+        factor, per_worker, pending, fds = self.prefetch_factor, state.per_worker, state.pending, self.task_fds
         state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
-            worker = state.next_worker()
-            if worker is None:
+            active = state.active
+            if not active:
                 state.exhausted = True
                 return
-            if state.per_worker[worker] >= self.prefetch_factor:
+            worker = active[state._turn]
+            if per_worker[worker] >= factor:
                 return
             slot = None
-            if ring.sized:
+            if sized:
                 slot = self._take_slot(worker, state.next_task, ask)
                 if slot is None:
                     state.starved = True  # a worker could start a batch: waits wake up to free a slot
@@ -901,17 +906,16 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                _send(self.tasks[worker].fileno(),
-                      encode_task(state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots))
+                _send(fds[worker], encode_task(state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
                 state.death = (worker, self._death_text(worker, None))
                 return
-            state.next_task += 1
-            state.advance()
-            state.pending[batch] = worker
-            state.per_worker[worker] += 1
+            state.next_task = batch + 1
+            state._turn = (state._turn + 1) % len(active)
+            pending[batch] = worker
+            per_worker[worker] += 1
             state.outstanding += 1
 
     def _receive(self, state: _EpochState, deadline: float | None = None) -> None:
@@ -1130,7 +1134,7 @@ class _Engine:
         for process in self.procs:
             with contextlib.suppress(Exception):
                 process.close()
-        self.procs, self.tasks, self.results = [], [], []
+        self.procs, self.tasks, self.results, self.task_fds = [], [], [], []
         if not self.rt.closed:
             with contextlib.suppress(Exception):
                 self._drain(10.0)
@@ -1241,15 +1245,7 @@ class _EpochState:
         self.gone: set[int] = set()  # workers that died
         self.death: tuple[int, str] | None = None  # the first death: worker, what to say
         self.starved = False  # the last dispatch found no free slot for a worker that could take a task
-        self._turn = 0
-
-    def next_worker(self) -> int | None:
-        if not self.active:
-            return None
-        return self.active[self._turn]
-
-    def advance(self) -> None:
-        self._turn = (self._turn + 1) % len(self.active)
+        self._turn = 0  # the position in ``active`` of the worker given the next batch
 
     def retire(self, worker: int) -> None:
         """An iterable-style worker is exhausted: the turn goes on among the others."""

@@ -146,8 +146,11 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
             for device in handed:
                 device._state = OWNED
                 device._ready = record
-            gone = {id(d) for d in handed}
-            record.moved = tuple(o for o in moved if id(o) not in gone)
+            if len(handed) == len(moved):
+                record.moved = ()
+            else:
+                gone = {id(d) for d in handed}
+                record.moved = tuple(o for o in moved if id(o) not in gone)
 
             def forget(failed: bool) -> None:
                 for device in handed:
