@@ -501,3 +501,33 @@ def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_ru
         del batches
     assert got == list(range(0, 14, 2))
     assert timeouts and all(t == 1000 for t in timeouts), timeouts
+
+
+def test_a_copy_that_fails_on_the_device_is_raised_at_its_batch_with_workers(rt: ferry.Runtime) -> None:
+    """Slot batches from workers: a copy that fails on the device after its batch was handed over makes
+    that batch's arrays unreadable (TransferFailedError) and the next step raise PrefetchError naming that
+    batch; the batches before it were right, the epoch ends, and the loader closes."""
+    if rt.backend != "emulated":
+        pytest.skip("fault injection needs the emulated device")
+    loader = ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, persistent_workers=True)
+    got = []
+    batches = iter(loader)
+    for _ in range(3):
+        x, _ = next(batches)
+        got.append(int(_host(rt, x)[0, 0]))
+        del x
+    testing.fail_next_copy(rt)
+    unreadable = []
+    with pytest.raises(ferry.PrefetchError) as info:
+        for k, (x, _) in enumerate(batches, start=3):
+            try:
+                got.append(int(_host(rt, x)[0, 0]))
+            except ferry.TransferFailedError:
+                unreadable.append(k)
+            del x
+    assert got == [4 * i for i in range(len(got))]
+    assert info.value.index == len(got) and unreadable in ([], [len(got)])
+    with pytest.raises(StopIteration):
+        next(batches)
+    loader.close()
+    assert loader.ring_bytes == 0

@@ -441,13 +441,23 @@ class _LoaderPrefetcher(Prefetcher):
     def _take(self, fill: bool = True) -> _Flight:
         # the yielded batches whose copies completed are settled before the next batch is taken: the
         # engine then gives their slots back to the workers without asking the device about them again
+        self._settled = False
         if fill and self._unconfirmed and not self._closed:
             try:
-                self._settle()
+                Prefetcher._settle(self)
             except BaseException:
                 self.close()
                 raise
+            self._settled = True
         return super()._take(fill)
+
+    _settled = False  # the step's settle ran: its backpressure check need not ask the device again
+
+    def _settle(self) -> deque[_Flight]:
+        if self._settled:  # once per step (a wait for backpressure settles again)
+            self._settled = False
+            return self._unconfirmed
+        return super()._settle()
 
     def _submit(self, index: int, batch: Any) -> Any:
         if type(batch) is not _SlotViews:  # a batch that came back as arrays: prefetch's own way
