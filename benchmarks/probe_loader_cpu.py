@@ -86,8 +86,10 @@ def main() -> None:
                     del x, y
                 for _ in it:
                     pass
+                q = statistics.quantiles(cpu, n=4)
                 print(f"step {step:5.1f} ms: main-thread CPU per next() median {statistics.median(cpu) * 1e3:.3f} ms,"
-                      f" mean {statistics.fmean(cpu) * 1e3:.3f} ms")
+                      f" quartiles {q[0] * 1e3:.3f}-{q[2] * 1e3:.3f} ms, min {min(cpu) * 1e3:.3f} ms,"
+                      f" mean {statistics.fmean(cpu) * 1e3:.3f} ms, max {max(cpu) * 1e3:.3f} ms")
             if args.profile:
                 profile = cProfile.Profile(time.thread_time)
                 it = iter(loader)
