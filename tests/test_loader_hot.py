@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 import ferry
+from conftest import eventually
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
 from ferry._loader._upload import upload_views
 from ferry._runtime import parts_of
+from ferry._state import OWNED
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -531,3 +533,23 @@ def test_a_copy_that_fails_on_the_device_is_raised_at_its_batch_with_workers(rt:
         next(batches)
     loader.close()
     assert loader.ring_bytes == 0
+
+
+def test_a_batch_whose_copies_completed_before_its_turn_is_handed_over_settled(rt: ferry.Runtime,
+                                                                                 leaks: _Baseline) -> None:
+    """A consumer slower than the copies: each slot batch reaches it with its copies already proven
+    complete (its arrays owned, tied to no pending copy), still right; the consumer's stream is noted on
+    the batch's memory, so a later batch copied into it waits for the consumer's work (the device ring
+    keeps and reuses it), and nothing is left in flight."""
+    stream = testing.side_stream(rt)
+    settled = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, stream=stream) as loader:
+        for k, (x, y) in enumerate(loader):
+            settled.append(x._ready is None and x._state is OWNED and y._ready is None)
+            assert int(_host(rt, x)[0, 0]) == 4 * k and int(_host(rt, y)[0]) == 4 * k
+            del x, y
+            # the consumer's step, long enough for the copies already issued to complete
+            assert eventually(lambda: all(h.is_ready() for _, handles in loader._engine.inflight  # type: ignore[union-attr]
+                                          for h in handles))
+    assert len(settled) == 8
+    assert all(settled[2:]), settled  # (the first ones may still be copying when they are handed over)

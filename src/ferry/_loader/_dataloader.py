@@ -13,7 +13,8 @@ used (no copy, no page fault: the memory is resident and pinned); it feeds
 them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
 (one DMA per leaf, one event; ``_upload.py``: into device memory a dropped
 batch of the same size left, when there is some), hands it to the consumer's
-stream and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
+stream (or, when its copies already completed, settles them and hands it over
+as it is) and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
 complete. Every wait of the main process sleeps (the workers' pipes, the
 blocking-sync events of its backpressure): it also launches the consumer's
 kernels.
@@ -493,6 +494,13 @@ class _LoaderPrefetcher(Prefetcher):
             return super()._hand_off(flight, stream)
         handle = flight.handles[0]
         try:
+            if handle.is_ready():  # the copies are done (the consumer is the slower side): settle them now,
+                # with no stream wait to queue and nothing left to confirm at a later step
+                devices = handle.wait()[1]
+                flight.waits.add(0)
+                if stream is not None and devices:  # the slab's: every view's free waits for the consumer's work
+                    devices[0]._memory.note_stream(devices[0]._ptr, stream)
+                return [devices], []
             return [hand_off_slot(self._completion, handle, stream)], []
         except (TransferFailedError, RuntimeClosedError):
             raise
