@@ -553,3 +553,43 @@ def test_a_batch_whose_copies_completed_before_its_turn_is_handed_over_settled(r
                                           for h in handles))
     assert len(settled) == 8
     assert all(settled[2:]), settled  # (the first ones may still be copying when they are handed over)
+
+
+def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.Runtime) -> None:
+    """A slot's registration is kept between its batches; once the ring was unpinned, the next upload from
+    that slot is refused (TransferSubmitError), nothing of it enqueued or left allocated, its views
+    untouched; an upload before that one went through the kept registration as the first did."""
+    from ferry._loader._dataloader import _Plan
+    from ferry._loader._upload import DeviceRing
+    from ferry._memory._ring import Ring
+
+    ring = Ring(rt)
+    ring.size(1 << 16, 2)
+    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
+    views = plan.slot(ring, 1)
+    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    views.leaves[1][...] = [7, 8, 9, 10]
+    device_ring = DeviceRing()
+    try:
+        for _ in range(2):
+            handle = upload_views(rt, views, device_ring)
+            _, devices = handle.wait()
+            assert views.reg is not None and views.reg.active
+            assert np.array_equal(rt.to_host(devices[0]), views.leaves[0])
+            assert rt.to_host(devices[1]).tolist() == [7, 8, 9, 10]
+            del devices, handle
+        before = rt.stats()
+        registration = views.reg
+        registration.release()  # the ring unpinned (as a stopping loader does)
+        with pytest.raises(TransferSubmitError, match="no longer registered"):
+            upload_views(rt, views, device_ring)
+        after = rt.stats()
+        assert after.in_flight == before.in_flight and after.submitted == before.submitted
+        assert after.device_bytes == before.device_bytes
+        assert views.reg is registration and not registration.active
+        assert views.leaves[1].tolist() == [7, 8, 9, 10]
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)

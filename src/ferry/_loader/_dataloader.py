@@ -543,7 +543,7 @@ class _SlotViews:
     around device leaves. Made once per slot and layout, and handed out for every batch of that layout in
     that slot (no object is made per batch)."""
 
-    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "small_src", "span", "uploadable")
+    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "reg", "small_src", "span", "uploadable")
 
     def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
         self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
@@ -554,6 +554,7 @@ class _SlotViews:
         self.small_src = [self.ptrs[i] for i in layout.small]
         self.big_src = [self.ptrs[i] for i in layout.big]
         self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
+        self.reg: Any = None  # the ring's registration, once an upload found it (kept while it is active)
 
 
 class _Plan:

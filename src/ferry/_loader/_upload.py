@@ -71,12 +71,12 @@ class SlotLayout:
 def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
     """:func:`upload_slot` of a slot's views made once (``leaves``, ``small_src`` and ``big_src``, ``span``,
     ``layout``: the loader's), with the sources worked out once; the group's handle."""
-    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring)[0]
+    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring, views)[0]
 
 
 def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
-                big_s: list[int], span: tuple[int, int],
-                ring: DeviceRing | None = None) -> tuple[Any, list[DeviceArray]]:
+                big_s: list[int], span: tuple[int, int], ring: DeviceRing | None = None,
+                views: Any = None) -> tuple[Any, list[DeviceArray]]:
     """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
 
     ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
@@ -84,7 +84,8 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
     the slot's ``(address, size)``; ``ring``, when given, lends the device memory of a dropped batch and
     keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
     memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
-    with nothing enqueued and the leaves untouched.
+    with nothing enqueued and the leaves untouched. ``views``, when given, keeps the slot's registration
+    between batches (its ``reg``: looked up again only once it was released).
     """
     parts = rt._parts
     routes = parts.host
@@ -92,8 +93,10 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
     backend = completion.backend
     stream = routes.h2d
     with routes.lock:
-        _check_open(rt)
-        if completion.maintenance_due():
+        if rt._health.refusal is not None:
+            _check_open(rt)  # raises
+        retiring = completion.retiring  # (maintenance_due(), inline)
+        if retiring._count or retiring._incoming or memory.deferred or completion.pool._doomed:
             completion.maintain()
         total = layout.total
         slab = ring.take(memory, total, stream) if ring is not None else None
@@ -108,10 +111,14 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
                    for shape, dtype, offset, nbytes in layout.views]
         slab.adopt(devices)
         try:
-            registrations = routes.registrations
-            reg = registrations.covering(span[0], span[1]) if registrations.active else None
-            if reg is None:  # the ring was unpinned meanwhile: refused cleanly
-                raise TransferSubmitError("the loader's ring is no longer registered")
+            reg = views.reg if views is not None else None
+            if reg is None or reg._released:
+                registrations = routes.registrations
+                reg = registrations.covering(span[0], span[1]) if registrations.active else None
+                if reg is None:  # the ring was unpinned meanwhile: refused cleanly
+                    raise TransferSubmitError("the loader's ring is no longer registered")
+                if views is not None:
+                    views.reg = reg
             small_d = [base + offset for offset in layout.small_dst]
             large = [(base + offset, src, nbytes) for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
             copy = batched_copy(backend, True, small_d, small_s, layout.small_n, large)
