@@ -774,7 +774,6 @@ class _Engine:
             self._reclaim(ask=False)
             if self.workers:
                 self._dispatch(state, ask)
-            ask = True
             ready = state.ready.pop(state.next_out, None)
             if ready is not None:
                 state.next_out += 1
@@ -796,10 +795,15 @@ class _Engine:
                     if state.exhausted:
                         return _END
                 self._wait_for_slot()
+                ask = True
+                continue
+            if state.starved and not ask:  # before sleeping: the device may have freed a slot a worker can take
+                ask = True
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 self._timed_out(state)
             self._receive(state, deadline)
+            ask = True
 
     def _timed_out(self, state: _EpochState) -> None:
         """The next batch was not delivered within ``timeout`` seconds: the epoch ends, as PyTorch's does."""
