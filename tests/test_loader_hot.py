@@ -593,3 +593,47 @@ def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.
         del views
         plan.views.clear()
         ring.release(timeout=1.0)
+
+
+def test_waiting_for_a_slot_sleeps_until_the_oldest_copy_completes(rt: ferry.Runtime, leaks: _Baseline,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No slot free and no batch loading: the main process sleeps until the oldest copy reading the ring
+    completes (woken by the runtime's watcher, not by polling), then that slot goes back and the epoch
+    goes on, every batch right."""
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=0, runtime=rt) as loader:
+        batches = iter(loader)
+        first = [int(_host(rt, next(batches)[0])[0, 0]) for _ in range(2)]
+        engine = loader._engine
+        assert engine is not None
+        held = testing.hold(rt, "upload")
+        held.__enter__()
+        try:
+            slot = engine.table.take(0, 999)  # a slot in flight behind a copy that cannot complete yet
+            assert slot is not None
+            engine.table.filled(slot, 0, 999)
+            engine.table.issued(slot, 999)
+            handle = rt.upload(np.ones(1 << 16, np.uint8))
+            engine.inflight.appendleft((slot, [handle]))
+            asked = []
+            is_ready = type(handle).is_ready
+
+            def counted(self: Any) -> bool:
+                asked.append(threading.get_ident())
+                return bool(is_ready(self))
+
+            monkeypatch.setattr(type(handle), "is_ready", counted)
+            waiter = threading.Thread(target=engine._wait_for_slot)
+            waiter.start()
+            waiter.join(0.3)
+            assert waiter.is_alive()  # asleep: the copy cannot complete while held
+            assert len([t for t in asked if t == waiter.ident]) <= 1  # asked once, not polled
+        finally:
+            held.__exit__(None, None, None)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert handle.is_ready()
+        engine._reclaim()
+        assert engine.table.state(slot)[0] == "free"
+        del handle
+        rest = [int(_host(rt, x)[0, 0]) for x, _ in batches]
+    assert first + rest == list(range(0, 32, 4))

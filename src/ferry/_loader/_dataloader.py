@@ -28,6 +28,7 @@ travels the same way as the first.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import math
 import multiprocessing
@@ -847,14 +848,12 @@ class _Engine:
         """No slot is free and no batch is being loaded: wait for the oldest copies to complete."""
         if not self.inflight:
             raise FerryError("the loader's ring has no free slot and no copy in flight")  # a protocol bug
-        slot, handles = self.inflight[0]
-        deadline = time.monotonic() + 60.0
-        pause = 5e-5
-        while self.inflight and self.inflight[0][0] == slot and handles and not handles[0].is_ready():
-            if time.monotonic() > deadline:
-                raise FerryError("the ring's copies did not complete within 60 s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        handles = self.inflight[0][1]
+        if handles and not handles[0]._waited and not handles[0].is_ready():
+            try:  # asleep until the runtime's watcher (asleep on the device) settles it: no polling
+                handles[0].future().result(timeout=60.0)
+            except concurrent.futures.TimeoutError:
+                raise FerryError("the ring's copies did not complete within 60 s") from None
 
     def submitted(self, handles: list[Any]) -> None:
         """The prefetcher submitted the uploads of the batch yielded last."""
