@@ -466,11 +466,14 @@ class SlowFromFour:
 
 def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_run(
         rt: ferry.Runtime, leaks: _Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every slot in use (copies held on the device), every worker busy with its batches: the main process
-    waits for the next one in one sleep on the pipes (no wake-up every millisecond to ask the device about
-    slots no worker could take yet), and every batch still comes, right and in order."""
-    timeouts: list[int] = []
+    """Slots in use (copies held on the device), workers busy with their batches: the main process waits
+    for the next batch in one sleep on the pipes. It wakes every millisecond only while a worker could
+    start a batch but no slot is free (then a completing copy frees one), never merely because every
+    slot is in use; every batch still comes, right and in order."""
+    polls: list[tuple[int, bool]] = []  # (timeout, whether a worker was waiting for a slot)
     real = select.poll
+    receive = _dataloader._Engine._receive
+    starved: list[bool] = []
 
     class Poll:
         def __init__(self) -> None:
@@ -483,11 +486,15 @@ def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_ru
             self._poll.unregister(fd)
 
         def poll(self, timeout: int) -> Any:
-            timeouts.append(timeout)
+            polls.append((timeout, starved[-1]))
             return self._poll.poll(timeout)
 
+    def watched(self: Any, state: Any, deadline: float | None = None) -> None:
+        starved.append(state.starved)
+        receive(self, state, deadline)
+
     monkeypatch.setattr(_dataloader.select, "poll", Poll)
-    got = []
+    monkeypatch.setattr(_dataloader._Engine, "_receive", watched)
     held = testing.hold(rt, "upload")
     with ferry.DataLoader(SlowFromFour(), batch_size=2, num_workers=1, prefetch_factor=2, depth=1, runtime=rt,
                           multiprocessing_context="fork") as loader:
@@ -502,8 +509,8 @@ def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_ru
         got = [int(rt.to_host(x)[0, 0]) for x in batches]
         del batches
     assert got == list(range(0, 14, 2))
-    assert timeouts and all(t == 1000 for t in timeouts), timeouts
-
+    assert polls and all(timeout == 1000 or waiting for timeout, waiting in polls), polls
+    assert sum(1 for timeout, _ in polls if timeout == 1000) >= 2  # it did wait for the slow batches
 
 def test_a_copy_that_fails_on_the_device_is_raised_at_its_batch_with_workers(rt: ferry.Runtime) -> None:
     """Slot batches from workers: a copy that fails on the device after its batch was handed over makes
