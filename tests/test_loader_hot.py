@@ -6,18 +6,22 @@ Datasets are defined at module level so that spawn workers can import them.
 
 from __future__ import annotations
 
+import select
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 import ferry
+from conftest import eventually
 from ferry import testing
 from ferry._errors import TransferSubmitError
 from ferry._loader import _dataloader
-from ferry._loader._upload import upload_slot
+from ferry._loader._upload import upload_views
 from ferry._runtime import parts_of
+from ferry._state import OWNED
 from test_loader import _Baseline, _host
 
 pytestmark = pytest.mark.filterwarnings(
@@ -126,7 +130,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
     """A slot batch whose upload is refused is raised at its index (PrefetchError, the refusal its cause);
     nothing of it stays in flight and the loader still closes clean."""
     calls = []
-    original = upload_slot
+    original = upload_views
 
     def refuse_third(*args: Any) -> Any:
         calls.append(threading.get_ident())
@@ -134,7 +138,7 @@ def test_a_refused_slot_upload_fails_its_batch_and_frees_its_slot(rt: ferry.Runt
             raise TransferSubmitError("refused for the test")
         return original(*args)
 
-    monkeypatch.setattr(_dataloader, "upload_slot", refuse_third)
+    monkeypatch.setattr(_dataloader, "upload_views", refuse_third)
     got = []
     with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt) as loader, \
             pytest.raises(ferry.PrefetchError) as info:
@@ -311,15 +315,50 @@ def test_the_main_process_s_pipe_framing_is_multiprocessing_s() -> None:
     assert [reader.recv_bytes() for _ in payloads] == payloads
 
     big = np.arange(300_000, dtype=np.uint8).tobytes()  # over a pipe's buffer: read while it is written
+    frames = _dataloader._Frames()
     sender = threading.Thread(target=lambda: [writer.send_bytes(p) for p in (b"x", big, b"")])
     sender.start()
-    got = [_dataloader._receive_from(reader.fileno()) for _ in range(3)]
+    got: list[bytes] = []
+    while len(got) < 3:
+        got += frames.read(reader.fileno())
     sender.join()
     assert got == [b"x", big, b""]
     writer.close()
     with pytest.raises(EOFError):
-        _dataloader._receive_from(reader.fileno())
+        frames.read(reader.fileno())
     reader.close()
+
+
+def test_one_read_takes_every_message_waiting_and_keeps_a_partial_one() -> None:
+    """Messages that arrived together come out of one read, in order; one cut anywhere (in its header, in
+    a long message's 8-byte length, in its bytes) comes out whole once the rest arrived."""
+    import os
+    import struct
+
+    messages = [b"a", b"", bytes(range(200)), b"q" * 5000]
+    stream = b"".join(struct.pack("!i", len(m)) + m for m in messages)
+    stream += struct.pack("!i", -1) + struct.pack("!Q", 7) + b"longlen"  # the 64-bit length form
+    expected = [*messages, b"longlen"]
+    for cut in (1, 3, 4, 6, 205, 5000, len(stream) - 9, len(stream) - 1):
+        r, w = os.pipe()
+        try:
+            frames = _dataloader._Frames()
+            os.write(w, stream[:cut])
+            got = frames.read(r)
+            os.write(w, stream[cut:])
+            got += frames.read(r)
+            assert got == expected, cut
+            assert not frames.rest and frames.need == 0
+        finally:
+            os.close(r)
+            os.close(w)
+    r, w = os.pipe()
+    try:
+        os.write(w, stream)
+        assert _dataloader._Frames().read(r) == expected  # all of it in one read
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 class Images:
@@ -390,3 +429,218 @@ def test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batche
     assert result.returncode == 0, result.stdout + result.stderr
     calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert sum(calls.values()) <= 2, calls  # the second epoch's 12 batches: no allocation or free per batch
+
+
+def test_tasks_read_back_as_they_were_given() -> None:
+    """A task (range indices, packed int64 bytes, a list, no indices at all; a slot or none) reads back
+    in the worker as the main process gave it, and the end of the workers (None) too."""
+    from ferry._loader._worker import decode_task, encode_task
+
+    packed = np.array([5, 3, 2**40], np.int64).tobytes()
+    cases = [
+        (0, 7, range(8, 12), False, 3, 4096, 10),
+        (2, 9, packed, True, None, 8192, 12),
+        (1, 0, [4, 1, 9], False, 0, 4096, 10),
+        (3, 5, None, False, 2, 4096, 10),
+        (0, 1, range(0, 10, 2), False, 1, 4096, 10),  # a step: not the packed form, still read back
+    ]
+    for task in cases:
+        assert decode_task(encode_task(*task)) == task
+    assert encode_task(*cases[0])[:1] == b"T" and encode_task(*cases[1])[:1] == b"T"
+    import pickle
+
+    assert decode_task(pickle.dumps(None)) is None
+
+
+class SlowFromFour:
+    """Sample i: 64 float32 holding i, and i; the samples of batch 4 on take 0.05 s each to load."""
+
+    def __len__(self) -> int:
+        return 14
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= 8:
+            time.sleep(0.05)
+        return np.full(64, i, np.float32), i
+
+
+def test_a_wait_for_a_worker_sleeps_until_its_message_while_the_ring_s_copies_run(
+        rt: ferry.Runtime, leaks: _Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots in use (copies held on the device), workers busy with their batches: the main process waits
+    for the next batch in one sleep on the pipes. It wakes every millisecond only while a worker could
+    start a batch but no slot is free (then a completing copy frees one), never merely because every
+    slot is in use; every batch still comes, right and in order."""
+    polls: list[tuple[int, bool]] = []  # (timeout, whether a worker was waiting for a slot)
+    real = select.poll
+    receive = _dataloader._Engine._receive
+    starved: list[bool] = []
+
+    class Poll:
+        def __init__(self) -> None:
+            self._poll = real()
+
+        def register(self, *args: Any) -> None:
+            self._poll.register(*args)
+
+        def unregister(self, fd: int) -> None:
+            self._poll.unregister(fd)
+
+        def poll(self, timeout: int) -> Any:
+            polls.append((timeout, starved[-1]))
+            return self._poll.poll(timeout)
+
+    def watched(self: Any, state: Any, deadline: float | None = None) -> None:
+        starved.append(state.starved)
+        receive(self, state, deadline)
+
+    monkeypatch.setattr(_dataloader.select, "poll", Poll)
+    monkeypatch.setattr(_dataloader._Engine, "_receive", watched)
+    held = testing.hold(rt, "upload")
+    with ferry.DataLoader(SlowFromFour(), batch_size=2, num_workers=1, prefetch_factor=2, depth=1, runtime=rt,
+                          multiprocessing_context="fork") as loader:
+        it = iter(loader)
+        held.__enter__()  # no copy completes: the ring's slots stay in flight
+        timer = threading.Timer(0.6, held.__exit__, (None, None, None))
+        timer.start()
+        try:
+            batches = [x for x, _ in it]  # (read after: a download would wait for the held upload)
+        finally:
+            timer.join()
+        got = [int(rt.to_host(x)[0, 0]) for x in batches]
+        del batches
+    assert got == list(range(0, 14, 2))
+    assert polls and all(timeout == 1000 or waiting for timeout, waiting in polls), polls
+    assert sum(1 for timeout, _ in polls if timeout == 1000) >= 2  # it did wait for the slow batches
+
+def test_a_copy_that_fails_on_the_device_is_raised_at_its_batch_with_workers(rt: ferry.Runtime) -> None:
+    """Slot batches from workers: a copy that fails on the device after its batch was handed over makes
+    that batch's arrays unreadable (TransferFailedError) and the next step raise PrefetchError naming that
+    batch; the batches before it were right, the epoch ends, and the loader closes."""
+    if rt.backend != "emulated":
+        pytest.skip("fault injection needs the emulated device")
+    loader = ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, persistent_workers=True)
+    got = []
+    batches = iter(loader)
+    for _ in range(3):
+        x, _ = next(batches)
+        got.append(int(_host(rt, x)[0, 0]))
+        del x
+    testing.fail_next_copy(rt)
+    unreadable = []
+    with pytest.raises(ferry.PrefetchError) as info:
+        for k, (x, _) in enumerate(batches, start=3):
+            try:
+                got.append(int(_host(rt, x)[0, 0]))
+            except ferry.TransferFailedError:
+                unreadable.append(k)
+            del x
+    assert got == [4 * i for i in range(len(got))]
+    assert info.value.index == len(got) and unreadable in ([], [len(got)])
+    with pytest.raises(StopIteration):
+        next(batches)
+    loader.close()
+    assert loader.ring_bytes == 0
+
+
+def test_a_batch_whose_copies_completed_before_its_turn_is_handed_over_settled(rt: ferry.Runtime,
+                                                                                 leaks: _Baseline) -> None:
+    """A consumer slower than the copies: each slot batch reaches it with its copies already proven
+    complete (its arrays owned, tied to no pending copy), still right; the consumer's stream is noted on
+    the batch's memory, so a later batch copied into it waits for the consumer's work (the device ring
+    keeps and reuses it), and nothing is left in flight."""
+    stream = testing.side_stream(rt)
+    settled = []
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=2, runtime=rt, stream=stream) as loader:
+        for k, (x, y) in enumerate(loader):
+            settled.append(x._ready is None and x._state is OWNED and y._ready is None)
+            assert int(_host(rt, x)[0, 0]) == 4 * k and int(_host(rt, y)[0]) == 4 * k
+            del x, y
+            # the consumer's step, long enough for the copies already issued to complete
+            assert eventually(lambda: all(h.is_ready() for _, handles in loader._engine.inflight  # type: ignore[union-attr]
+                                          for h in handles))
+    assert len(settled) == 8
+    assert all(settled[2:]), settled  # (the first ones may still be copying when they are handed over)
+
+
+def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.Runtime) -> None:
+    """A slot's registration is kept between its batches; once the ring was unpinned, the next upload from
+    that slot is refused (TransferSubmitError), nothing of it enqueued or left allocated, its views
+    untouched; an upload before that one went through the kept registration as the first did."""
+    from ferry._loader._dataloader import _Plan
+    from ferry._loader._upload import DeviceRing
+    from ferry._memory._ring import Ring
+
+    ring = Ring(rt)
+    ring.size(1 << 16, 2)
+    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
+    views = plan.slot(ring, 1)
+    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    views.leaves[1][...] = [7, 8, 9, 10]
+    device_ring = DeviceRing()
+    try:
+        for _ in range(2):
+            handle = upload_views(rt, views, device_ring)
+            _, devices = handle.wait()
+            assert views.reg is not None and views.reg.active
+            assert np.array_equal(rt.to_host(devices[0]), views.leaves[0])
+            assert rt.to_host(devices[1]).tolist() == [7, 8, 9, 10]
+            del devices, handle
+        before = rt.stats()
+        registration = views.reg
+        registration.release()  # the ring unpinned (as a stopping loader does)
+        with pytest.raises(TransferSubmitError, match="no longer registered"):
+            upload_views(rt, views, device_ring)
+        after = rt.stats()
+        assert after.in_flight == before.in_flight and after.submitted == before.submitted
+        assert after.device_bytes == before.device_bytes
+        assert views.reg is registration and not registration.active
+        assert views.leaves[1].tolist() == [7, 8, 9, 10]
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+
+
+def test_waiting_for_a_slot_sleeps_until_the_oldest_copy_completes(rt: ferry.Runtime, leaks: _Baseline,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """No slot free and no batch loading: the main process sleeps until the oldest copy reading the ring
+    completes (woken by the runtime's watcher, not by polling), then that slot goes back and the epoch
+    goes on, every batch right."""
+    with ferry.DataLoader(Pairs(), batch_size=4, num_workers=0, runtime=rt) as loader:
+        batches = iter(loader)
+        first = [int(_host(rt, next(batches)[0])[0, 0]) for _ in range(2)]
+        engine = loader._engine
+        assert engine is not None
+        held = testing.hold(rt, "upload")
+        held.__enter__()
+        try:
+            slot = engine.table.take(0, 999)  # a slot in flight behind a copy that cannot complete yet
+            assert slot is not None
+            engine.table.filled(slot, 0, 999)
+            engine.table.issued(slot, 999)
+            handle = rt.upload(np.ones(1 << 16, np.uint8))
+            engine.inflight.appendleft((slot, [handle]))
+            asked = []
+            is_ready = type(handle).is_ready
+
+            def counted(self: Any) -> bool:
+                asked.append(threading.get_ident())
+                return bool(is_ready(self))
+
+            monkeypatch.setattr(type(handle), "is_ready", counted)
+            waiter = threading.Thread(target=engine._wait_for_slot)
+            waiter.start()
+            waiter.join(0.3)
+            assert waiter.is_alive()  # asleep: the copy cannot complete while held
+            assert len([t for t in asked if t == waiter.ident]) <= 1  # asked once, not polled
+        finally:
+            held.__exit__(None, None, None)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert handle.is_ready()
+        engine._reclaim()
+        assert engine.table.state(slot)[0] == "free"
+        del handle
+        rest = [int(_host(rt, x)[0, 0]) for x, _ in batches]
+    assert first + rest == list(range(0, 32, 4))

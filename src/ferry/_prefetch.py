@@ -427,25 +427,36 @@ class Prefetcher:
             self._unconfirmed.append(confirm)
         return flight.build(leaves)
 
-    def _overdue(self, stream: Any) -> tuple[Any, Any] | None:
-        """Settle what completed (never blocks); return what the host must wait for first, if the
-        host is more than ``depth + 1`` batches ahead: ``("upload", flight)`` or ``("mark", event)``.
+    def _settle(self) -> deque[_Flight]:
+        """Settle the yielded batches whose copies completed, oldest first (never blocks); the rest.
 
         Raises PrefetchError for a yielded batch whose copy failed.
         """
         queue = self._unconfirmed
         while queue:
             flight = queue[0]
-            while flight.handles:
-                handle = flight.handles[0]
-                with _failure_of(flight):
+            handles = flight.handles
+            while handles:
+                handle = handles[0]
+                try:  # (what _failure_of says, without a context manager per handle and step)
                     if not handle.is_ready():
                         break
                     handle.wait()  # returns at once: the copy is complete
-                flight.handles.pop(0)
-            if flight.handles:
+                except TransferFailedError as exc:
+                    raise _failed_after_yield(flight, exc) from exc
+                handles.pop(0)
+            if handles:
                 break
             queue.popleft()
+        return queue
+
+    def _overdue(self, stream: Any) -> tuple[Any, Any] | None:
+        """Settle what completed (never blocks); return what the host must wait for first, if the
+        host is more than ``depth + 1`` batches ahead: ``("upload", flight)`` or ``("mark", event)``.
+
+        Raises PrefetchError for a yielded batch whose copy failed.
+        """
+        queue = self._settle()
         if len(queue) > self._limit:
             return "upload", queue[0]
         marks = self._marks
@@ -547,9 +558,13 @@ def _failure_of(flight: _Flight) -> Iterator[None]:
     try:
         yield
     except TransferFailedError as exc:
-        raise PrefetchError(
-            f"batch {flight.index} failed on the device after it was yielded: its arrays are abandoned ({exc})",
-            flight.index) from exc
+        raise _failed_after_yield(flight, exc) from exc
+
+
+def _failed_after_yield(flight: _Flight, exc: TransferFailedError) -> PrefetchError:
+    return PrefetchError(
+        f"batch {flight.index} failed on the device after it was yielded: its arrays are abandoned ({exc})",
+        flight.index)
 
 
 class _EndError(Exception):

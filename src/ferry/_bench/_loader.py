@@ -215,14 +215,17 @@ def _profiled(batches: Iterator[Any], step: Callable[[Any, Any, int], None], tot
     with contextlib.suppress(StopIteration):
         next(batches)
     shares: dict[str, float] = {}
-    for (filename, _, function), (_, _, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+    calls = 0
+    for (filename, _, function), (_, primitive, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
         where = _where(filename, function)
         shares[where] = shares.get(where, 0.0) + own
+        calls += primitive
     spent = sum(shares.values())
     if spent <= 0:
         return ""
     top = sorted(shares.items(), key=lambda kv: -kv[1])[:8]
-    return "profiled epoch, main-thread CPU in the loader by module: " + ", ".join(
+    per_batch = f" ({calls / (total - warmup):.0f} function calls per batch)" if total > warmup else ""
+    return f"profiled epoch{per_batch}, main-thread CPU in the loader by module: " + ", ".join(
         f"{where} {100 * own / spent:.0f}%" for where, own in top)
 
 

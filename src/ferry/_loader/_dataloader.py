@@ -13,7 +13,8 @@ used (no copy, no page fault: the memory is resident and pinned); it feeds
 them to a :class:`~ferry.Prefetcher`, which uploads the batch as one group
 (one DMA per leaf, one event; ``_upload.py``: into device memory a dropped
 batch of the same size left, when there is some), hands it to the consumer's
-stream and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
+stream (or, when its copies already completed, settles them and hands it over
+as it is) and converts it as ``to=`` asks. A slot is given back to the workers once its copies are
 complete. Every wait of the main process sleeps (the workers' pipes, the
 blocking-sync events of its backpressure): it also launches the consumer's
 kernels.
@@ -27,6 +28,7 @@ travels the same way as the first.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import math
 import multiprocessing
@@ -55,8 +57,8 @@ from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_slot
-from ._worker import LoaderWorkerError, encode, same_plan, worker_loop
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_views
+from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode_task, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
 
@@ -438,14 +440,34 @@ class _LoaderPrefetcher(Prefetcher):
         self._engine = engine
         self._completion = parts_of(runtime).completion
 
+    def _take(self, fill: bool = True) -> _Flight:
+        # the yielded batches whose copies completed are settled before the next batch is taken: the
+        # engine then gives their slots back to the workers without asking the device about them again
+        self._settled = False
+        if fill and self._unconfirmed and not self._closed:
+            try:
+                Prefetcher._settle(self)
+            except BaseException:
+                self.close()
+                raise
+            self._settled = True
+        return super()._take(fill)
+
+    _settled = False  # the step's settle ran: its backpressure check need not ask the device again
+
+    def _settle(self) -> deque[_Flight]:
+        if self._settled:  # once per step (a wait for backpressure settles again)
+            self._settled = False
+            return self._unconfirmed
+        return super()._settle()
+
     def _submit(self, index: int, batch: Any) -> Any:
-        if type(batch) is not _SlotBatch:  # a batch that came back as arrays: prefetch's own way
+        if type(batch) is not _SlotViews:  # a batch that came back as arrays: prefetch's own way
             flight = super()._submit(index, batch)
             self._engine.submitted(list(flight.handles))
             return flight
         try:
-            handle = upload_slot(self._rt, batch.layout, batch.leaves, batch.ptrs, batch.span,
-                                 self._engine.device_ring)[0]
+            handle = upload_views(self._rt, batch, self._engine.device_ring)
         except BaseException as exc:  # nothing of it enqueued, its arrays closed
             self._engine.submitted([])  # nothing reads the slot
             if isinstance(exc, RuntimeClosedError) or not isinstance(
@@ -473,6 +495,13 @@ class _LoaderPrefetcher(Prefetcher):
             return super()._hand_off(flight, stream)
         handle = flight.handles[0]
         try:
+            if handle.is_ready():  # the copies are done (the consumer is the slower side): settle them now,
+                # with no stream wait to queue and nothing left to confirm at a later step
+                devices = handle.wait()[1]
+                flight.waits.add(0)
+                if stream is not None and devices:  # the slab's: every view's free waits for the consumer's work
+                    devices[0]._memory.note_stream(devices[0]._ptr, stream)
+                return [devices], []
             return [hand_off_slot(self._completion, handle, stream)], []
         except (TransferFailedError, RuntimeClosedError):
             raise
@@ -497,10 +526,8 @@ class _LoaderPrefetcher(Prefetcher):
             convert = self._convert
             leaves = [convert(device, stream) for device in devices[0]]
         self._yielded += 1
-        if not flight.waits:  # proven complete (or failed) at a later step
-            confirm = _Flight(flight.index)
-            confirm.handles = flight.handles
-            self._unconfirmed.append(confirm)
+        if not flight.waits:  # proven complete (or failed) at a later step (the flight is done with)
+            self._unconfirmed.append(flight)
         return flight.build(leaves)
 
 
@@ -510,30 +537,25 @@ class _SlotFlight(_Flight):
     __slots__ = ()
 
 
-class _SlotBatch:
-    """A batch in a ring slot, handed from the engine to its prefetcher: the slot's array views (in
-    the order of the batch's structure), their addresses and the slot's span, the layout's upload plan,
-    and what puts the structure together around device leaves."""
-
-    __slots__ = ("build", "layout", "leaves", "ptrs", "span")
-
-    def __init__(self, views: _SlotViews, plan: _Plan) -> None:
-        self.leaves = views.leaves
-        self.ptrs = views.ptrs
-        self.span = views.span
-        self.build = plan.build
-        self.layout = plan.layout
-
-
 class _SlotViews:
-    """One slot's views for one layout, their addresses and the slot's span (made once, kept)."""
+    """A batch in a ring slot, as the engine hands it to its prefetcher: the slot's views for one layout
+    (in the order of the batch's structure), their upload sources (the layout's small leaves' addresses,
+    the large ones'), the slot's span, the layout's upload plan and what puts the structure together
+    around device leaves. Made once per slot and layout, and handed out for every batch of that layout in
+    that slot (no object is made per batch)."""
 
-    __slots__ = ("leaves", "ptrs", "span")
+    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "reg", "small_src", "span", "uploadable")
 
-    def __init__(self, ring: Ring, slot: int, specs: list[tuple[np.dtype[Any], tuple[int, ...], int]]) -> None:
-        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in specs]  # type: ignore[arg-type]
+    def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
+        self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
         self.ptrs = [array_ptr(leaf) for leaf in self.leaves]
         self.span = ring.span(slot)
+        self.build = plan.build
+        layout = self.layout = plan.layout
+        self.small_src = [self.ptrs[i] for i in layout.small]
+        self.big_src = [self.ptrs[i] for i in layout.big]
+        self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
+        self.reg: Any = None  # the ring's registration, once an upload found it (kept while it is active)
 
 
 class _Plan:
@@ -553,7 +575,7 @@ class _Plan:
     def slot(self, ring: Ring, slot: int) -> _SlotViews:
         views = self.views.get(slot)
         if views is None:
-            views = self.views[slot] = _SlotViews(ring, slot, self.specs)
+            views = self.views[slot] = _SlotViews(ring, slot, self)
         return views
 
 
@@ -671,6 +693,7 @@ class _Engine:
         self.closed = False
         self.procs: list[Any] = []
         self.tasks: list[Any] = []
+        self.task_fds: list[int] = []  # the tasks' pipes, by worker
         self.results: list[Any] = []
         self.seed_generator = loader.generator
         self.base_seed = 0
@@ -680,6 +703,7 @@ class _Engine:
         self.local_epoch = -1
         self._poller: Any = None
         self._watched: dict[int, tuple[bool, int]] = {}  # fd -> (is the process's sentinel, worker)
+        self._frames: dict[int, _Frames] = {}  # a worker's result pipe -> what it delivered, not yet filed
         self._plans: dict[int, _Plan] = {}  # each worker's last batch layout, decoded (0: this process's)
         self._local_plan: Any = None  # this process's last (skeleton, layout) (num_workers=0)
 
@@ -704,6 +728,7 @@ class _Engine:
                 )
                 self.procs.append(process)
                 self.tasks.append(task_writer)
+                self.task_fds.append(task_writer.fileno())
                 self.results.append(result_reader)
                 process.start()
                 task_reader.close()
@@ -743,12 +768,13 @@ class _Engine:
 
     def _next_message(self, state: _EpochState) -> Any:
         deadline = time.monotonic() + self.timeout if self.timeout else None
+        ask = False  # the first pass gives out the slots the prefetcher proved free; later ones ask the device
         while True:
             # the handles the prefetcher waited are let go at once: each keeps its batch's device arrays
             # alive (they return to the pool when the consumer drops them only if nothing else holds them)
             self._reclaim(ask=False)
             if self.workers:
-                self._dispatch(state)
+                self._dispatch(state, ask)
             ready = state.ready.pop(state.next_out, None)
             if ready is not None:
                 state.next_out += 1
@@ -770,10 +796,15 @@ class _Engine:
                     if state.exhausted:
                         return _END
                 self._wait_for_slot()
+                ask = True
+                continue
+            if state.starved and not ask:  # before sleeping: the device may have freed a slot a worker can take
+                ask = True
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 self._timed_out(state)
             self._receive(state, deadline)
+            ask = True
 
     def _timed_out(self, state: _EpochState) -> None:
         """The next batch was not delivered within ``timeout`` seconds: the epoch ends, as PyTorch's does."""
@@ -804,11 +835,11 @@ class _Engine:
             inflight.popleft()
             self.table.completed(slot)
 
-    def _take_slot(self, worker: int, batch: int) -> int | None:
+    def _take_slot(self, worker: int, batch: int, ask: bool = True) -> int | None:
         """A free slot for ``batch``; the device is asked about the slots whose copies may have completed
-        only when none is free."""
+        only when none is free (and ``ask``)."""
         slot = self.table.take(worker, batch)
-        if slot is None and self.inflight:
+        if slot is None and ask and self.inflight:
             self._reclaim()
             slot = self.table.take(worker, batch)
         return slot
@@ -817,14 +848,12 @@ class _Engine:
         """No slot is free and no batch is being loaded: wait for the oldest copies to complete."""
         if not self.inflight:
             raise FerryError("the loader's ring has no free slot and no copy in flight")  # a protocol bug
-        slot, handles = self.inflight[0]
-        deadline = time.monotonic() + 60.0
-        pause = 5e-5
-        while self.inflight and self.inflight[0][0] == slot and handles and not handles[0].is_ready():
-            if time.monotonic() > deadline:
-                raise FerryError("the ring's copies did not complete within 60 s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        handles = self.inflight[0][1]
+        if handles and not handles[0]._waited and not handles[0].is_ready():
+            try:  # asleep until the runtime's watcher (asleep on the device) settles it: no polling
+                handles[0].future().result(timeout=60.0)
+            except concurrent.futures.TimeoutError:
+                raise FerryError("the ring's copies did not complete within 60 s") from None
 
     def submitted(self, handles: list[Any]) -> None:
         """The prefetcher submitted the uploads of the batch yielded last."""
@@ -842,12 +871,12 @@ class _Engine:
             slot, plan = message[3], message[4]
             ring = self.ring
             assert ring is not None
-            views = plan.slot(ring, slot)
+            views = plan.views.get(slot) or plan.slot(ring, slot)
             self.table.issued(slot, batch)
             self.awaiting.append(slot)
-            if not views.leaves or not all(plan.layout.sizes):  # nothing to copy for some: leaf by leaf
+            if not views.uploadable:  # nothing to copy for some: leaf by leaf
                 return build_plan(plan, views.leaves)
-            return _SlotBatch(views, plan)
+            return views
         if kind == "fresh":
             loader = self.loader_ref()
             if loader is not None:
@@ -863,22 +892,28 @@ class _Engine:
         self.broken = True
         raise error
 
-    def _dispatch(self, state: _EpochState) -> None:
-        """Give batches to the workers while a slot is free (round robin, ``prefetch_factor`` each)."""
+    def _dispatch(self, state: _EpochState, ask: bool = True) -> None:
+        """Give batches to the workers while a slot is free (round robin, ``prefetch_factor`` each); with
+        ``ask``, when none is, the device is asked whether the oldest copies completed."""
         ring = self.ring
         assert ring is not None
-        limit = self.workers * self.prefetch_factor if ring.sized else 1
+        sized = ring.sized
+        limit = self.workers * self.prefetch_factor if sized else 1
+        factor, per_worker, pending, fds = self.prefetch_factor, state.per_worker, state.pending, self.task_fds
+        state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
-            worker = state.next_worker()
-            if worker is None:
+            active = state.active
+            if not active:
                 state.exhausted = True
                 return
-            if state.per_worker[worker] >= self.prefetch_factor:
+            worker = active[state._turn]
+            if per_worker[worker] >= factor:
                 return
             slot = None
-            if ring.sized:
-                slot = self._take_slot(worker, state.next_task)
+            if sized:
+                slot = self._take_slot(worker, state.next_task, ask)
                 if slot is None:
+                    state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return
             if self.iterable:
                 indices, packed = None, False
@@ -893,22 +928,26 @@ class _Engine:
                     return
             batch = state.next_task
             try:
-                _send(self.tasks[worker].fileno(),
-                      encode((state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots)))
+                _send(fds[worker], encode_task(state.number, batch, indices, packed, slot, ring.slot_bytes, ring.slots))
             except (BrokenPipeError, ConnectionResetError):  # it died: its sentinel reports it next
                 if slot is not None:
                     self.table.discard(slot)
                 state.death = (worker, self._death_text(worker, None))
                 return
-            state.next_task += 1
-            state.advance()
-            state.pending[batch] = worker
-            state.per_worker[worker] += 1
+            state.next_task = batch + 1
+            state._turn = (state._turn + 1) % len(active)
+            pending[batch] = worker
+            per_worker[worker] += 1
             state.outstanding += 1
 
     def _receive(self, state: _EpochState, deadline: float | None = None) -> None:
-        """Wait for a message from any worker (or a worker's death) and file it; at most until ``deadline``."""
-        timeout = 1 if self.inflight and self.table.free == 0 else 1000  # ms
+        """Wait for messages from the workers (or a worker's death) and file them; at most until ``deadline``.
+
+        One system call waits on every worker's pipe and process sentinel, and one read per pipe that woke
+        takes every message waiting in it. The wait sleeps until a message or a death: it wakes every
+        millisecond only while no slot is free for a task the workers could start (then a copy completing
+        frees one)."""
+        timeout = 1 if state.starved and self.inflight else 1000  # ms
         if deadline is not None:
             timeout = max(0, min(timeout, math.ceil((deadline - time.monotonic()) * 1000)))
         poller = self._poller
@@ -919,25 +958,42 @@ class _Engine:
                 poller.register(process.sentinel, select.POLLIN)
                 self._watched[conn.fileno()] = (False, worker)
                 self._watched[process.sentinel] = (True, worker)
+                self._frames[conn.fileno()] = _Frames()
         dead = []
+        watched, frames = self._watched, self._frames
         for fd, _ in poller.poll(timeout):
-            ended, worker = self._watched[fd]
+            ended, worker = watched[fd]
             if ended:
                 dead.append(worker)
                 poller.unregister(fd)
                 continue
             try:
-                message: Any = pickle.loads(_receive_from(fd))
+                messages = frames[fd].read(fd)
             except (EOFError, OSError):
                 poller.unregister(fd)  # its sentinel says why
                 continue
-            self._file(state, message)
+            for message in messages:
+                self._file_bytes(state, message)
         for worker in dead:
             conn = self.results[worker]
+            reader = frames[conn.fileno()]
             with contextlib.suppress(EOFError, OSError):
-                while conn.poll():
-                    self._file(state, pickle.loads(conn.recv_bytes()))
+                while conn.poll():  # what it sent before it died (poll reads nothing)
+                    for message in reader.read(conn.fileno()):
+                        self._file_bytes(state, message)
             self._died(state, worker)
+
+    def _file_bytes(self, state: _EpochState, message: bytes) -> None:
+        """File one message as it came from a worker's pipe."""
+        if message[:1] == SAME_TAG:  # the common case: written in the slot, laid out as its previous batch
+            _, batch, worker, slot = SAME.unpack(message)
+            state.pending.pop(batch, None)
+            state.per_worker[worker] -= 1
+            state.outstanding -= 1
+            self.table.filled(slot, worker, batch)
+            state.ready[batch] = ("ok", batch, worker, slot, self._plans[worker])
+            return
+        self._file(state, pickle.loads(message))
 
     def _file(self, state: _EpochState, message: tuple[Any, ...]) -> None:
         kind, batch, worker, slot = message[:4]
@@ -1100,7 +1156,7 @@ class _Engine:
         for process in self.procs:
             with contextlib.suppress(Exception):
                 process.close()
-        self.procs, self.tasks, self.results = [], [], []
+        self.procs, self.tasks, self.results, self.task_fds = [], [], [], []
         if not self.rt.closed:
             with contextlib.suppress(Exception):
                 self._drain(10.0)
@@ -1125,32 +1181,66 @@ _LONG = struct.Struct("!Q")  # after a length of -1: a 64-bit length
 
 def _send(fd: int, payload: bytes) -> None:
     """One message to a worker's ``Connection.recv_bytes``, in one write (a task is small)."""
-    data = memoryview(_HEADER.pack(len(payload)) + payload)
-    while data:
-        data = data[os.write(fd, data):]
+    data = _HEADER.pack(len(payload)) + payload
+    written = os.write(fd, data)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view:
+            view = view[os.write(fd, view):]
 
 
-def _read(fd: int, n: int) -> bytes:
-    data = os.read(fd, n)
-    if len(data) == n:
-        return data
-    parts = [data]
-    left = n - len(data)
-    while left:
-        if not data:
+_READ = 1 << 16  # a pipe's buffer: one read takes every small message waiting
+
+
+class _Frames:
+    """What one worker's pipe delivered, cut into the messages it sent (``Connection.send_bytes``'s
+    framing: a 4-byte length, or -1 and an 8-byte one, then the bytes). One read takes every message
+    waiting; a message still being written stays here (its bytes so far) until a later read ends it."""
+
+    __slots__ = ("need", "rest")
+
+    def __init__(self) -> None:
+        self.rest = bytearray()  # the start of a message not yet whole
+        self.need = 0  # that message's length with its header (0: not known yet)
+
+    def read(self, fd: int) -> list[bytes]:
+        """The whole messages after one read of ``fd`` (which must be readable: it blocks otherwise);
+        EOFError once the pipe is closed and empty."""
+        rest = self.rest
+        chunk = os.read(fd, max(_READ, self.need - len(rest)))
+        if not chunk:
             raise EOFError("the worker's pipe closed")
-        data = os.read(fd, left)
-        parts.append(data)
-        left -= len(data)
-    return b"".join(parts)
-
-
-def _receive_from(fd: int) -> bytes:
-    """One message a worker sent with ``Connection.send_bytes`` or ``send`` (blocks until it is whole)."""
-    (n,) = _HEADER.unpack(_read(fd, 4))
-    if n == -1:
-        (n,) = _LONG.unpack(_read(fd, 8))
-    return _read(fd, n)
+        if rest:
+            rest += chunk
+            data: bytes | bytearray = rest
+        else:
+            data = chunk
+        messages: list[bytes] = []
+        pos, end = 0, len(data)
+        while end - pos >= 4:
+            (n,) = _HEADER.unpack_from(data, pos)
+            head = 4
+            if n == -1:
+                if end - pos < 12:
+                    self.need = 0
+                    break
+                (n,) = _LONG.unpack_from(data, pos + 4)
+                head = 12
+            if end - pos - head < n:
+                self.need = head + n
+                break
+            message = data[pos + head:pos + head + n]
+            messages.append(bytes(message) if data is rest else message)  # type: ignore[arg-type]
+            pos += head + n
+        else:
+            self.need = 0
+        if data is rest:
+            del rest[:pos]
+        elif pos < end:
+            rest += data[pos:]
+        if not rest:
+            self.need = 0
+        return messages
 
 
 def _take(stream: Iterator[Any], n: int) -> Iterator[Any]:
@@ -1176,15 +1266,8 @@ class _EpochState:
         self.active = list(range(workers))  # workers whose iterable is not exhausted
         self.gone: set[int] = set()  # workers that died
         self.death: tuple[int, str] | None = None  # the first death: worker, what to say
-        self._turn = 0
-
-    def next_worker(self) -> int | None:
-        if not self.active:
-            return None
-        return self.active[self._turn]
-
-    def advance(self) -> None:
-        self._turn = (self._turn + 1) % len(self.active)
+        self.starved = False  # the last dispatch found no free slot for a worker that could take a task
+        self._turn = 0  # the position in ``active`` of the worker given the next batch
 
     def retire(self, worker: int) -> None:
         """An iterable-style worker is exhausted: the turn goes on among the others."""

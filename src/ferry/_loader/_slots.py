@@ -50,6 +50,7 @@ class SlotTable:
         if n < 1:
             raise ValueError(f"a ring needs at least one slot, got {n}")
         self._slots = [_Slot() for _ in range(n)]
+        self._n = n
         self._free: deque[int] = deque(range(n))
 
     def __len__(self) -> int:
@@ -86,7 +87,7 @@ class SlotTable:
 
     def filled(self, slot: int, worker: int, batch: int) -> None:
         """The worker wrote ``batch`` into ``slot`` (WRITING -> HELD)."""
-        s = self._at(slot)
+        s = self._slots[slot] if 0 <= slot < self._n else self._at(slot)
         if s.state != WRITING or s.worker != worker or s.batch != batch:
             raise SlotProtocolError(
                 f"slot {slot} reported filled with batch {batch} by worker {worker} while "
@@ -96,7 +97,7 @@ class SlotTable:
 
     def issued(self, slot: int, batch: int) -> None:
         """The batch's copies were issued from ``slot`` (HELD -> IN_FLIGHT)."""
-        s = self._at(slot)
+        s = self._slots[slot] if 0 <= slot < self._n else self._at(slot)
         if s.state != HELD or s.batch != batch:
             raise SlotProtocolError(
                 f"copies issued from slot {slot} for batch {batch} while {s.state} (batch {s.batch})")
@@ -104,10 +105,11 @@ class SlotTable:
 
     def completed(self, slot: int) -> None:
         """Every copy from ``slot`` completed (IN_FLIGHT -> FREE)."""
-        s = self._at(slot)
+        s = self._slots[slot] if 0 <= slot < self._n else self._at(slot)
         if s.state != IN_FLIGHT:
             raise SlotProtocolError(f"slot {slot} reported copied while {s.state}")
-        self._release(slot, s)
+        s.state, s.worker, s.batch = FREE, -1, -1
+        self._free.append(slot)
 
     def discard(self, slot: int) -> None:
         """The slot's batch is dropped before its copies were issued (WRITING or HELD -> FREE)."""

@@ -51,7 +51,8 @@ class SlotLayout:
     """What every batch of one layout shares: the destinations' shapes and dtypes, their offsets in one
     device slab and its size, and which leaves travel as one batched copy (the small ones) or one DMA each."""
 
-    __slots__ = ("big", "count", "dtypes", "nbytes", "offsets", "shapes", "sizes", "small", "total")
+    __slots__ = ("big", "big_dst", "count", "dtypes", "nbytes", "offsets", "shapes", "sizes", "small", "small_dst",
+                 "small_n", "total", "views")
 
     def __init__(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
         self.shapes = [shape for shape, _ in specs]
@@ -61,17 +62,30 @@ class SlotLayout:
         self.nbytes = sum(self.sizes)
         self.small = [i for i, n in enumerate(self.sizes) if n < SMALL_BYTES]
         self.big = [i for i, n in enumerate(self.sizes) if n >= SMALL_BYTES]
+        self.small_dst = [self.offsets[i] for i in self.small]  # offsets in the slab
+        self.small_n = [self.sizes[i] for i in self.small]
+        self.big_dst = [(self.offsets[i], self.sizes[i]) for i in self.big]
+        self.views = list(zip(self.shapes, self.dtypes, self.offsets, self.sizes, strict=True))
 
 
-def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], ptrs: list[int],
-                span: tuple[int, int], ring: DeviceRing | None = None) -> tuple[Any, list[DeviceArray]]:
+def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
+    """:func:`upload_slot` of a slot's views made once (``leaves``, ``small_src`` and ``big_src``, ``span``,
+    ``layout``: the loader's), with the sources worked out once; the group's handle."""
+    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring, views)[0]
+
+
+def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
+                big_s: list[int], span: tuple[int, int], ring: DeviceRing | None = None,
+                views: Any = None) -> tuple[Any, list[DeviceArray]]:
     """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
 
     ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
-    ``ptrs`` their addresses and ``span`` the slot's ``(address, size)``; ``ring``, when given, lends the
-    device memory of a dropped batch and keeps this batch's once it is dropped. All or nothing: a refusal
-    (the runtime closed, out of device memory, the ring no longer registered, the copy refused) closes
-    the arrays made for it and raises, with nothing enqueued and the leaves untouched.
+    ``small_s`` and ``big_s`` the addresses of ``layout.small``'s and ``layout.big``'s leaves, ``span``
+    the slot's ``(address, size)``; ``ring``, when given, lends the device memory of a dropped batch and
+    keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
+    memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
+    with nothing enqueued and the leaves untouched. ``views``, when given, keeps the slot's registration
+    between batches (its ``reg``: looked up again only once it was released).
     """
     parts = rt._parts
     routes = parts.host
@@ -79,8 +93,10 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
     backend = completion.backend
     stream = routes.h2d
     with routes.lock:
-        _check_open(rt)
-        if completion.maintenance_due():
+        if rt._health.refusal is not None:
+            _check_open(rt)  # raises
+        retiring = completion.retiring  # (maintenance_due(), inline)
+        if retiring._count or retiring._incoming or memory.deferred or completion.pool._doomed:
             completion.maintain()
         total = layout.total
         slab = ring.take(memory, total, stream) if ring is not None else None
@@ -92,21 +108,20 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
             slab.reuse(layout.count)
             base = slab._ptr
         devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
-                   for shape, dtype, offset, nbytes in zip(layout.shapes, layout.dtypes, layout.offsets,
-                                                           layout.sizes, strict=True)]
+                   for shape, dtype, offset, nbytes in layout.views]
         slab.adopt(devices)
         try:
-            registrations = routes.registrations
-            reg = registrations.covering(span[0], span[1]) if registrations.active else None
-            if reg is None:  # the ring was unpinned meanwhile: refused cleanly
-                raise TransferSubmitError("the loader's ring is no longer registered")
-            dptrs = [device._ptr for device in devices]
-            small, big = layout.small, layout.big
-            small_d = [dptrs[i] for i in small]
-            small_s = [ptrs[i] for i in small]
-            small_n = [layout.sizes[i] for i in small]
-            large = [(dptrs[i], ptrs[i], layout.sizes[i]) for i in big]
-            copy = batched_copy(backend, True, small_d, small_s, small_n, large)
+            reg = views.reg if views is not None else None
+            if reg is None or reg._released:
+                registrations = routes.registrations
+                reg = registrations.covering(span[0], span[1]) if registrations.active else None
+                if reg is None:  # the ring was unpinned meanwhile: refused cleanly
+                    raise TransferSubmitError("the loader's ring is no longer registered")
+                if views is not None:
+                    views.reg = reg
+            small_d = [base + offset for offset in layout.small_dst]
+            large = [(base + offset, src, nbytes) for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
+            copy = batched_copy(backend, True, small_d, small_s, layout.small_n, large)
             handle = _enqueue(rt, completion, True, stream, copy, layout.nbytes, leaves, devices, leaves,
                               routes.direct.leases, [reg], None)
         except BaseException:
@@ -129,12 +144,20 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     with completion.lock:
         record = handle._record
         moved = record.moved
-        handed = [d for d in devices if d._state is IN_FLIGHT and any(o is d for o in moved)]
+        if moved is devices:  # the common case (the group's own tuple): every one of them
+            handed = [d for d in devices if d._state is IN_FLIGHT]
+        else:
+            ids = {id(o) for o in moved}
+            handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in ids]
         if handed:
             for device in handed:
                 device._state = OWNED
                 device._ready = record
-            record.moved = tuple(o for o in moved if all(o is not d for d in handed))
+            if len(handed) == len(moved):
+                record.moved = ()
+            else:
+                gone = {id(d) for d in handed}
+                record.moved = tuple(o for o in moved if id(o) not in gone)
 
             def forget(failed: bool) -> None:
                 for device in handed:

@@ -4,23 +4,26 @@ A worker makes no device call: it maps the ring's shared file and writes
 bytes. Messages (pickled, over one pipe each way):
 
 main -> worker
-    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)``: load ``batch``
+    ``(epoch, batch, indices, packed, slot, slot_bytes, slots)`` (:func:`encode_task`:
+    packed without pickle when the indices are a range or int64 bytes): load ``batch``
     (``indices`` for a map-style dataset, int64 bytes when ``packed``;
     ``None`` for an iterable one: its next
     batch) into ``slot`` (``None``: no slot, send the batch itself). ``None``
     ends the worker.
 worker -> main
     ``("ok", batch, worker, slot, plan, nbytes)``: written in the slot, where
-    ``plan`` is ``(skeleton, layout)``, or ``None`` when it is the same as
-    this worker's previous ``"ok"`` batch (the common case: the main process
-    keeps what it decoded from the last one); ``("fresh", batch, worker, slot,
+    ``plan`` is ``(skeleton, layout)``; a batch laid out as this worker's
+    previous ``"ok"`` batch (the common case: the main process keeps what it
+    decoded from the last one) sends only :data:`SAME` instead (tag, batch,
+    worker, slot; packed, no pickle); ``("fresh", batch, worker, slot,
     batch_object, nbytes)``: did not fit (or no slot), the batch itself;
     ``("end", batch, worker, slot)``: the iterable is exhausted; ``("error",
     batch, worker, slot, text, exception)``.
 
 Tasks and ``"ok"`` descriptors are plain pickles sent as bytes
-(:func:`encode`); the other messages go through ``Connection.send``. Both
-are read with ``pickle.loads(conn.recv_bytes())``.
+(:func:`encode`), or :data:`SAME`; the other messages go through
+``Connection.send``. The main process reads every message waiting in a pipe
+at once and cuts them apart (``Connection``'s framing).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pickle
 import queue
 import random
 import signal
+import struct
 import sys
 import threading
 import traceback
@@ -159,6 +163,39 @@ def seed_worker(base_seed: int, worker_id: int, num_workers: int, dataset: Any) 
             pass
 
 
+SAME_TAG = b"S"  # never a pickle's first byte (0x80)
+SAME = struct.Struct("<cqqq")
+"""The ``"ok"`` descriptor of a batch laid out as the worker's previous one: the tag, the batch, the
+worker and the slot, packed (no pickle on either side)."""
+
+
+TASK_TAG = b"T"
+TASK = struct.Struct("<cqqqqqqqq")
+"""A task whose indices are a ``range`` or packed int64 bytes (what the loader's own samplers give):
+the tag, the epoch, the batch, the slot (-1: none), the slot's size, the slots, the indices' kind (1: a
+range, 2: int64 bytes following the header), the range's start and stop (packed, no pickle)."""
+
+
+def encode_task(epoch: int, batch: int, indices: Any, packed: bool, slot: int | None, slot_bytes: int,
+                slots: int) -> bytes:
+    """A task as bytes for ``Connection.recv_bytes`` (:func:`decode_task` reads it back)."""
+    where = -1 if slot is None else slot
+    if type(indices) is range and indices.step == 1:
+        return TASK.pack(TASK_TAG, epoch, batch, where, slot_bytes, slots, 1, indices.start, indices.stop)
+    if packed and type(indices) is bytes:
+        return TASK.pack(TASK_TAG, epoch, batch, where, slot_bytes, slots, 2, 0, 0) + indices
+    return encode((epoch, batch, indices, packed, slot, slot_bytes, slots))
+
+
+def decode_task(data: bytes) -> Any:
+    """What :func:`encode_task` (or a pickled message: ``None`` ends the worker) was given."""
+    if data[:1] != TASK_TAG:
+        return pickle.loads(data)
+    _, epoch, batch, slot, slot_bytes, slots, kind, start, stop = TASK.unpack_from(data)
+    indices: Any = range(start, stop) if kind == 1 else data[TASK.size:]
+    return epoch, batch, indices, kind == 2, None if slot < 0 else slot, slot_bytes, slots
+
+
 def encode(message: Any) -> bytes:
     """A small message (a task, a descriptor) as bytes for ``Connection.send_bytes``."""
     return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
@@ -207,7 +244,7 @@ def _read_tasks(tasks: Any, inbox: queue.SimpleQueue[Any], parent: int) -> None:
                 if os.getppid() != first_parent or not _alive(parent):
                     break
                 continue
-            task = tasks.recv()
+            task = decode_task(tasks.recv_bytes())
             if task is None:
                 break
             inbox.put(task)
@@ -266,11 +303,11 @@ def worker_loop(worker_id: int, num_workers: int, dataset: Any, iterable: bool, 
                 del buffer, samples
                 if fresh is None:
                     plan: Any = (skeleton, layout)
-                    if same_plan(plan, last_plan):
-                        plan = None  # the main process decoded it with the previous batch
+                    if same_plan(plan, last_plan):  # the main process decoded it with the previous batch
+                        results.send_bytes(SAME.pack(SAME_TAG, batch, worker_id, slot))
                     else:
                         last_plan = plan
-                    results.send_bytes(encode(("ok", batch, worker_id, slot, plan, nbytes)))
+                        results.send_bytes(encode(("ok", batch, worker_id, slot, plan, nbytes)))
                     del plan
                 else:
                     results.send(("fresh", batch, worker_id, slot, fresh, nbytes))
