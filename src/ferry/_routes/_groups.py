@@ -426,10 +426,14 @@ def give_all(leases: HostLeases, hosts: list[Any]) -> None:
     leases.give_many(hosts)
 
 
+_BOOKKEEPING = _native.load()  # mark_leaves, looked up once: FERRY_NATIVE chooses engines, not this
+
+
 def _mark(devices: list[Any], upload: bool) -> None:
     """A queued group's device arrays: in flight (an upload's destinations) or read-leased once more (a
-    download's sources). One compiled call where the extension runs."""
-    module = _native.load()
+    download's sources). One compiled call where the extension is here (bookkeeping only: it runs whichever
+    engine copies)."""
+    module = _BOOKKEEPING
     if module is not None:
         try:  # it checks that every item is an exact DeviceArray first (TypeError, nothing changed)
             module.mark_leaves(devices, IN_FLIGHT if upload else None, 0 if upload else 1)
