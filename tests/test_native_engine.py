@@ -1109,3 +1109,38 @@ def test_a_polling_wait_polls_about_its_jobs_expected_time_then_sleeps() -> None
     assert sum(s > 1e-3 for s in slept) >= 3, f"waits of 2 ms with poll=False slept {slept} s: they polled"
     assert long_asleep > 0.01, f"a polling wait of 100 ms slept {long_asleep:.4f} s: it polled past the expected end"
     assert long_cpu < 0.3 * long_wall, f"{long_cpu:.4f} s of CPU in a {long_wall:.3f} s wait: the wait polled it all"
+
+
+_ABANDON = """
+import gc, os, sys
+from ferry._native import _engine
+def threads():
+    return len(os.listdir("/proc/self/task"))
+base = threads()
+kept = _engine.Engine("upload", mode="emulated", lanes=3, slots_per_lane=2, slot_bytes=1 << 16)
+closed = _engine.Engine("upload", mode="emulated", lanes=3, slots_per_lane=2, slot_bytes=1 << 16)
+started = threads()
+kept.abandon()
+try:
+    kept.streams()
+except RuntimeError as exc:
+    print("refused:", exc)
+del closed  # its dealloc closes it: every lane (and its stream worker) joined
+gc.collect()
+after_close = threads()
+del kept  # abandoned: its dealloc joins nothing and frees nothing
+gc.collect()
+print(started - base, started - after_close, threads() - after_close)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task")
+def test_an_engine_abandoned_at_exit_refuses_calls_and_its_dealloc_leaves_its_lanes() -> None:
+    out = subprocess.run([sys.executable, "-c", _ABANDON], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr
+    refused, counts = out.stdout.strip().splitlines()
+    assert refused == "refused: this staging engine was left at interpreter exit; it cannot be used"
+    started, closed, left = (int(x) for x in counts.split())
+    assert started > 0 and closed == started // 2  # the closed engine's threads ended
+    assert left == 0  # the abandoned engine's threads were not joined (a lane's slot free could wait forever)

@@ -124,6 +124,11 @@ class Closable(Protocol):
         """One line: which runtime, how many transfers and bytes are still in flight."""
         ...
 
+    def leave_at_exit(self) -> None:
+        """The interpreter exits with copies in flight: mark the runtime exited, and leave what a copy may
+        still touch, and the threads that would free it, as they are (never closed, never freed)."""
+        ...
+
 
 _lock = threading.Lock()
 _open: dict[int, Closable] = {}
@@ -254,7 +259,11 @@ def give_up(left: list[Closable], waited: str) -> None:
             lines.append(f"  {parts.describe_in_flight()}\n")
         except Exception as exc:  # the warning is still given, without this runtime's figures
             lines.append(f"  a runtime whose transfers could not be counted ({exc!r})\n")
-        parts.health.mark_exited()
+        try:
+            parts.leave_at_exit()
+        except Exception as exc:  # still marked exited: nothing touches the device again
+            parts.health.mark_exited()
+            report(f"leaving a runtime at interpreter exit failed: {exc!r}")
         _left_at_exit.append(parts)
         unregister(parts)
     _stderr(

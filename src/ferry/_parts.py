@@ -236,6 +236,11 @@ class Parts:
             with contextlib.suppress(DeviceError):
                 self.backend.close()
 
+    def leave_at_exit(self) -> None:
+        """See :class:`~ferry._lifecycle.Closable`: marked exited, its compiled engines abandoned."""
+        self.health.mark_exited()
+        self.staged.abandon()
+
     def describe_in_flight(self) -> str:
         """Which runtime, and how many transfers and bytes it still has in flight (for the exit warning)."""
         completion = self.completion

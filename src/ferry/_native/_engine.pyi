@@ -235,6 +235,9 @@ class Engine:
         """Emulated only: the copy enqueued after the next ``after`` ones fails."""
     def close(self) -> None:
         """Wait for every queued job, stop the lanes, free the slots. Idempotent."""
+    def abandon(self) -> None:
+        """Left at interpreter exit with copies in flight: refuse every call; dealloc neither joins the
+        lanes nor frees anything."""
 
 # -- calls.c: the small-transfer path's driver calls -----------------------------------------------
 

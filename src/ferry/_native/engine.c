@@ -22,6 +22,7 @@ typedef struct {
     engine_t *eng;
     pid_t pid;
     int closed;
+    int abandoned; /* left at interpreter exit with copies in flight: never closed, never freed */
 } EngineObject;
 
 typedef struct {
@@ -31,6 +32,10 @@ typedef struct {
 } JobObject;
 
 static int check_process(EngineObject *self) {
+    if (self->abandoned) {
+        PyErr_SetString(PyExc_RuntimeError, "this staging engine was left at interpreter exit; it cannot be used");
+        return -1;
+    }
     if (self->pid != getpid()) {
         PyErr_SetString(PyExc_RuntimeError,
                         "this staging engine was created in another process (a fork); it cannot be used here");
@@ -245,6 +250,7 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     self->eng = eng;
     self->pid = eng->pid;
     self->closed = 0;
+    self->abandoned = 0;
     return obj;
 }
 
@@ -275,15 +281,24 @@ static void Engine_dealloc(PyObject *obj) {
     EngineObject *self = (EngineObject *)obj;
     PyTypeObject *tp = Py_TYPE(obj);
     if (self->eng) {
-        if (self->pid == getpid()) {
+        if (self->pid == getpid() && !self->abandoned) {
             engine_close(self);
             engine_free(self->eng);
-        } /* else: a forked child: the threads do not exist here; leak on purpose */
+        } /* else: a forked child (the threads do not exist here), or an engine left at interpreter exit (its
+           * lanes would free slots a held copy may still use, and the driver's free waits for the device):
+           * leak on purpose, the process is ending */
         self->eng = NULL;
     }
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(obj);
     Py_DECREF(tp);
+}
+
+/* abandon(): the interpreter exits with copies in flight; from now on the engine refuses every call, and its
+ * dealloc neither joins its lanes nor frees anything (the operating system reclaims it). */
+static PyObject *Engine_abandon(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
+    ((EngineObject *)obj)->abandoned = 1;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Engine_close(PyObject *obj, PyObject *Py_UNUSED(ignored)) {
@@ -652,6 +667,8 @@ static PyMethodDef Engine_methods[] = {
     {"release", Engine_release, METH_NOARGS, "release(): lift a hold"},
     {"fail_next_copy", (PyCFunction)(void (*)(void))Engine_fail_next_copy, METH_VARARGS | METH_KEYWORDS,
      "fail_next_copy(after=0, *, sticky=False): emulated only"},
+    {"abandon", Engine_abandon, METH_NOARGS,
+     "abandon(): left at interpreter exit with copies in flight: refuse every call, never close or free"},
     {"close", Engine_close, METH_NOARGS, "close(): wait for every queued job, stop the lanes, free the slots"},
     {NULL, NULL, 0, NULL},
 };

@@ -374,6 +374,11 @@ class NativeEngine:
                 backend.stream_wait_event(stream, job.joined)
             # else: the record left flight, so the job's DMAs are complete
 
+    def abandon(self) -> None:
+        """The interpreter exits with copies in flight: the lanes are never joined and nothing is freed
+        (a lane's free of its slots would wait for the device, which a held copy keeps busy)."""
+        self.engine.abandon()
+
     def close(self) -> None:
         """Wait for queued jobs, stop the lanes, free the slots (and the join stream)."""
         self.engine.close()

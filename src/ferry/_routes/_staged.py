@@ -702,6 +702,14 @@ class StagedRoute:
         request.extra.cleanups.append(self.leases.lease(host))
         return record
 
+    def abandon(self) -> None:
+        """The interpreter exits with copies in flight: the compiled engines are left as they are (never
+        closed, never freed; the pure-Python lanes are daemon threads and need nothing)."""
+        for engine in self.engines.values():
+            abandon = getattr(engine, "abandon", None)
+            if abandon is not None:
+                abandon()
+
     @property
     def held_bytes(self) -> int:
         """Pinned bytes the lanes hold."""
