@@ -104,3 +104,19 @@ def test_take_many_takes_all_or_none(leases: Any) -> None:
     assert not a.flags.writeable and not b.flags.writeable and len(leases.leased()) == 2
     leases.give_many([a, b])
     assert a.flags.writeable and b.flags.writeable and leases.leased() == {}
+
+
+def test_take_many_survives_a_take_that_changes_the_list(leases: Any) -> None:
+    a, b = np.arange(4), np.arange(4)
+    arrays: list[Any] = []
+
+    class Evil(np.ndarray):  # type: ignore[type-arg]
+        @property
+        def flags(self) -> Any:  # a take reads it (not an exact ndarray): it empties the caller's list
+            arrays.clear()
+            raise RuntimeError("refused")
+
+    arrays.extend([a, b, np.arange(4).view(Evil)])
+    with pytest.raises(RuntimeError, match="refused"):
+        leases.take_many(arrays)
+    assert a.flags.writeable and b.flags.writeable and leases.leased() == {}

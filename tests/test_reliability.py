@@ -156,7 +156,7 @@ class _RefusingBackend:
         self.inner.event_destroy(event)
 
 
-@pytest.mark.parametrize("allowed", [0, 1, 2])
+@pytest.mark.parametrize("allowed", [0, 1, 2, 3, 4])  # from 3 on the first lane started: the second fails
 def test_a_lane_refused_some_of_its_slots_gives_back_the_ones_it_took(allowed: int) -> None:
     from ferry._backends._base import DeviceError
     from ferry._memory._pinned import PinnedPool
@@ -171,7 +171,7 @@ def test_a_lane_refused_some_of_its_slots_gives_back_the_ones_it_took(allowed: i
     # nothing is held: every block taken (one per slot made, and the one whose event was refused) is free
     # in the pool again, the slots' events are destroyed, no lane runs
     assert pool.free_bytes == pool.held_bytes == (allowed + 1) * (1 << 20)
-    assert backend.live_events == 0 and engine.held_bytes == 0
+    assert backend.live_events == 0 and engine.held_bytes == 0  # counted as taken, uncounted as given back
 
 
 def test_a_lane_that_cannot_replace_abandoned_slots_keeps_none_of_the_new_ones() -> None:
@@ -191,3 +191,29 @@ def test_a_lane_that_cannot_replace_abandoned_slots_keeps_none_of_the_new_ones()
     assert pool.free_bytes == 2 << 20
     assert backend.live_events == 3  # the abandoned slots' events: never destroyed (the device may use them)
     engine.close()
+
+
+def test_a_lane_whose_thread_cannot_start_gives_back_its_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ferry._memory._pinned import PinnedPool
+    from ferry._routes._staged import StagingConfig, StagingEngine
+
+    backend = _RefusingBackend(100)
+    pool = PinnedPool(backend, cache_limit=1 << 30)  # type: ignore[arg-type]
+    config = StagingConfig(lanes=2, slots_per_lane=3, slot_bytes=1 << 20, engine="python")
+    engine = StagingEngine(backend, pool, config, "upload")
+
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:  # the lanes' threads only (the emulated streams start some)
+        if self.name.startswith("ferry-upload-lane"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        engine.streams()
+    monkeypatch.undo()
+    assert pool.free_bytes == pool.held_bytes == 3 << 20  # the first lane's slots, free in the pool again
+    assert backend.live_events == 0 and engine.held_bytes == 0

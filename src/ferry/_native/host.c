@@ -255,7 +255,7 @@ static PyObject *Leases_get_table(PyObject *obj, void *Py_UNUSED(closure)) {
     return out;
 }
 
-/* The length of a list or a tuple of arrays, or -1 with TypeError; leases_item reads its i-th (borrowed). */
+/* The length of a list or a tuple of arrays, or -1 with TypeError. */
 static Py_ssize_t leases_count(PyObject *arrays, const char *what) {
     if (PyList_Check(arrays)) return PyList_Size(arrays);
     if (PyTuple_Check(arrays)) return PyTuple_Size(arrays);
@@ -263,36 +263,36 @@ static Py_ssize_t leases_count(PyObject *arrays, const char *what) {
     return -1;
 }
 
-static PyObject *leases_item(PyObject *arrays, Py_ssize_t i) {
-    return PyList_Check(arrays) ? PyList_GetItem(arrays, i) : PyTuple_GetItem(arrays, i);
-}
-
 /* take_many(arrays): take() for each array of a list or tuple, in order, in one call (a tree's leaves). On an
  * error the leases this call took are given back, so it takes all of them or none. */
 static PyObject *Leases_take_many(PyObject *obj, PyObject *arrays) {
     Py_ssize_t n = leases_count(arrays, "take_many");
     if (n < 0) return NULL;
-    Py_INCREF(arrays); /* its items stay alive while flags are flipped */
+    /* a snapshot: a take may run Python code (array.flags, setflags) that changes a list under us; the
+     * tuple keeps every item alive, and the rollback gives back exactly the items taken */
+    PyObject *items = PyList_Check(arrays) ? PyList_AsTuple(arrays) : (Py_INCREF(arrays), arrays);
+    if (!items) return NULL;
+    n = PyTuple_Size(items);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = leases_item(arrays, i);
+        PyObject *item = PyTuple_GetItem(items, i);
         PyObject *r = item ? Leases_take(obj, &item, 1) : NULL;
         if (!r) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t k = i - 1; k >= 0; k--) {
-                PyObject *g = Leases_give(obj, leases_item(arrays, k));
+                PyObject *g = Leases_give(obj, PyTuple_GetItem(items, k));
                 if (g)
                     Py_DECREF(g);
                 else
                     PyErr_Clear();
             }
             PyErr_Restore(type, value, tb);
-            Py_DECREF(arrays);
+            Py_DECREF(items);
             return NULL;
         }
         Py_DECREF(r);
     }
-    Py_DECREF(arrays);
+    Py_DECREF(items);
     Py_RETURN_NONE;
 }
 
@@ -301,10 +301,12 @@ static PyObject *Leases_take_many(PyObject *obj, PyObject *arrays) {
 static PyObject *Leases_give_many(PyObject *obj, PyObject *arrays) {
     Py_ssize_t n = leases_count(arrays, "give_many");
     if (n < 0) return NULL;
-    Py_INCREF(arrays);
+    PyObject *items = PyList_Check(arrays) ? PyList_AsTuple(arrays) : (Py_INCREF(arrays), arrays); /* a snapshot */
+    if (!items) return NULL;
+    n = PyTuple_Size(items);
     PyObject *type = NULL, *value = NULL, *tb = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = leases_item(arrays, i);
+        PyObject *item = PyTuple_GetItem(items, i);
         PyObject *r = item ? Leases_give(obj, item) : NULL;
         if (r)
             Py_DECREF(r);
@@ -313,7 +315,7 @@ static PyObject *Leases_give_many(PyObject *obj, PyObject *arrays) {
         else
             PyErr_Clear();
     }
-    Py_DECREF(arrays);
+    Py_DECREF(items);
     if (type) {
         PyErr_Restore(type, value, tb);
         return NULL;

@@ -294,7 +294,7 @@ PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
  * are all exactly of type kind, taken apart in one pass: its keys and its values as lists, in order, and, when
  * kind is numpy.ndarray (and its fields' layout was verified), the distinct dtype objects of the values in the
  * order met (consecutive repeats dropped: few items, the caller makes a set), else None for dtypes. None for any
- * other tree. Calls no Python code (the dict cannot change under it).
+ * other tree. Calls no Python code once its lists are made (the dict cannot change under it).
  */
 PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 2, "flat_leaves")) return NULL;
@@ -303,12 +303,15 @@ PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     if (!PyDict_CheckExact(tree) || PyDict_Size(tree) == 0) Py_RETURN_NONE;
     Py_ssize_t n = PyDict_Size(tree), pos = 0, i = 0;
     PyObject *key, *value;
-    while (PyDict_Next(tree, &pos, &key, &value)) /* every value of the kind first: nothing made otherwise */
-        if ((PyObject *)Py_TYPE(value) != kind) Py_RETURN_NONE;
     int arrays = st->ndarray_type && kind == st->ndarray_type;
+    /* the lists first: making them may collect garbage, whose finalizers may change the dict; from here on
+     * nothing allocates an object until the lists are filled (appends only grow a buffer) */
     PyObject *keys = PyList_New(n), *values = PyList_New(n), *dtypes = arrays ? PyList_New(0) : Py_None;
     if (!arrays) Py_INCREF(Py_None);
     if (!keys || !values || !dtypes) goto failed;
+    if (PyDict_Size(tree) != n) goto not_flat;
+    while (PyDict_Next(tree, &pos, &key, &value)) /* every value of the kind first */
+        if ((PyObject *)Py_TYPE(value) != kind) goto not_flat;
     PyObject *last = NULL;
     pos = 0;
     while (PyDict_Next(tree, &pos, &key, &value) && i < n) {
@@ -330,6 +333,11 @@ PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     Py_DECREF(values);
     Py_DECREF(dtypes);
     return out;
+not_flat:
+    Py_DECREF(keys);
+    Py_DECREF(values);
+    Py_DECREF(dtypes);
+    Py_RETURN_NONE;
 failed:
     Py_XDECREF(keys);
     Py_XDECREF(values);

@@ -97,13 +97,14 @@ class HostLeases:
 
     def take_many(self, arrays: list[Any]) -> None:
         """:meth:`take` for each array, all or none: a refusal gives back the leases this call took."""
+        items = tuple(arrays)  # a take may run Python code that changes the caller's list
         done = 0
         try:
-            for array in arrays:
+            for array in items:
                 self.take(array)
                 done += 1
         except BaseException:
-            for array in arrays[:done]:
+            for array in items[:done]:
                 self.give(array)
             raise
 

@@ -360,7 +360,11 @@ class Lane:
         self.thread = threading.Thread(
             target=self._run, name=f"ferry-{engine.direction}-lane-{index}", daemon=True
         )
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:  # no thread (none may start now): the slots and the stream go back
+            self._give_back()
+            raise
 
     def _new_slots(self) -> list[_Slot]:
         """``slots_per_lane`` fresh slots, or none: a refusal midway gives back what it took (no DMA has
@@ -480,9 +484,14 @@ class Lane:
     def release(self) -> None:
         """Give the slots back (the lane is stopped and its DMAs are complete)."""
         engine = self.engine
+        engine.count(held=-sum(slot.block.capacity for slot in self.slots))
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """The slots' blocks to the pool, their events and the stream destroyed (nothing counted)."""
+        engine = self.engine
         for slot in self.slots:
             engine.pool.release(slot.block)
-            engine.count(held=-slot.block.capacity)
             with contextlib.suppress(DeviceError):
                 engine.backend.event_destroy(slot.event)
         self.slots = []
@@ -519,13 +528,14 @@ class StagingEngine:
             lanes: list[Lane] = []
             try:
                 for i in range(self.config.lanes):
-                    lanes.append(Lane(self, i))
+                    lane = Lane(self, i)
+                    lanes.append(lane)
+                    self.count(held=sum(s.block.capacity for s in lane.slots))  # release() uncounts them
             except BaseException:  # the lanes started so far stop and give their slots back
                 for lane in lanes:
                     lane.stop()
                     lane.release()
                 raise
-            self.count(held=sum(s.block.capacity for lane in lanes for s in lane.slots))
             self._lanes = lanes
         return self._lanes
 
