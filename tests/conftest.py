@@ -19,11 +19,14 @@ Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,6 +121,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # -- fixtures ---------------------------------------------------------------------------------------------
+
+
+STAND_IN_SOURCE = Path(__file__).resolve().parent.parent / "benchmarks" / "fake_cuda.c"
+
+
+@pytest.fixture(scope="session")
+def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the stand-in driver (``benchmarks/fake_cuda.c`` built as ``libcuda.so.1``), built once
+    per session: put it on ``LD_LIBRARY_PATH`` of a subprocess to run the CUDA backend without a GPU."""
+    if shutil.which("gcc") is None or not STAND_IN_SOURCE.exists():
+        pytest.skip("needs gcc and benchmarks/fake_cuda.c to build the stand-in driver")
+    folder = tmp_path_factory.mktemp("fake-cuda")
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(STAND_IN_SOURCE),
+                    "-ldl"], check=True)
+    return folder
 
 
 @pytest.fixture(params=["emulated", "cuda"])

@@ -31,14 +31,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stand_in(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("fake-cuda")
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(SOURCE), "-ldl"],
-                   check=True)
-    return folder
-
-
 def run(stand_in: Path, code: str) -> str:
     env = dict(os.environ, LD_LIBRARY_PATH=str(stand_in), PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("FERRY_NATIVE", None)

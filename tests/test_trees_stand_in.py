@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_stand_in_driver import pytestmark, run, stand_in  # noqa: F401  (the module fixture, its skips)
+from test_stand_in_driver import pytestmark, run  # noqa: F401  (its skips)
 
 
-def test_an_offload_of_many_leaves_is_one_dma_into_a_reused_block(stand_in: Path) -> None:  # noqa: F811
+def test_an_offload_of_many_leaves_is_one_dma_into_a_reused_block(stand_in: Path) -> None:
     # a fresh tree (one device allocation) downloaded into pinned leaves (one pooled block): the leaves
     # follow each other on both sides, so the whole tree is one DMA; the next rounds reuse the block
     out = run(stand_in, """

@@ -41,8 +41,8 @@ from .._backends._base import DeviceError
 from .._device_array import DeviceArray, new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
-from .._routes._groups import SMALL_BYTES, _check_open, _enqueue, batched_copy
-from .._state import IN_FLIGHT, OWNED
+from .._routes._groups import SMALL_BYTES, _check_open, _enqueue, batched_copy, handed_back
+from .._state import OWNED
 
 __all__: list[str] = []
 
@@ -142,31 +142,7 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     """
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
-        record = handle._record
-        moved = record.moved
-        if moved is devices:  # the common case (the group's own tuple): every one of them
-            handed = [d for d in devices if d._state is IN_FLIGHT]
-        else:
-            ids = {id(o) for o in moved}
-            handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in ids]
-        if handed:
-            for device in handed:
-                device._state = OWNED
-                device._ready = record
-            if len(handed) == len(moved):
-                record.moved = ()
-            else:
-                gone = {id(d) for d in handed}
-                record.moved = tuple(o for o in moved if id(o) not in gone)
-
-            def forget(failed: bool) -> None:
-                for device in handed:
-                    if device._ready is record:
-                        device._ready = None
-                    if failed:  # its bytes never arrived, or partly
-                        completion.abandon(device)
-
-            completion.extras(record).cleanups.append(forget)
+        handed_back(completion, handle._record, devices)
         if stream is not None and devices:
             first = devices[0]
             first._memory.note_stream(first._ptr, stream)  # the slab's: every view's free waits for it

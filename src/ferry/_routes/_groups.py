@@ -278,8 +278,14 @@ def submit_pinned(rt: Any, upload: bool, hosts: list[np.ndarray[Any, Any]], devi
 def batched_copy(backend: Any, upload: bool, small_d: list[int], small_s: list[int], small_n: list[int],
                  big: list[tuple[int, int, int]]) -> Callable[[int, int, int, Any, Any], None]:
     """The record's copy for many pinned runs: the small ones as one batched copy, then each large one as one
-    DMA; the event is recorded behind the last. A failure after the first enqueue is reported as queued."""
+    DMA; the event is recorded behind the last (alone, where there is nothing to copy). A failure after the
+    first enqueue is reported as queued."""
     one = backend.htod_record if upload else backend.dtoh_record
+    if not small_d and not big:  # every leaf empty: an event alone
+        def record(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
+            backend.copy_batch(upload, [], [], [], stream, event)
+
+        return record
 
     def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
         queued = False
@@ -448,28 +454,42 @@ def _mark(devices: list[Any], upload: bool) -> None:
             device._leases += 1
 
 
+def handed_back(completion: Any, record: Any, devices: tuple[Any, ...]) -> None:
+    """A handed-off group's destinations still in flight become owned again, ordered after the group (their
+    ``ready`` its record, forgotten when it settles, abandoned if its copy failed), and leave the record's
+    moved objects. Lock held."""
+    moved = record.moved
+    if moved is devices:  # the common case (the group's own tuple): every one of them
+        handed = [d for d in devices if d._state is IN_FLIGHT]
+    else:
+        ids = {id(o) for o in moved}
+        handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in ids]
+    if not handed:
+        return
+    for device in handed:
+        device._state = OWNED
+        device._ready = record
+    if len(handed) == len(moved):
+        record.moved = ()
+    else:
+        gone = {id(d) for d in handed}
+        record.moved = tuple(o for o in moved if id(o) not in gone)
+
+    def forget(failed: bool) -> None:
+        for device in handed:
+            if device._ready is record:
+                device._ready = None
+            if failed:  # its bytes never arrived, or partly
+                completion.abandon(device)
+
+    completion.extras(record).cleanups.append(forget)
+
+
 def hand_off(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     """Hand off a group's destinations (as one upload's); each is owned again, ordered after the group."""
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
-        record = handle._record
-        moving = set(map(id, record.moved))
-        handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in moving]
-        if handed:
-            for device in handed:
-                device._state = OWNED
-                device._ready = record
-            ids = {id(d) for d in handed}
-            record.moved = tuple(o for o in record.moved if id(o) not in ids)
-
-            def forget(failed: bool) -> None:
-                for device in handed:
-                    if device._ready is record:
-                        device._ready = None
-                    if failed:  # its bytes never arrived, or partly
-                        completion.abandon(device)
-
-            completion.extras(record).cleanups.append(forget)
+        handed_back(completion, handle._record, devices)
         if stream is not None:
             slabs: set[int] = set()  # a slab's views note the stream once for the whole allocation
             for device in devices:
@@ -653,24 +673,6 @@ def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list
             small[2].append(n)
         else:
             big.append((dst, src, n))
-    one = backend.htod_record if upload else backend.dtoh_record
-
-    def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
-        queued = False
-        if small[0]:
-            backend.copy_batch(upload, small[0], small[1], small[2], stream, None if big else event)
-            queued = True
-        last = len(big) - 1
-        for j, (dst, src, nbytes) in enumerate(big):
-            try:
-                one(dst, src, nbytes, stream, event if j == last else None)
-            except DeviceError as exc:
-                _raise_queued(exc, after_first=queued)
-            queued = True
-
-    if not big and not small[0]:  # every leaf empty: an event alone
-        def copy(_dst: int, _src: int, _n: int, stream: Any, event: Any) -> None:
-            backend.copy_batch(upload, [], [], [], stream, event)
-
+    copy = batched_copy(backend, upload, small[0], small[1], small[2], big)
     return _enqueue(rt, completion, upload, stream, copy, total, [] if fresh else hosts, devices, handed,
                     routes.direct.leases, regs, None)
