@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One full check on a GPU machine, from the source tree (no install): routes, the test
-# suite, the GPU-only tests under compute-sanitizer, and the given bench groups.
+# One full check on a GPU machine, from the source tree (no install): the routes (`ferry info`), the
+# test suite, and the given bench groups. benchmarks/gpu_memcheck.sh runs the CUDA tests under memcheck.
 # Usage: benchmarks/gpu_check.sh OUTDIR [BENCH_GROUPS] [PYTEST_ARGS...]
 set -u
 out=${1:?output folder}; groups=${2:-handoff,latency,peer}; shift $(( $# > 1 ? 2 : 1 ))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The suite's CUDA tests under compute-sanitizer's memcheck, from the source tree, on a GPU machine.
+# Usage: benchmarks/gpu_memcheck.sh OUTDIR [WORKERS] [PYTEST_ARGS...]
+# Runs every test but the emulated-device cases and those that load the stand-in driver (a sanitizer
+# attaches to the real driver only), across WORKERS xdist processes (default 8), each under the sanitizer
+# (--target-processes all). Writes OUTDIR/memcheck.log (every process's report, concatenated) and
+# OUTDIR/pytest.log, and prints the error summaries: a clean run reads "ERROR SUMMARY: 0 errors" for each.
+# MEMCHECK_LIMIT=SECONDS interrupts the run after that long (the reports so far are still kept).
+set -u
+out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
+mkdir -p "$out"; logs=$(mktemp -d)
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+[ -n "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --target-processes all --log-file "$logs/%p.log" \
+  python3 -m pytest -q -p no:cacheprovider -n "$workers" -o faulthandler_timeout=300 --durations=10 \
+  -k "not emulated" --ignore tests/test_packaging.py --ignore tests/test_stand_in_driver.py \
+  --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
+  --deselect tests/test_native_review.py::test_the_stand_in_drivers_counts_hold_under_parallel_calls \
+  --deselect tests/test_loader_hot.py::test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batches_were_dropped \
+  "$@" >"$out/pytest.log" 2>&1
+rc=$?
+cat "$logs"/*.log >"$out/memcheck.log" 2>/dev/null
+echo "pytest rc=$rc"; tail -3 "$out/pytest.log"
+echo "processes: $(ls "$logs" | wc -l)"; grep -h "ERROR SUMMARY" "$out/memcheck.log" | sort | uniq -c
+rm -rf "$logs"
+exit $rc
