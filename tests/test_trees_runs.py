@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ferry
 from ferry import testing
-from ferry._routes._groups import _runs
+from ferry._routes._groups import _runs, merged_runs
 from ferry._runtime import parts_of
 
 KiB = 1 << 10
@@ -90,7 +92,22 @@ def test_pinned_leaves_of_the_caller_are_filled_without_their_gaps(native: ferry
     assert seen["d2h"] + seen["batch"] >= 1
 
 
-def test_runs_merge_across_equal_padding_only_when_asked() -> None:
+def _compiled_merge() -> Any:
+    """The compiled ``merge_runs`` wherever the extension is built (also under ``FERRY_NATIVE=0``), else None."""
+    try:
+        from ferry._native import _engine
+    except ImportError:
+        return None
+    return lambda pieces, padded=False: _engine.merge_runs(pieces, 256 if padded else 0)
+
+
+_MERGES = [pytest.param(_runs, id="runs"), pytest.param(merged_runs, id="numpy"),
+           pytest.param(_compiled_merge(), id="compiled",
+                        marks=pytest.mark.skipif(_compiled_merge() is None, reason="the extension is not built"))]
+
+
+@pytest.mark.parametrize("_runs", _MERGES)
+def test_runs_merge_across_equal_padding_only_when_asked(_runs: Any) -> None:
     def pieces(*rows: tuple[int, int, int]) -> bytes:
         return np.array(rows, np.uint64).tobytes()
 
@@ -100,6 +117,29 @@ def test_runs_merge_across_equal_padding_only_when_asked() -> None:
     # a gap of ALIGN bytes or more, unequal gaps, or a piece before the previous one's end: no merge
     far = ((0, 0, 10), (266, 266, 10), (300, 310, 10), (290, 400, 5))
     assert _runs(pieces(*far), padded=True) == ([0, 266, 300, 290], [0, 266, 310, 400], [10, 10, 10, 5])
+
+
+_ROWS = st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096), st.integers(0, 600)), max_size=40)
+
+
+@pytest.mark.skipif(_compiled_merge() is None, reason="the extension is not built")
+@settings(max_examples=300, deadline=None)
+@given(starts=_ROWS, padded=st.booleans(), contiguous=st.booleans())
+def test_the_compiled_run_merge_answers_as_its_numpy_twin(starts: list[tuple[int, int, int]], padded: bool,
+                                                           contiguous: bool) -> None:
+    """Random pieces (laid back to back with random gaps, or anywhere): the compiled merge and the NumPy one
+    give the same runs, padded or not, empty pieces and pieces that go backwards included."""
+    rows, h, d = [], 1 << 20, 1 << 30
+    for gap_h, gap_d, n in starts:
+        if contiguous:  # back to back with small gaps: runs form
+            h, d = h + gap_h % 300, d + gap_d % 300
+            rows.append((h, d, n))
+            h, d = h + n, d + n
+        else:
+            rows.append((gap_h, gap_d, n))
+    pieces = np.array(rows, np.uint64).reshape(-1, 3).tobytes()
+    merge = _compiled_merge()
+    assert merge(pieces, padded) == merged_runs(pieces, padded)
 
 
 def test_a_handed_off_tree_notes_the_stream_once_per_allocation(native: ferry.Runtime) -> None:

@@ -352,6 +352,12 @@ def slab_views(
     bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
     ``numpy.ndarray`` (``tree.c``)."""
 
+def merge_runs(pieces: bytes, align: int, /) -> tuple[list[int], list[int], list[int]]:
+    """``pieces`` (as :func:`leaf_pieces` packs them) merged into runs where they follow each other on both
+    sides, empty ones dropped: ``(hosts, devices, sizes)``. With ``align > 0`` the host side was laid out at
+    that alignment, and pieces also merge across the same gap of less than ``align`` bytes on both sides
+    (``tree.c``)."""
+
 def flat_leaves(tree: Any, kind: type, /) -> tuple[list[Any], list[Any], list[Any] | None] | None:
     """A plain non-empty ``dict`` whose values are all exactly of type ``kind``: its keys, its values and
     (for ``numpy.ndarray``) the distinct dtype objects met, consecutive repeats dropped; ``None`` for any

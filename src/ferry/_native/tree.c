@@ -11,7 +11,8 @@
  * and dtype object the host array has. No two leaves may overlap where the transfer writes: the device
  * arrays of an upload, the host arrays of a download (checked on the sorted ranges, so a tree of thousands of
  * leaves costs microseconds). Runs with the GIL held and the runtime's lock held by the caller; reads fields
- * at their compiled offsets (native.h) and calls no Python.
+ * at their compiled offsets (native.h) and calls no Python. merge_runs merges such pieces into the runs that
+ * follow each other on both sides (one DMA each, for leaves in pinned memory).
  */
 #include "native.h"
 
@@ -394,5 +395,77 @@ PyObject *mod_device_specs(PyObject *mod, PyObject *arg) {
 failed:
     Py_XDECREF(specs);
     Py_XDECREF(sizes);
+    return NULL;
+}
+
+/*
+ * merge_runs(pieces, align): the pieces (packed native uint64 triples: host, device, bytes, as leaf_pieces makes
+ * them) merged into runs where they follow each other on both sides, empty ones dropped: (hosts, devices, sizes),
+ * three lists of ints. With align > 0 the host side was laid out by the transfer itself (each leaf at a multiple
+ * of align bytes), so two pieces also merge where the same gap of less than align bytes separates them on both
+ * sides, and a run spans from its first piece's start to its last one's end (padding included). The arithmetic
+ * is unsigned 64-bit, as the Python twin's (ferry._routes._groups._runs): a piece that starts before the last
+ * one ended makes a huge gap, never merged.
+ */
+PyObject *mod_merge_runs(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    (void)mod;
+    if (nargs_is(nargs, 2, "merge_runs")) return NULL;
+    unsigned long long align = PyLong_AsUnsignedLongLong(args[1]);
+    if (align == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE)) return NULL;
+    if (view.len % (Py_ssize_t)(3 * sizeof(uint64_t))) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "merge_runs: pieces must be (host, device, nbytes) uint64 triples");
+        return NULL;
+    }
+    size_t n = (size_t)view.len / (3 * sizeof(uint64_t));
+    PyObject *lists[3] = {PyList_New(0), PyList_New(0), PyList_New(0)};
+    if (!lists[0] || !lists[1] || !lists[2]) goto failed;
+    const char *raw = view.buf;
+    uint64_t run[3] = {0, 0, 0}, end_h = 0, end_d = 0; /* the open run: its start, its bytes; both ends */
+    int open = 0;
+    for (size_t i = 0; i <= n; i++) {
+        uint64_t t[3] = {0, 0, 0};
+        if (i < n) {
+            memcpy(t, raw + i * sizeof t, sizeof t);
+            if (!t[2]) continue;
+            if (open) {
+                uint64_t gap = t[0] - end_h;
+                int joins = align ? gap == t[1] - end_d && gap < align : t[0] == end_h && t[1] == end_d;
+                if (joins) {
+                    run[2] = align ? t[0] + t[2] - run[0] : run[2] + t[2];
+                    end_h = t[0] + t[2];
+                    end_d = t[1] + t[2];
+                    continue;
+                }
+            }
+        }
+        if (open) { /* the open run ends here: appended */
+            for (int k = 0; k < 3; k++) {
+                PyObject *v = PyLong_FromUnsignedLongLong(run[k]);
+                if (!v || PyList_Append(lists[k], v)) {
+                    Py_XDECREF(v);
+                    goto failed;
+                }
+                Py_DECREF(v);
+            }
+        }
+        if (i < n) {
+            run[0] = t[0];
+            run[1] = t[1];
+            run[2] = t[2];
+            end_h = t[0] + t[2];
+            end_d = t[1] + t[2];
+            open = 1;
+        }
+    }
+    PyBuffer_Release(&view);
+    PyObject *out = PyTuple_Pack(3, lists[0], lists[1], lists[2]);
+    for (int k = 0; k < 3; k++) Py_DECREF(lists[k]);
+    return out;
+failed:
+    PyBuffer_Release(&view);
+    for (int k = 0; k < 3; k++) Py_XDECREF(lists[k]);
     return NULL;
 }

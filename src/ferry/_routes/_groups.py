@@ -636,6 +636,14 @@ def _runs(pieces: bytes, padded: bool = False) -> tuple[list[int], list[int], li
     where the same gap of less than :data:`ALIGN` bytes separates them on both sides (a device slab's views
     and a pinned block's leaves, whose sizes are not multiples of it): the run copies the padding too, which
     only reads the device."""
+    module = _native.load()
+    if module is not None:
+        return module.merge_runs(pieces, ALIGN if padded else 0)  # type: ignore[no-any-return]
+    return merged_runs(pieces, padded)
+
+
+def merged_runs(pieces: bytes, padded: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """:func:`_runs` in NumPy: the compiled ``merge_runs``'s twin (the pure-Python engine's)."""
     table = np.frombuffer(pieces, np.uint64).reshape(-1, 3)
     table = table[table[:, 2] > 0]
     if len(table) < 2:
