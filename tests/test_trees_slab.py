@@ -14,9 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ferry
 from ferry import _native
+from ferry._memory._slab import ALIGN, slab_layout
 from ferry._runtime import parts_of
 
 
@@ -109,6 +112,36 @@ def test_device_specs_reads_every_leaf_or_none(native: ferry.Runtime) -> None:
     for pinned in (False, True):
         _, back = rt.download_tree(dev, pinned=pinned).wait()
         assert all(back[k].shape == v.shape and back[k].dtype == v.dtype for k, v in tree.items())
+
+
+_DTYPES = [np.dtype(t) for t in ("int8", "float16", "float32", "int64", "complex128", "bool")]
+_SHAPES = st.lists(st.integers(0, 9), max_size=4).map(tuple)
+
+
+@settings(max_examples=100, deadline=None)
+@given(specs=st.lists(st.tuples(_SHAPES, st.sampled_from(_DTYPES)), max_size=20))
+def test_host_sizes_counts_as_nbytes_and_the_slab_layout(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+    """The compiled count of a tree's host arrays: each one's nbytes, and the span slab_layout gives them."""
+    module = _native.load()
+    if module is None:
+        pytest.skip("the compiled extension is not here")
+    ferry.Runtime("emulated").close()  # (the extension knows numpy.ndarray once a runtime started)
+    hosts = [np.empty(shape, dtype) for shape, dtype in specs]
+    assert module.host_sizes(hosts, ALIGN) == ([h.nbytes for h in hosts], slab_layout(specs)[2])
+
+
+def test_host_sizes_answers_none_for_anything_but_exact_arrays(native: ferry.Runtime) -> None:
+    module = _native.load()
+    class Sub(np.ndarray):  # type: ignore[type-arg]
+        pass
+
+    plain = np.zeros(4)
+    for odd in (np.zeros(4).view(Sub), [1, 2], memoryview(b"ab")):
+        assert module.host_sizes([plain, odd], ALIGN) is None
+    with pytest.raises(TypeError):
+        module.host_sizes((plain,), ALIGN)
+    with pytest.raises(TypeError):
+        module.host_sizes([plain], 0)
 
 
 def test_handed_off_fresh_trees_dropped_before_they_settle_free_their_slabs(native: ferry.Runtime) -> None:

@@ -352,6 +352,11 @@ def slab_views(
     bytes), back to back from ``base`` at 256-byte aligned offsets; ``None`` where a host is not an exact
     ``numpy.ndarray`` (``tree.c``)."""
 
+def host_sizes(hosts: list[Any], align: int, /) -> tuple[list[int], int] | None:
+    """Each host array's bytes (as ``ndarray.nbytes``) and the bytes they span back to back, each at a multiple
+    of ``align`` (an empty one takes ``align`` bytes); ``None`` where a host is not an exact ``numpy.ndarray``
+    (``tree.c``)."""
+
 def merge_runs(pieces: bytes, align: int, /) -> tuple[list[int], list[int], list[int]]:
     """``pieces`` (as :func:`leaf_pieces` packs them) merged into runs where they follow each other on both
     sides, empty ones dropped: ``(hosts, devices, sizes)``. With ``align > 0`` the host side was laid out at

@@ -89,6 +89,9 @@ static PyMethodDef module_methods[] = {
     {"slab_views", (PyCFunction)(void (*)(void))mod_slab_views, METH_FASTCALL,
      "slab_views(hosts, sizes, runtime, slab, base, owned, zero) -> a fresh DeviceArray view of the slab for "
      "each host array, back to back at 256-byte aligned offsets, or None (tree.c)"},
+    {"host_sizes", (PyCFunction)(void (*)(void))mod_host_sizes, METH_FASTCALL,
+     "host_sizes(hosts, align) -> (sizes, total) or None: each exact ndarray's bytes, and the bytes they span back "
+     "to back at that alignment (tree.c)"},
     {"merge_runs", (PyCFunction)(void (*)(void))mod_merge_runs, METH_FASTCALL,
      "merge_runs(pieces, align) -> (hosts, devices, sizes): a tree's pieces merged into runs, empty ones dropped; "
      "align > 0: a host side laid out at that alignment, whose padding runs may span (tree.c)"},

@@ -103,6 +103,7 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
 PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_merge_runs(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
+PyObject *mod_host_sizes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_flat_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_device_specs(PyObject *mod, PyObject *arg); /* tree.c */
 

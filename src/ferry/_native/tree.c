@@ -12,7 +12,8 @@
  * arrays of an upload, the host arrays of a download (checked on the sorted ranges, so a tree of thousands of
  * leaves costs microseconds). Runs with the GIL held and the runtime's lock held by the caller; reads fields
  * at their compiled offsets (native.h) and calls no Python. merge_runs merges such pieces into the runs that
- * follow each other on both sides (one DMA each, for leaves in pinned memory).
+ * follow each other on both sides (one DMA each, for leaves in pinned memory); host_sizes counts a tree's host
+ * arrays' bytes and the span they take back to back (a fresh device slab's size).
  */
 #include "native.h"
 
@@ -468,4 +469,59 @@ failed:
     PyBuffer_Release(&view);
     for (int k = 0; k < 3; k++) Py_XDECREF(lists[k]);
     return NULL;
+}
+
+/*
+ * host_sizes(hosts, align) -> (sizes, total) or None: each host array's bytes (its dtype's itemsize times its
+ * element count, as ndarray.nbytes) and the bytes they span back to back, each at a multiple of align (an empty
+ * one takes align bytes too), as ferry._memory._slab.slab_layout counts them. None where a host is not an exact
+ * numpy.ndarray (the caller then asks each array). The itemsize is asked of each distinct dtype object once, in a
+ * row: a tree's leaves share a few.
+ */
+PyObject *mod_host_sizes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 2, "host_sizes")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *hosts = args[0];
+    unsigned long long align = PyLong_AsUnsignedLongLong(args[1]);
+    if (align == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(hosts) || align == 0) {
+        PyErr_SetString(PyExc_TypeError, "host_sizes: hosts must be a list and align > 0");
+        return NULL;
+    }
+    if (!st->ndarray_type) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_Size(hosts);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!is_ndarray(st, PyList_GetItem(hosts, i))) Py_RETURN_NONE;
+    PyObject *sizes = PyList_New(n);
+    if (!sizes) return NULL;
+    PyObject *descr = NULL; /* the dtype object whose itemsize was asked last */
+    unsigned long long itemsize = 0, total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const NumpyArray *a = (const NumpyArray *)PyList_GetItem(hosts, i);
+        if (a->descr != descr) {
+            PyObject *size = PyObject_GetAttrString(a->descr, "itemsize");
+            itemsize = size && PyLong_Check(size) ? PyLong_AsUnsignedLongLong(size) : (unsigned long long)-1;
+            Py_XDECREF(size);
+            if (itemsize == (unsigned long long)-1) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "host_sizes: a dtype's itemsize is not an int");
+                Py_DECREF(sizes);
+                return NULL;
+            }
+            descr = a->descr;
+        }
+        unsigned long long nbytes = itemsize;
+        for (int k = 0; k < a->nd; k++) nbytes *= (unsigned long long)a->dimensions[k]; /* NumPy keeps it < 2**63 */
+        PyObject *v = PyLong_FromUnsignedLongLong(nbytes);
+        if (!v) {
+            Py_DECREF(sizes);
+            return NULL;
+        }
+        PyList_SetItem(sizes, i, v);
+        total += ((nbytes ? nbytes : 1) + align - 1) / align * align;
+    }
+    PyObject *t = PyLong_FromUnsignedLongLong(total);
+    PyObject *out = t ? PyTuple_Pack(2, sizes, t) : NULL;
+    Py_XDECREF(t);
+    Py_DECREF(sizes);
+    return out;
 }

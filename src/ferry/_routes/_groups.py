@@ -189,8 +189,12 @@ def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceAr
     parts = rt._parts
     parts.health.check_open()
     memory, completion = parts.memory, parts.completion
-    sizes = list(map(_HOST_NBYTES, hosts))
-    total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())  # as slab_layout
+    found = module.host_sizes(hosts, ALIGN)  # as slab_layout counts them
+    if found is None:
+        sizes = list(map(_HOST_NBYTES, hosts))
+        total = int(((np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN).sum())
+    else:
+        sizes, total = found
     with parts.lock:
         if completion.maintenance_due():
             completion.maintain()
