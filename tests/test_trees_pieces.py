@@ -12,6 +12,7 @@ import pytest
 import ferry
 from conftest import eventually as wait_for
 from ferry import _native, testing
+from ferry._memory._leaves import FEW_RANGES
 from ferry._runtime import parts_of
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -378,6 +379,11 @@ def test_pinned_leaves_found_for_many_ranges_at_once(any_native: ferry.Runtime) 
     ptrs = [x.ctypes.data for x in arrays]
     sizes = [x.nbytes for x in arrays]
     assert leaves.covering_many(ptrs, sizes) == [leaves.covering(p, n) for p, n in zip(ptrs, sizes, strict=True)]
+    many = (ptrs + [p + 1 for p in ptrs] + ptrs) * 2  # past FEW_RANGES: the vectorised search, also mid-leaf
+    many_sizes = (sizes + [n - 1 for n in sizes] + [n + 1 for n in sizes]) * 2
+    assert len(many) > FEW_RANGES
+    assert leaves.covering_many(many, many_sizes) == [leaves.covering(p, n) for p, n in zip(many, many_sizes,
+                                                                                            strict=True)]
     found = leaves.covering_many(ptrs, sizes)
     assert found[3] is None and all(f is not None for i, f in enumerate(found) if i != 3)
     assert found[0] is found[1] is found[2] and found[4] is not found[0]  # one block for each tree

@@ -43,6 +43,9 @@ __all__: list[str] = []
 ALIGN = 256
 """Where each of several arrays sharing one block starts (a multiple of this many bytes)."""
 
+FEW_RANGES = 16
+""":meth:`PinnedLeaves.covering_many` searches up to this many ranges one by one."""
+
 
 class Leaf:
     """One pinned leaf's block, as the host routes see it (the registered route counts ``_uses``)."""
@@ -173,11 +176,14 @@ class PinnedLeaves:
         self._starts = [leaf.ptr for leaf in kept]
 
     def covering_many(self, ptrs: list[int], sizes: list[int]) -> list[Leaf | None]:
-        """:meth:`covering` for many ranges at once (one vectorised search for all of them)."""
+        """:meth:`covering` for many ranges at once (one vectorised search for all of them; a few are
+        searched one by one, which costs less than the arrays)."""
         with self._lock:
             leaves = self._leaves
             if not leaves or not ptrs:
                 return [None] * len(ptrs)
+            if len(ptrs) <= FEW_RANGES:
+                return [self._covering_locked(p, n) for p, n in zip(ptrs, sizes, strict=True)]
             starts = np.array(self._starts, np.uint64)
             ends = np.array([leaf.ptr + leaf.nbytes if leaf.alive else 0 for leaf in leaves], np.uint64)
         p = np.array(ptrs, np.uint64)
@@ -190,12 +196,14 @@ class PinnedLeaves:
     def covering(self, ptr: int, nbytes: int) -> Leaf | None:
         """The live leaf whose block holds ``[ptr, ptr + nbytes)``, if any."""
         with self._lock:
-            starts = self._starts
-            at = bisect.bisect_right(starts, ptr) - 1
-            if at >= 0:
-                leaf = self._leaves[at]
-                if leaf.covers(ptr, nbytes):
-                    return leaf
+            return self._covering_locked(ptr, nbytes)
+
+    def _covering_locked(self, ptr: int, nbytes: int) -> Leaf | None:
+        at = bisect.bisect_right(self._starts, ptr) - 1
+        if at >= 0:
+            leaf = self._leaves[at]
+            if leaf.covers(ptr, nbytes):
+                return leaf
         return None
 
 
