@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import ferry
 from ferry import _native
+from ferry._memory import _leaves
 from ferry._memory._slab import ALIGN, slab_layout
 from ferry._runtime import parts_of
 
@@ -128,6 +129,17 @@ def test_host_sizes_counts_as_nbytes_and_the_slab_layout(specs: list[tuple[tuple
     ferry.Runtime("emulated").close()  # (the extension knows numpy.ndarray once a runtime started)
     hosts = [np.empty(shape, dtype) for shape, dtype in specs]
     assert module.host_sizes(hosts, ALIGN) == ([h.nbytes for h in hosts], slab_layout(specs)[2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), max_size=150))
+def test_pinned_leaf_layout_is_the_slab_layout_for_few_and_many(sizes: list[int]) -> None:
+    """A pinned block's leaves are placed as a device slab's views (the loop for a few, NumPy for many):
+    each at the next multiple of ALIGN, an empty one taking ALIGN bytes too."""
+    offsets, total = _leaves.layout(sizes)
+    specs = [((n,), np.dtype(np.uint8)) for n in sizes]
+    slab_offsets, _, slab_total = slab_layout(specs)
+    assert (offsets, total) == (slab_offsets, slab_total)
 
 
 def test_host_sizes_answers_none_for_anything_but_exact_arrays(native: ferry.Runtime) -> None:

@@ -46,6 +46,9 @@ ALIGN = 256
 FEW_RANGES = 16
 """:meth:`PinnedLeaves.covering_many` searches up to this many ranges one by one."""
 
+FEW_SIZES = 64
+""":func:`layout` places up to this many arrays in a loop, more with NumPy."""
+
 
 class Leaf:
     """One pinned leaf's block, as the host routes see it (the registered route counts ``_uses``)."""
@@ -212,6 +215,12 @@ def layout(sizes: list[int]) -> tuple[list[int], int]:
     empty one takes :data:`ALIGN` bytes too: no two share an address), and the bytes they span."""
     if not sizes:
         return [], 0
+    if len(sizes) <= FEW_SIZES:  # a few: a loop costs less than the arrays
+        offsets, total = [], 0
+        for nbytes in sizes:
+            offsets.append(total)
+            total += -(-max(nbytes, 1) // ALIGN) * ALIGN
+        return offsets, total
     spans = (np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN
     ends = np.cumsum(spans)
     return (ends - spans).tolist(), int(ends[-1])
