@@ -722,8 +722,10 @@ def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
     specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves
+    completion = rt._completion
     with rt._lock:
-        rt._completion.maintain()  # blocks given back by collected leaves are freed or reused first
+        if completion.maintenance_due():  # blocks given back by collected leaves are freed or reused first
+            completion.maintain()
     sizes: list[int] | None = None
     found = _device_specs(sources)
     if found is not None:  # the common tree: no per-leaf call
