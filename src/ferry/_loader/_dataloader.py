@@ -57,7 +57,7 @@ from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_views
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, take_if_done, upload_views
 from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode_task, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -495,9 +495,9 @@ class _LoaderPrefetcher(Prefetcher):
             return super()._hand_off(flight, stream)
         handle = flight.handles[0]
         try:
-            if handle.is_ready():  # the copies are done (the consumer is the slower side): settle them now,
+            devices = take_if_done(self._completion, handle)
+            if devices is not None:  # the copies are done (the consumer is the slower side): settled now,
                 # with no stream wait to queue and nothing left to confirm at a later step
-                devices = handle.wait()[1]
                 flight.waits.add(0)
                 if stream is not None and devices:  # the slab's: every view's free waits for the consumer's work
                     devices[0]._memory.note_stream(devices[0]._ptr, stream)
@@ -544,7 +544,8 @@ class _SlotViews:
     around device leaves. Made once per slot and layout, and handed out for every batch of that layout in
     that slot (no object is made per batch)."""
 
-    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "reg", "small_src", "span", "uploadable")
+    __slots__ = ("big_src", "build", "copies", "hosts", "layout", "leaves", "ptrs", "reg", "small_src", "span",
+                 "uploadable")
 
     def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
         self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
@@ -556,6 +557,8 @@ class _SlotViews:
         self.big_src = [self.ptrs[i] for i in layout.big]
         self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
         self.reg: Any = None  # the ring's registration, once an upload found it (kept while it is active)
+        self.hosts = tuple(self.leaves)  # the group's host objects (its result's first item)
+        self.copies: dict[int, Any] = {}  # device slab address -> the upload's copy into it (_upload.upload_slot)
 
 
 class _Plan:

@@ -38,11 +38,14 @@ from typing import Any
 import numpy as np
 
 from .._backends._base import DeviceError
+from .._completion import Extras
 from .._device_array import DeviceArray, new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
-from .._routes._groups import SMALL_BYTES, _check_open, _enqueue, batched_copy, handed_back
-from .._state import OWNED
+from .._pending import PendingUpload
+from .._records import failed_error
+from .._routes._groups import SMALL_BYTES, _check_open, _mark, batched_copy, handed_back
+from .._state import IN_FLIGHT, OWNED
 
 __all__: list[str] = []
 
@@ -74,6 +77,9 @@ def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
     return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring, views)[0]
 
 
+_COPIES_KEPT = 16  # the copy plans a slot's views keep, one per device slab they were uploaded into
+
+
 def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
                 big_s: list[int], span: tuple[int, int], ring: DeviceRing | None = None,
                 views: Any = None) -> tuple[Any, list[DeviceArray]]:
@@ -85,12 +91,16 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
     keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
     memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
     with nothing enqueued and the leaves untouched. ``views``, when given, keeps the slot's registration
-    between batches (its ``reg``: looked up again only once it was released).
+    between batches (its ``reg``: looked up again only once it was released) and the copy made for each
+    device slab it was uploaded into (its ``copies``: the same slab's copy is the same calls).
+
+    The record is the group route's (``_routes._groups._enqueue``'s moved, leased and result objects,
+    leases and registration use), with a :class:`SlotUse` as its extras: its copies are proven by its
+    own event, and one call ends its leases and its registration use when it leaves flight.
     """
     parts = rt._parts
     routes = parts.host
     memory, completion = parts.memory, routes.completion
-    backend = completion.backend
     stream = routes.h2d
     with routes.lock:
         if rt._health.refusal is not None:
@@ -104,12 +114,14 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
             base = memory.alloc(total)
             slab = _KeptSlab(memory, base, total, layout.count, ring)
             memory.arrays.add(slab)
+            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                       for shape, dtype, offset, nbytes in layout.views]
+            slab.adopt(devices)
         else:
-            slab.reuse(layout.count)
             base = slab._ptr
-        devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
-                   for shape, dtype, offset, nbytes in layout.views]
-        slab.adopt(devices)
+            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                       for shape, dtype, offset, nbytes in layout.views]
+            slab.lend(devices)
         try:
             reg = views.reg if views is not None else None
             if reg is None or reg._released:
@@ -119,17 +131,89 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
                     raise TransferSubmitError("the loader's ring is no longer registered")
                 if views is not None:
                     views.reg = reg
-            small_d = [base + offset for offset in layout.small_dst]
-            large = [(base + offset, src, nbytes) for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
-            copy = batched_copy(backend, True, small_d, small_s, layout.small_n, large)
-            handle = _enqueue(rt, completion, True, stream, copy, layout.nbytes, leaves, devices, leaves,
-                              routes.direct.leases, [reg], None)
+            copies = views.copies if views is not None else None
+            copy = copies.get(base) if copies is not None else None
+            if copy is None:
+                small_d = [base + offset for offset in layout.small_dst]
+                large = [(base + offset, src, nbytes)
+                         for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
+                copy = batched_copy(completion.backend, True, small_d, small_s, layout.small_n, large)
+                if copies is not None:
+                    if len(copies) >= _COPIES_KEPT:
+                        copies.clear()
+                    copies[base] = copy
+            devs = tuple(devices)
+            hosts = views.hosts if views is not None else tuple(leaves)
+            record = completion.submit(stream, copy, 0, 0, layout.nbytes, devs, (), (hosts, devs))
+            # from here on nothing raises: the copies are queued (as _groups._enqueue)
+            leases = routes.direct.leases
+            use = SlotUse(leases, hosts, reg) if record.batch is None else BatchedSlotUse(leases, hosts, reg)
+            record.extra = use
+            leases.take_many(hosts)
+            reg._uses += 1
+            _mark(devices, True)
+            handle: Any = PendingUpload(completion, record)
         except BaseException:
             for device in devices:  # made for this batch, never handed out (an abandoned one stays so)
                 if device._state is OWNED:
                     device.close()
             raise
     return handle, devices
+
+
+class SlotUse(Extras):
+    """The extras of a slot batch's record: its leases and its registration use, ended in one call when it
+    leaves flight, and the destinations a hand-off made owned again (ordered after the record: they forget it
+    when it settles, and are abandoned if its copies failed).
+
+    Its copies are proven by the record's own event (``own_event``: a wait spins on it inline and a settle
+    is one :meth:`release`); a failure, a retirement and a close run :attr:`cleanups`, which is
+    ``[self.release]``. Exactly what the group route's cleanups do (``_groups._enqueue``'s and
+    ``handed_back``'s), without a closure per batch.
+    """
+
+    __slots__ = ("handed_views", "hosts", "leases", "reg")
+
+    own_event = True
+
+    def __init__(self, leases: Any, hosts: tuple[np.ndarray[Any, Any], ...], reg: Any) -> None:
+        super().__init__()
+        self.leases = leases
+        self.hosts: tuple[np.ndarray[Any, Any], ...] | None = hosts
+        self.reg = reg
+        self.handed_views: list[Any] | None = None  # (device arrays, the record, its completion)
+        self.cleanups = [self.release]
+
+    def release(self, failed: bool) -> None:
+        """The record left flight (``failed``: its copies may have touched the leaves and the destinations
+        only in part): the handed destinations forget it (abandoned if it failed); the leaves' leases and the
+        registration use end, unless it failed (the device may still read them: read-only and in use). Once."""
+        hosts = self.hosts
+        if hosts is None:
+            return
+        self.hosts = None
+        handed = self.handed_views
+        if handed is not None:
+            self.handed_views = None
+            devices, record, completion = handed
+            for device in devices:
+                if device._ready is record:
+                    device._ready = None
+                if failed:  # its bytes never arrived, or partly
+                    completion.abandon(device)
+        if failed:
+            return
+        self.leases.give_many(hosts)
+        self.reg._uses -= 1
+
+
+class BatchedSlotUse(SlotUse):
+    """A slot batch's extras for a record submitted inside ``rt.batch()`` (a shared event: settled the general
+    way, which runs :attr:`cleanups`)."""
+
+    __slots__ = ()
+
+    own_event = False
 
 
 def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
@@ -142,11 +226,63 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     """
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
-        handed_back(completion, handle._record, devices)
+        record = handle._record
+        use = record.extra
+        if isinstance(use, SlotUse) and use.hosts is not None and record.moved is devices:
+            handed = [d for d in devices if d._state is IN_FLIGHT]  # (handed_back's common case)
+            if handed:
+                for device in handed:
+                    device._state = OWNED
+                    device._ready = record
+                if len(handed) == len(devices):
+                    record.moved = ()
+                else:
+                    gone = {id(d) for d in handed}
+                    record.moved = tuple(o for o in devices if id(o) not in gone)
+                use.handed_views = (handed, record, completion)  # type: ignore[assignment]
+        else:
+            handed_back(completion, record, devices)
         if stream is not None and devices:
             first = devices[0]
             first._memory.note_stream(first._ptr, stream)  # the slab's: every view's free waits for it
     return devices
+
+
+def take_if_done(completion: Any, handle: Any) -> tuple[Any, ...] | None:
+    """A slot batch's destinations if its copies completed (never blocks), else None: ``handle.is_ready()``
+    and then ``handle.wait()``, in one step under the lock where the record is a plain live one.
+
+    As they do, it raises TransferFailedError if the device reported a failure (the group is abandoned),
+    RuntimeClosedError if the runtime refuses calls, FerryError if the handle was already waited.
+    """
+    record = handle._record
+    if not handle._claimed and type(record.extra) is SlotUse and record.event is not None:
+        with completion.lock:
+            if (record.done or record.error is not None or record.settled or completion.health.refusal is not None
+                    or record not in completion.live):
+                result = None  # not the common case: the general way, below
+            else:
+                try:
+                    ready = completion.backend.event_query(record.event)
+                except DeviceError as exc:  # (as poll)
+                    completion.health.note(exc)
+                    completion.fail(record, exc)
+                    raise failed_error(record) from exc
+                if not ready:
+                    return None
+                completion.mark_done(record)
+                completion.live.remove(record)  # (as wait: settle and claim)
+                completion.settle(record)
+                record.claimed = True
+                handle._waited = handle._claimed = True
+                result = record.result
+        if result is not None:
+            if completion.cross_returns:
+                completion.flush_cross()
+            return result[1]  # type: ignore[no-any-return]
+    if not handle.is_ready():
+        return None
+    return handle.wait()[1]  # type: ignore[no-any-return]
 
 
 class DeviceRing:
@@ -241,10 +377,10 @@ class _KeptSlab(DeviceSlab):
         self.kept = False
         super()._release_for_close()
 
-    def reuse(self, views: int) -> None:
-        """Lent again, for ``views`` new views (every earlier one went). Lock held."""
-        self._live = list(range(views))
-        self._views = []
+    def lend(self, views: list[Any]) -> None:
+        """Lent again, to ``views`` (every earlier one went): :meth:`reuse` and ``adopt`` in one. Lock held."""
+        self._live = list(range(len(views)))
+        self._views = list(map(weakref.ref, views))
 
     def _home(self) -> DeviceRing | None:
         return self.home() if self.home is not None else None
