@@ -456,7 +456,7 @@ class _LoaderPrefetcher(Prefetcher):
     _settled = False  # the step's settle ran: its backpressure check need not ask the device again
 
     def _settle(self) -> deque[_Flight]:
-        if self._settled:  # once per step (a wait for backpressure settles again)
+        if self._settled or not self._unconfirmed:  # once per step (a wait for backpressure settles again)
             self._settled = False
             return self._unconfirmed
         return super()._settle()
@@ -545,7 +545,7 @@ class _SlotViews:
     that slot (no object is made per batch)."""
 
     __slots__ = ("big_src", "build", "copies", "hosts", "layout", "leaves", "ptrs", "reg", "small_src", "span",
-                 "uploadable")
+                 "spare", "uploadable")
 
     def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
         self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
@@ -558,7 +558,8 @@ class _SlotViews:
         self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
         self.reg: Any = None  # the ring's registration, once an upload found it (kept while it is active)
         self.hosts = tuple(self.leaves)  # the group's host objects (its result's first item)
-        self.copies: dict[int, Any] = {}  # device slab address -> the upload's copy into it (_upload.upload_slot)
+        self.copies: dict[int, Any] = {}  # device slab address -> the upload's copy into it (_upload.upload_views)
+        self.spare: list[Any] = []  # the extras of this slot's settled batches, for its next ones
 
 
 class _Plan:
@@ -903,6 +904,7 @@ class _Engine:
         sized = ring.sized
         limit = self.workers * self.prefetch_factor if sized else 1
         factor, per_worker, pending, fds = self.prefetch_factor, state.per_worker, state.pending, self.task_fds
+        table = self.table
         state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
             active = state.active
@@ -914,7 +916,10 @@ class _Engine:
                 return
             slot = None
             if sized:
-                slot = self._take_slot(worker, state.next_task, ask)
+                slot = table.take(worker, state.next_task)  # (_take_slot, inline: once per batch)
+                if slot is None and ask and self.inflight:
+                    self._reclaim()
+                    slot = table.take(worker, state.next_task)
                 if slot is None:
                     state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return

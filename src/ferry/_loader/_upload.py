@@ -33,13 +33,14 @@ workers stop or the runtime closes.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._backends._base import DeviceError
 from .._completion import Extras
-from .._device_array import DeviceArray, new_view
+from .._device_array import new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
 from .._pending import PendingUpload
@@ -71,28 +72,22 @@ class SlotLayout:
         self.views = list(zip(self.shapes, self.dtypes, self.offsets, self.sizes, strict=True))
 
 
-def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
-    """:func:`upload_slot` of a slot's views made once (``leaves``, ``small_src`` and ``big_src``, ``span``,
-    ``layout``: the loader's), with the sources worked out once; the group's handle."""
-    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring, views)[0]
-
-
 _COPIES_KEPT = 16  # the copy plans a slot's views keep, one per device slab they were uploaded into
 
 
-def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
-                big_s: list[int], span: tuple[int, int], ring: DeviceRing | None = None,
-                views: Any = None) -> tuple[Any, list[DeviceArray]]:
-    """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
+def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
+    """Upload a slot batch into fresh device arrays; the group's handle.
 
-    ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
-    ``small_s`` and ``big_s`` the addresses of ``layout.small``'s and ``layout.big``'s leaves, ``span``
-    the slot's ``(address, size)``; ``ring``, when given, lends the device memory of a dropped batch and
-    keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
-    memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
-    with nothing enqueued and the leaves untouched. ``views``, when given, keeps the slot's registration
-    between batches (its ``reg``: looked up again only once it was released) and the copy made for each
-    device slab it was uploaded into (its ``copies``: the same slab's copy is the same calls).
+    ``views`` are the slot's, made once per slot and layout (the loader's ``_SlotViews``): ``leaves``
+    (every one non-empty, C-contiguous, inside the registered ring) and ``hosts`` (the same, a tuple),
+    ``small_src`` and ``big_src`` (the addresses of ``layout.small``'s and ``layout.big``'s leaves),
+    ``span`` (the slot's ``(address, size)``), ``layout``; it keeps the slot's registration between
+    batches (``reg``: looked up again only once it was released), the copy made for each device slab it
+    was uploaded into (``copies``: the same slab's copy is the same calls) and its spare extras
+    (``spare``). ``ring``, when given, lends the device memory of a dropped batch and keeps this batch's
+    once it is dropped. All or nothing: a refusal (the runtime closed, out of device memory, the ring no
+    longer registered, the copy refused) closes the arrays made for it and raises, with nothing enqueued
+    and the leaves untouched.
 
     The record is the group route's (``_routes._groups._enqueue``'s moved, leased and result objects,
     leases and registration use), with a :class:`SlotUse` as its extras: its copies are proven by its
@@ -102,6 +97,7 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
     routes = parts.host
     memory, completion = parts.memory, routes.completion
     stream = routes.h2d
+    layout = views.layout
     with routes.lock:
         if rt._health.refusal is not None:
             _check_open(rt)  # raises
@@ -123,31 +119,39 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
                        for shape, dtype, offset, nbytes in layout.views]
             slab.lend(devices)
         try:
-            reg = views.reg if views is not None else None
+            reg = views.reg
             if reg is None or reg._released:
                 registrations = routes.registrations
+                span = views.span
                 reg = registrations.covering(span[0], span[1]) if registrations.active else None
                 if reg is None:  # the ring was unpinned meanwhile: refused cleanly
                     raise TransferSubmitError("the loader's ring is no longer registered")
-                if views is not None:
-                    views.reg = reg
-            copies = views.copies if views is not None else None
-            copy = copies.get(base) if copies is not None else None
+                views.reg = reg
+            copies = views.copies
+            copy = copies.get(base)
             if copy is None:
                 small_d = [base + offset for offset in layout.small_dst]
                 large = [(base + offset, src, nbytes)
-                         for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
-                copy = batched_copy(completion.backend, True, small_d, small_s, layout.small_n, large)
-                if copies is not None:
-                    if len(copies) >= _COPIES_KEPT:
-                        copies.clear()
-                    copies[base] = copy
+                         for (offset, nbytes), src in zip(layout.big_dst, views.big_src, strict=True)]
+                copy = batched_copy(completion.backend, True, small_d, views.small_src, layout.small_n, large)
+                if len(copies) >= _COPIES_KEPT:
+                    copies.clear()
+                copies[base] = copy
             devs = tuple(devices)
-            hosts = views.hosts if views is not None else tuple(leaves)
+            hosts = views.hosts
             record = completion.submit(stream, copy, 0, 0, layout.nbytes, devs, (), (hosts, devs))
             # from here on nothing raises: the copies are queued (as _groups._enqueue)
             leases = routes.direct.leases
-            use = SlotUse(leases, hosts, reg) if record.batch is None else BatchedSlotUse(leases, hosts, reg)
+            spare = views.spare
+            if record.batch is not None:  # inside rt.batch(): a shared event
+                use: SlotUse = BatchedSlotUse(leases, hosts, reg, spare)
+            elif spare:
+                use = spare.pop()  # (released: every field as a new one's)
+                use.hosts, use.reg = hosts, reg
+                use.cleanups = use.own
+            else:
+                use = SlotUse(leases, hosts, reg, spare)
+            use.record = record
             record.extra = use
             leases.take_many(hosts)
             reg._uses += 1
@@ -158,7 +162,7 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
                 if device._state is OWNED:
                     device.close()
             raise
-    return handle, devices
+    return handle
 
 
 class SlotUse(Extras):
@@ -169,20 +173,25 @@ class SlotUse(Extras):
     Its copies are proven by the record's own event (``own_event``: a wait spins on it inline and a settle
     is one :meth:`release`); a failure, a retirement and a close run :attr:`cleanups`, which is
     ``[self.release]``. Exactly what the group route's cleanups do (``_groups._enqueue``'s and
-    ``handed_back``'s), without a closure per batch.
+    ``handed_back``'s), without a closure per batch. Once released without a failure it is the record's no
+    more and waits in its views' ``spare`` list for the slot's next batch (one that failed is not reused).
     """
 
-    __slots__ = ("handed_views", "hosts", "leases", "reg")
+    __slots__ = ("handed_views", "hosts", "leases", "own", "record", "reg", "spare")
 
     own_event = True
 
-    def __init__(self, leases: Any, hosts: tuple[np.ndarray[Any, Any], ...], reg: Any) -> None:
+    def __init__(self, leases: Any, hosts: tuple[np.ndarray[Any, Any], ...], reg: Any, spare: list[SlotUse]) -> None:
         super().__init__()
         self.leases = leases
         self.hosts: tuple[np.ndarray[Any, Any], ...] | None = hosts
         self.reg = reg
-        self.handed_views: list[Any] | None = None  # (device arrays, the record, its completion)
-        self.cleanups = [self.release]
+        self.spare = spare
+        self.record: Any = None
+        self.handed_views: tuple[list[Any], Any, Any] | None = None  # (device arrays, the record, its completion)
+        # every use's cleanups (a failure or a retirement swaps them out)
+        self.own: list[Callable[[bool], None]] = [self.release]
+        self.cleanups = self.own
 
     def release(self, failed: bool) -> None:
         """The record left flight (``failed``: its copies may have touched the leaves and the destinations
@@ -205,6 +214,12 @@ class SlotUse(Extras):
             return
         self.leases.give_many(hosts)
         self.reg._uses -= 1
+        self.reg = None
+        record, self.record = self.record, None
+        if record is not None and record.extra is self:
+            record.extra = None  # the use is not that record's any more
+        if type(self) is SlotUse:
+            self.spare.append(self)
 
 
 class BatchedSlotUse(SlotUse):
@@ -213,7 +228,7 @@ class BatchedSlotUse(SlotUse):
 
     __slots__ = ()
 
-    own_event = False
+    own_event = False  # (never reused: made per record)
 
 
 def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
@@ -382,17 +397,24 @@ class _KeptSlab(DeviceSlab):
         self._live = list(range(len(views)))
         self._views = list(map(weakref.ref, views))
 
-    def _home(self) -> DeviceRing | None:
-        return self.home() if self.home is not None else None
-
     def release(self, ptr: int, nbytes: int) -> None:
-        if self._last():
-            ring = self._home()
-            if ring is None or not ring.keep(self):
-                self.memory.release(self._ptr, self._nbytes)
+        try:  # (_last inlined, as DeviceSlab's)
+            if self._live.pop():
+                return
+        except IndexError:  # closed with the runtime meanwhile
+            return
+        home = self.home
+        ring = home() if home is not None else None
+        if ring is None or not ring.keep(self):
+            self.memory.release(self._ptr, self._nbytes)
 
     def defer(self, ptr: int, nbytes: int) -> None:
-        if self._last():
-            ring = self._home()
-            if ring is None or not ring.keep(self):
-                self.memory.defer(self._ptr, self._nbytes)
+        try:  # (_last inlined, as DeviceSlab's: each view's finalizer makes this call)
+            if self._live.pop():
+                return
+        except IndexError:  # closed with the runtime meanwhile
+            return
+        home = self.home
+        ring = home() if home is not None else None
+        if ring is None or not ring.keep(self):
+            self.memory.defer(self._ptr, self._nbytes)
