@@ -490,9 +490,42 @@ class _LoaderPrefetcher(Prefetcher):
         device, never polling) settles it."""
         handle.future().result()
 
+    def __next__(self) -> Any:
+        # Prefetcher.__next__ (the same steps, the same errors), a slot batch handed over in one call
+        flight: Any = self._take()
+        devices: Any = None
+        try:
+            stream = self._stream
+            if stream is None and self._to in ("torch", "cupy"):  # (_consumer_stream: None for the others)
+                stream = self._consumer_stream()
+            self._pace(stream)
+            if type(flight) is _SlotFlight:
+                return self._hand_over(flight, stream)
+            devices, wait = self._hand_off(flight, stream)
+            for i in wait:  # the watcher has been waiting for these in the background
+                devices[i] = flight.handles[i].wait()[1]
+            return self._finish(flight, devices, stream)
+        except BaseException as exc:
+            error = self._stopped_by(flight, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            flight = devices = None  # a traceback may keep this frame: it must not keep the batch
+
     def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
         if type(flight) is not _SlotFlight:
             return super()._hand_off(flight, stream)
+        return [self._hand_over(flight, stream)], []  # the batch itself: _finish returns it
+
+    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
+        if type(flight) is not _SlotFlight:
+            return super()._finish(flight, devices, stream)
+        return devices[0]  # (handed over by _hand_off)
+
+    def _hand_over(self, flight: _Flight, stream: Any) -> Any:
+        """A slot batch, handed off to ``stream`` and converted (what ``_hand_off`` and ``_finish`` do for a
+        flight of leaf handles, for the one group handle of a slot batch): the batch to yield."""
         handle = flight.handles[0]
         try:
             devices = take_if_done(self._completion, handle)
@@ -501,8 +534,8 @@ class _LoaderPrefetcher(Prefetcher):
                 flight.waits.add(0)
                 if stream is not None and devices:  # the slab's: every view's free waits for the consumer's work
                     devices[0]._memory.note_stream(devices[0]._ptr, stream)
-                return [devices], []
-            return [hand_off_slot(self._completion, handle, stream)], []
+            else:
+                devices = hand_off_slot(self._completion, handle, stream)
         except (TransferFailedError, RuntimeClosedError):
             raise
         except FerryError:  # the engine cannot hand this copy off: the host waits for it instead
@@ -511,20 +544,20 @@ class _LoaderPrefetcher(Prefetcher):
             if stream is not None:
                 for device in devices:
                     device.record_stream(stream)  # the consumer's work on it precedes its free
-            return [devices], []
-
-    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
-        if type(flight) is not _SlotFlight:
-            return super()._finish(flight, devices, stream)
-        if self._to == "torch" and stream is not None:
+        to = self._to
+        if to is None:
+            leaves = list(devices)  # (what _convert makes of each)
+        elif to == "torch" and stream is not None and devices:
             # the hand-off ordered this stream after the copies and noted it on every array: the capsule
             # needs neither again (what __dlpack__(stream=...) would add: a second stream wait per leaf)
             from_dlpack = self._library.from_dlpack
-            leaves = [from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype,
-                                                 device.__dlpack_device__())) for device in devices[0]]
+            where = devices[0].__dlpack_device__()  # (the views of one slab: one device)
+            leaves = []
+            for device in devices:
+                leaves.append(from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype, where)))
         else:
             convert = self._convert
-            leaves = [convert(device, stream) for device in devices[0]]
+            leaves = [convert(device, stream) for device in devices]
         self._yielded += 1
         if not flight.waits:  # proven complete (or failed) at a later step (the flight is done with)
             self._unconfirmed.append(flight)

@@ -271,9 +271,11 @@ def take_if_done(completion: Any, handle: Any) -> tuple[Any, ...] | None:
     RuntimeClosedError if the runtime refuses calls, FerryError if the handle was already waited.
     """
     record = handle._record
-    if not handle._claimed and type(record.extra) is SlotUse and record.event is not None:
+    use = record.extra
+    if not handle._claimed and type(use) is SlotUse and record.event is not None:
         with completion.lock:
             if (record.done or record.error is not None or record.settled or completion.health.refusal is not None
+                    or record.extra is not use or use.handed_views is not None or record.leased
                     or record not in completion.live):
                 result = None  # not the common case: the general way, below
             else:
@@ -285,9 +287,18 @@ def take_if_done(completion: Any, handle: Any) -> tuple[Any, ...] | None:
                     raise failed_error(record) from exc
                 if not ready:
                     return None
-                completion.mark_done(record)
+                record.done = True  # (mark_done: whoever sleeps on it is woken)
+                signal = record.signal
+                if signal is not None:
+                    signal.flag.set()
                 completion.live.remove(record)  # (as wait: settle and claim)
-                completion.settle(record)
+                record.settled = True  # (Completion.settle of an own_event record, inline)
+                use.release(False)
+                completion.events.append(record.event)
+                record.event = None
+                for device in record.moved:  # (_give_back: the destinations owned again; nothing is leased)
+                    device._state = OWNED
+                completion.counts.completed += 1
                 record.claimed = True
                 handle._waited = handle._claimed = True
                 result = record.result
@@ -314,14 +325,6 @@ class DeviceRing:
         """Device bytes kept for reuse now."""
         return sum(slab._nbytes for slab in list(self.kept) if slab.kept)
 
-    def keep(self, slab: _KeptSlab) -> bool:
-        """The last view of ``slab`` went: keep it (no device call; a finalizer may call this)."""
-        if self.closed:
-            return False
-        slab.kept = True
-        self.kept.append(slab)
-        return True
-
     def take(self, memory: Any, nbytes: int, stream: Any) -> _KeptSlab | None:
         """A kept slab of ``nbytes``, ``stream`` ordered after its consumers' work; None if there is none
         (a kept slab of another size, or one with unknown users, is freed as any dropped array is). Lock held."""
@@ -332,8 +335,8 @@ class DeviceRing:
                 continue
             users = memory.users.get(slab._ptr)
             slab.kept = False
-            if slab._nbytes != nbytes or (users is not None and users.unknown) or not _order_after(
-                    memory, users, stream):
+            if slab._nbytes != nbytes or (users is not None and (users.unknown or (
+                    users.streams and not _order_after(memory, users, stream)))):
                 memory.release(slab._ptr, slab._nbytes)
                 continue
             memory.users.pop(slab._ptr, None)
@@ -405,8 +408,11 @@ class _KeptSlab(DeviceSlab):
             return
         home = self.home
         ring = home() if home is not None else None
-        if ring is None or not ring.keep(self):
+        if ring is None or ring.closed:
             self.memory.release(self._ptr, self._nbytes)
+        else:  # kept by its ring (no device call: a finalizer may get here)
+            self.kept = True
+            ring.kept.append(self)
 
     def defer(self, ptr: int, nbytes: int) -> None:
         try:  # (_last inlined, as DeviceSlab's: each view's finalizer makes this call)
@@ -416,5 +422,8 @@ class _KeptSlab(DeviceSlab):
             return
         home = self.home
         ring = home() if home is not None else None
-        if ring is None or not ring.keep(self):
+        if ring is None or ring.closed:
             self.memory.defer(self._ptr, self._nbytes)
+        else:  # kept by its ring (no device call: a finalizer may get here)
+            self.kept = True
+            ring.kept.append(self)
