@@ -361,12 +361,17 @@ def _order_after(memory: Any, users: Any, stream: Any) -> bool:
         return True
     backend = memory.backend
     events = memory.events
+    # CUDA with the compiled calls (its events are raw handles): the wait is one compiled call too
+    wait_events = getattr(backend, "stream_wait_events", None)
     try:
         for handle in users.streams:
             event = events.pop() if events else backend.event_create()
             try:
                 backend.event_record(event, backend.stream_from_handle(handle))
-                backend.stream_wait_event(stream, event)
+                if wait_events is not None and type(event) is int:
+                    wait_events(stream, [event])
+                else:
+                    backend.stream_wait_event(stream, event)
             finally:
                 events.append(event)  # the wait is queued: the event may be recorded again
     except DeviceError as exc:
