@@ -13,9 +13,13 @@ covers the whole slot, and one record with one event covers every copy.
 Nothing is skipped that could fail differently: the runtime is checked open,
 the maintenance a submission owes runs first, a refused allocation or copy
 frees the arrays made for the batch and raises, with nothing of the batch
-enqueued. The record, its leases and its states are the group route's
-(``_routes._groups._enqueue``), so a slot batch completes, fails, is handed
-off and is abandoned exactly as a pinned group does.
+enqueued. The record, its leases and its states are the group route's (as
+``_routes._groups._enqueue`` makes them; its extras a :class:`SlotUse`, whose
+one call ends them), so a slot batch completes, fails, is handed off and is
+abandoned exactly as a pinned group does. The copy made for a device slab is
+kept with the slot's views (the same slab gets the same calls), and so are
+the extras of the slot's settled batches. A batch whose copies completed
+before its turn is settled and claimed under one lock (:func:`take_if_done`).
 
 Device memory is reused too (:class:`DeviceRing`): once the consumer dropped
 every leaf of a batch, its slab is kept by the loader instead of being freed,
@@ -401,7 +405,7 @@ class _KeptSlab(DeviceSlab):
         super()._release_for_close()
 
     def lend(self, views: list[Any]) -> None:
-        """Lent again, to ``views`` (every earlier one went): :meth:`reuse` and ``adopt`` in one. Lock held."""
+        """Lent again, to ``views`` (every earlier one went): they are counted and remembered anew. Lock held."""
         self._live = list(range(len(views)))
         self._views = list(map(weakref.ref, views))
 
