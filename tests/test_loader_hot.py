@@ -640,3 +640,113 @@ def test_waiting_for_a_slot_sleeps_until_the_oldest_copy_completes(rt: ferry.Run
         del handle
         rest = [int(_host(rt, x)[0, 0]) for x, _ in batches]
     assert first + rest == list(range(0, 32, 4))
+
+
+def _one_slot(rt: ferry.Runtime) -> Any:
+    """A two-slot ring and the views of its slot 1 for a (4 x 8 float32, 4 int64) layout."""
+    from ferry._loader._dataloader import _Plan
+    from ferry._memory._ring import Ring
+
+    ring = Ring(rt)
+    ring.size(1 << 16, 2)
+    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
+    return ring, plan, plan.slot(ring, 1)
+
+
+def _nothing_held(rt: ferry.Runtime, views: Any) -> bool:
+    """The slot's leaves leased by no transfer (writeable again) and its registration used by none."""
+    leases = parts_of(rt).host.direct.leases
+    return (not leases.leased() and views.reg._uses == 0
+            and all(leaf.flags.writeable for leaf in views.leaves))
+
+
+def _taken_when_done(completion: Any, handle: Any) -> Any:
+    """What take_if_done returns once it returns something (asked until then)."""
+    from ferry._loader._upload import take_if_done
+
+    taken: list[Any] = []
+    assert eventually(lambda: taken.append(take_if_done(completion, handle)) or taken[-1] is not None)
+    return taken[-1]
+
+
+def test_a_slot_batch_is_taken_settled_once_its_copies_completed_and_only_then(rt: ferry.Runtime) -> None:
+    """take_if_done: None while the batch's copies run (nothing settled, the handle still pending); once they
+    completed, the batch's device arrays (right, owned, tied to no copy), the handle waited (a wait() raises),
+    the leaves' leases and the registration use ended; the next batch from the same slot does the same."""
+    from ferry._errors import FerryError
+    from ferry._loader._upload import DeviceRing, take_if_done
+
+    ring, plan, views = _one_slot(rt)
+    completion = parts_of(rt).completion
+    device_ring = DeviceRing()
+    try:
+        for k in range(3):
+            views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8) + k
+            views.leaves[1][...] = [k, k + 1, k + 2, k + 3]
+            with testing.hold(rt, "upload"):
+                handle = upload_views(rt, views, device_ring)
+                assert take_if_done(completion, handle) is None
+                assert not handle._waited and rt.stats().in_flight == 1
+                assert not views.leaves[0].flags.writeable  # leased while the copy reads it
+            x, y = _taken_when_done(completion, handle)
+            assert x._state is OWNED and y._state is OWNED and x._ready is None and y._ready is None
+            assert np.array_equal(rt.to_host(x), np.arange(32, dtype=np.float32).reshape(4, 8) + k)
+            assert rt.to_host(y).tolist() == [k, k + 1, k + 2, k + 3]
+            assert handle.is_ready() and rt.stats().in_flight == 0
+            with pytest.raises(FerryError, match="already waited"):
+                handle.wait()
+            assert _nothing_held(rt, views)
+            del x, y, handle
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+
+
+def test_a_slot_batch_handed_off_before_its_copies_completed_forgets_them_once_settled(rt: ferry.Runtime) -> None:
+    """hand_off_slot while the copies run: every array is owned at once, tied to the batch's copies (a
+    close() is refused until they completed); once the batch is waited they are tied to nothing, right,
+    and the leases and the registration use ended."""
+    from ferry._loader._upload import DeviceRing, hand_off_slot
+
+    ring, plan, views = _one_slot(rt)
+    completion = parts_of(rt).completion
+    device_ring = DeviceRing()
+    stream = testing.side_stream(rt)
+    try:
+        views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+        views.leaves[1][...] = [7, 8, 9, 10]
+        with testing.hold(rt, "upload"):
+            handle = upload_views(rt, views, device_ring)
+            x, y = hand_off_slot(completion, handle, stream)
+            assert x._state is OWNED and y._state is OWNED
+            assert x._ready is handle._record and y._ready is handle._record
+            with pytest.raises(ferry.BufferMovedError):
+                x.close()
+        handle.wait()
+        assert x._ready is None and y._ready is None
+        assert np.array_equal(rt.to_host(x), views.leaves[0]) and rt.to_host(y).tolist() == [7, 8, 9, 10]
+        assert _nothing_held(rt, views)
+        backend = testing.backend_of(rt)
+        backend.stream_synchronize(backend.stream_from_handle(stream))
+        del x, y, handle
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_slot_batches_taken_inside_a_runtime_batch_are_right(rt: ferry.Runtime, leaks: _Baseline,
+                                                             workers: int) -> None:
+    """A loader iterated inside ``rt.batch()`` (its slot uploads join the block's batch, one shared event):
+    every batch right and in order, nothing left leased or in flight."""
+    got = []
+    with rt.batch(), ferry.DataLoader(Pairs(), batch_size=4, num_workers=workers, runtime=rt) as loader:
+        for x, y in loader:
+            got.append((int(_host(rt, x)[0, 0]), _host(rt, y).tolist()))
+            del x, y
+    assert got == [(4 * k, [4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3]) for k in range(8)]
+    assert not parts_of(rt).host.direct.leases.leased()

@@ -99,3 +99,41 @@ def test_slot_batches_on_the_cuda_backend_are_right_and_give_everything_back(sta
     assert fallback == "1"  # the loader's first batch sizes the ring; every later one fits
     registered, device_back, in_flight, abandoned, children = lines[1].split()
     assert (registered, device_back, in_flight, abandoned, children) == ("0", "True", "0", "0", "0")
+
+
+def test_slot_batches_taken_inside_a_runtime_batch_on_the_cuda_backend(stand_in: Path) -> None:
+    """A loader iterated inside ``rt.batch()`` on the CUDA backend (each slot batch's copies join the block's
+    batch, behind one shared event): every batch right and in order, over two epochs; closing gives back
+    every registration, every device byte and every record in flight."""
+    out = run(stand_in, """
+        import numpy as np
+        import ferry
+
+        class Images:
+            def __len__(self):
+                return 48
+
+            def __getitem__(self, i):
+                return np.full((3, 8, 8), i, np.float32), i
+
+        rt = ferry.Runtime("cuda")
+        assert rt.backend == "cuda", rt.backend
+        before = rt.stats()
+        loader = ferry.DataLoader(Images(), batch_size=8, num_workers=2, persistent_workers=True,
+                                  multiprocessing_context="fork", runtime=rt)
+        with rt.batch():
+            for epoch in range(2):
+                seen = []
+                for x, y in loader:
+                    host, labels = rt.to_host(x), rt.to_host(y)
+                    assert np.array_equal(host[:, 0, 0, 0], labels.astype(np.float32))
+                    seen.extend(labels.tolist())
+                    del x, y
+                assert seen == list(range(48)), seen
+        loader.close()
+        rt.poll()
+        after = rt.stats()
+        print(after.registered_bytes, after.device_bytes == before.device_bytes, after.in_flight, after.abandoned)
+        rt.close()
+    """)
+    assert out.split() == ["0", "True", "0", "0"], out

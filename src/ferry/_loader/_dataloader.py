@@ -57,7 +57,7 @@ from .._runtime import Runtime, parts_of
 from ._collate import build, collate_into, convert
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, base_seed, check_generator
 from ._slots import SlotTable
-from ._upload import DeviceRing, SlotLayout, hand_off_slot, upload_views
+from ._upload import DeviceRing, SlotLayout, hand_off_slot, take_if_done, upload_views
 from ._worker import SAME, SAME_TAG, LoaderWorkerError, encode_task, same_plan, worker_loop
 
 __all__ = ["DataLoader"]
@@ -456,7 +456,7 @@ class _LoaderPrefetcher(Prefetcher):
     _settled = False  # the step's settle ran: its backpressure check need not ask the device again
 
     def _settle(self) -> deque[_Flight]:
-        if self._settled:  # once per step (a wait for backpressure settles again)
+        if self._settled or not self._unconfirmed:  # once per step (a wait for backpressure settles again)
             self._settled = False
             return self._unconfirmed
         return super()._settle()
@@ -490,19 +490,52 @@ class _LoaderPrefetcher(Prefetcher):
         device, never polling) settles it."""
         handle.future().result()
 
+    def __next__(self) -> Any:
+        # Prefetcher.__next__ (the same steps, the same errors), a slot batch handed over in one call
+        flight: Any = self._take()
+        devices: Any = None
+        try:
+            stream = self._stream
+            if stream is None and self._to in ("torch", "cupy"):  # (_consumer_stream: None for the others)
+                stream = self._consumer_stream()
+            self._pace(stream)
+            if type(flight) is _SlotFlight:
+                return self._hand_over(flight, stream)
+            devices, wait = self._hand_off(flight, stream)
+            for i in wait:  # the watcher has been waiting for these in the background
+                devices[i] = flight.handles[i].wait()[1]
+            return self._finish(flight, devices, stream)
+        except BaseException as exc:
+            error = self._stopped_by(flight, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            flight = devices = None  # a traceback may keep this frame: it must not keep the batch
+
     def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
         if type(flight) is not _SlotFlight:
             return super()._hand_off(flight, stream)
+        return [self._hand_over(flight, stream)], []  # the batch itself: _finish returns it
+
+    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
+        if type(flight) is not _SlotFlight:
+            return super()._finish(flight, devices, stream)
+        return devices[0]  # (handed over by _hand_off)
+
+    def _hand_over(self, flight: _Flight, stream: Any) -> Any:
+        """A slot batch, handed off to ``stream`` and converted (what ``_hand_off`` and ``_finish`` do for a
+        flight of leaf handles, for the one group handle of a slot batch): the batch to yield."""
         handle = flight.handles[0]
         try:
-            if handle.is_ready():  # the copies are done (the consumer is the slower side): settle them now,
+            devices = take_if_done(self._completion, handle)
+            if devices is not None:  # the copies are done (the consumer is the slower side): settled now,
                 # with no stream wait to queue and nothing left to confirm at a later step
-                devices = handle.wait()[1]
                 flight.waits.add(0)
                 if stream is not None and devices:  # the slab's: every view's free waits for the consumer's work
                     devices[0]._memory.note_stream(devices[0]._ptr, stream)
-                return [devices], []
-            return [hand_off_slot(self._completion, handle, stream)], []
+            else:
+                devices = hand_off_slot(self._completion, handle, stream)
         except (TransferFailedError, RuntimeClosedError):
             raise
         except FerryError:  # the engine cannot hand this copy off: the host waits for it instead
@@ -511,20 +544,20 @@ class _LoaderPrefetcher(Prefetcher):
             if stream is not None:
                 for device in devices:
                     device.record_stream(stream)  # the consumer's work on it precedes its free
-            return [devices], []
-
-    def _finish(self, flight: _Flight, devices: list[Any], stream: Any) -> Any:
-        if type(flight) is not _SlotFlight:
-            return super()._finish(flight, devices, stream)
-        if self._to == "torch" and stream is not None:
+        to = self._to
+        if to is None:
+            leaves = list(devices)  # (what _convert makes of each)
+        elif to == "torch" and stream is not None and devices:
             # the hand-off ordered this stream after the copies and noted it on every array: the capsule
             # needs neither again (what __dlpack__(stream=...) would add: a second stream wait per leaf)
             from_dlpack = self._library.from_dlpack
-            leaves = [from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype,
-                                                 device.__dlpack_device__())) for device in devices[0]]
+            where = devices[0].__dlpack_device__()  # (the views of one slab: one device)
+            leaves = []
+            for device in devices:
+                leaves.append(from_dlpack(export_capsule(device, device._ptr, device._shape, device._dtype, where)))
         else:
             convert = self._convert
-            leaves = [convert(device, stream) for device in devices[0]]
+            leaves = [convert(device, stream) for device in devices]
         self._yielded += 1
         if not flight.waits:  # proven complete (or failed) at a later step (the flight is done with)
             self._unconfirmed.append(flight)
@@ -544,7 +577,8 @@ class _SlotViews:
     around device leaves. Made once per slot and layout, and handed out for every batch of that layout in
     that slot (no object is made per batch)."""
 
-    __slots__ = ("big_src", "build", "layout", "leaves", "ptrs", "reg", "small_src", "span", "uploadable")
+    __slots__ = ("big_src", "build", "copies", "hosts", "layout", "leaves", "ptrs", "reg", "small_src", "span",
+                 "spare", "uploadable")
 
     def __init__(self, ring: Ring, slot: int, plan: _Plan) -> None:
         self.leaves = [ring.view(slot, offset, dtype, shape) for dtype, shape, offset in plan.specs]  # type: ignore[arg-type]
@@ -556,6 +590,9 @@ class _SlotViews:
         self.big_src = [self.ptrs[i] for i in layout.big]
         self.uploadable = bool(self.leaves) and all(layout.sizes)  # else: leaf by leaf, prefetch's way
         self.reg: Any = None  # the ring's registration, once an upload found it (kept while it is active)
+        self.hosts = tuple(self.leaves)  # the group's host objects (its result's first item)
+        self.copies: dict[int, Any] = {}  # device slab address -> the upload's copy into it (_upload.upload_views)
+        self.spare: list[Any] = []  # the extras of this slot's settled batches, for its next ones
 
 
 class _Plan:
@@ -900,6 +937,7 @@ class _Engine:
         sized = ring.sized
         limit = self.workers * self.prefetch_factor if sized else 1
         factor, per_worker, pending, fds = self.prefetch_factor, state.per_worker, state.pending, self.task_fds
+        table = self.table
         state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
             active = state.active
@@ -911,7 +949,10 @@ class _Engine:
                 return
             slot = None
             if sized:
-                slot = self._take_slot(worker, state.next_task, ask)
+                slot = table.take(worker, state.next_task)  # (_take_slot, inline: once per batch)
+                if slot is None and ask and self.inflight:
+                    self._reclaim()
+                    slot = table.take(worker, state.next_task)
                 if slot is None:
                     state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return

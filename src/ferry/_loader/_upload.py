@@ -13,9 +13,13 @@ covers the whole slot, and one record with one event covers every copy.
 Nothing is skipped that could fail differently: the runtime is checked open,
 the maintenance a submission owes runs first, a refused allocation or copy
 frees the arrays made for the batch and raises, with nothing of the batch
-enqueued. The record, its leases and its states are the group route's
-(``_routes._groups._enqueue``), so a slot batch completes, fails, is handed
-off and is abandoned exactly as a pinned group does.
+enqueued. The record, its leases and its states are the group route's (as
+``_routes._groups._enqueue`` makes them; its extras a :class:`SlotUse`, whose
+one call ends them), so a slot batch completes, fails, is handed off and is
+abandoned exactly as a pinned group does. The copy made for a device slab is
+kept with the slot's views (the same slab gets the same calls), and so are
+the extras of the slot's settled batches. A batch whose copies completed
+before its turn is settled and claimed under one lock (:func:`take_if_done`).
 
 Device memory is reused too (:class:`DeviceRing`): once the consumer dropped
 every leaf of a batch, its slab is kept by the loader instead of being freed,
@@ -33,16 +37,20 @@ workers stop or the runtime closes.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._backends._base import DeviceError
-from .._device_array import DeviceArray, new_view
+from .._completion import Extras
+from .._device_array import new_view
 from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
-from .._routes._groups import SMALL_BYTES, _check_open, _enqueue, batched_copy, handed_back
-from .._state import OWNED
+from .._pending import PendingUpload
+from .._records import failed_error
+from .._routes._groups import SMALL_BYTES, _check_open, _mark, batched_copy, handed_back
+from .._state import IN_FLIGHT, OWNED
 
 __all__: list[str] = []
 
@@ -68,30 +76,32 @@ class SlotLayout:
         self.views = list(zip(self.shapes, self.dtypes, self.offsets, self.sizes, strict=True))
 
 
+_COPIES_KEPT = 16  # the copy plans a slot's views keep, one per device slab they were uploaded into
+
+
 def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
-    """:func:`upload_slot` of a slot's views made once (``leaves``, ``small_src`` and ``big_src``, ``span``,
-    ``layout``: the loader's), with the sources worked out once; the group's handle."""
-    return upload_slot(rt, views.layout, views.leaves, views.small_src, views.big_src, views.span, ring, views)[0]
+    """Upload a slot batch into fresh device arrays; the group's handle.
 
+    ``views`` are the slot's, made once per slot and layout (the loader's ``_SlotViews``): ``leaves``
+    (every one non-empty, C-contiguous, inside the registered ring) and ``hosts`` (the same, a tuple),
+    ``small_src`` and ``big_src`` (the addresses of ``layout.small``'s and ``layout.big``'s leaves),
+    ``span`` (the slot's ``(address, size)``), ``layout``; it keeps the slot's registration between
+    batches (``reg``: looked up again only once it was released), the copy made for each device slab it
+    was uploaded into (``copies``: the same slab's copy is the same calls) and its spare extras
+    (``spare``). ``ring``, when given, lends the device memory of a dropped batch and keeps this batch's
+    once it is dropped. All or nothing: a refusal (the runtime closed, out of device memory, the ring no
+    longer registered, the copy refused) closes the arrays made for it and raises, with nothing enqueued
+    and the leaves untouched.
 
-def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]], small_s: list[int],
-                big_s: list[int], span: tuple[int, int], ring: DeviceRing | None = None,
-                views: Any = None) -> tuple[Any, list[DeviceArray]]:
-    """Upload a slot batch into fresh device arrays: the group's handle and the arrays.
-
-    ``leaves`` are the slot's views (every one non-empty, C-contiguous, inside the registered ring),
-    ``small_s`` and ``big_s`` the addresses of ``layout.small``'s and ``layout.big``'s leaves, ``span``
-    the slot's ``(address, size)``; ``ring``, when given, lends the device memory of a dropped batch and
-    keeps this batch's once it is dropped. All or nothing: a refusal (the runtime closed, out of device
-    memory, the ring no longer registered, the copy refused) closes the arrays made for it and raises,
-    with nothing enqueued and the leaves untouched. ``views``, when given, keeps the slot's registration
-    between batches (its ``reg``: looked up again only once it was released).
+    The record is the group route's (``_routes._groups._enqueue``'s moved, leased and result objects,
+    leases and registration use), with a :class:`SlotUse` as its extras: its copies are proven by its
+    own event, and one call ends its leases and its registration use when it leaves flight.
     """
     parts = rt._parts
     routes = parts.host
     memory, completion = parts.memory, routes.completion
-    backend = completion.backend
     stream = routes.h2d
+    layout = views.layout
     with routes.lock:
         if rt._health.refusal is not None:
             _check_open(rt)  # raises
@@ -104,32 +114,125 @@ def upload_slot(rt: Any, layout: SlotLayout, leaves: list[np.ndarray[Any, Any]],
             base = memory.alloc(total)
             slab = _KeptSlab(memory, base, total, layout.count, ring)
             memory.arrays.add(slab)
+            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                       for shape, dtype, offset, nbytes in layout.views]
+            slab.adopt(devices)
         else:
-            slab.reuse(layout.count)
             base = slab._ptr
-        devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
-                   for shape, dtype, offset, nbytes in layout.views]
-        slab.adopt(devices)
+            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                       for shape, dtype, offset, nbytes in layout.views]
+            slab.lend(devices)
         try:
-            reg = views.reg if views is not None else None
+            reg = views.reg
             if reg is None or reg._released:
                 registrations = routes.registrations
+                span = views.span
                 reg = registrations.covering(span[0], span[1]) if registrations.active else None
                 if reg is None:  # the ring was unpinned meanwhile: refused cleanly
                     raise TransferSubmitError("the loader's ring is no longer registered")
-                if views is not None:
-                    views.reg = reg
-            small_d = [base + offset for offset in layout.small_dst]
-            large = [(base + offset, src, nbytes) for (offset, nbytes), src in zip(layout.big_dst, big_s, strict=True)]
-            copy = batched_copy(backend, True, small_d, small_s, layout.small_n, large)
-            handle = _enqueue(rt, completion, True, stream, copy, layout.nbytes, leaves, devices, leaves,
-                              routes.direct.leases, [reg], None)
+                views.reg = reg
+            copies = views.copies
+            copy = copies.get(base)
+            if copy is None:
+                small_d = [base + offset for offset in layout.small_dst]
+                large = [(base + offset, src, nbytes)
+                         for (offset, nbytes), src in zip(layout.big_dst, views.big_src, strict=True)]
+                copy = batched_copy(completion.backend, True, small_d, views.small_src, layout.small_n, large)
+                if len(copies) >= _COPIES_KEPT:
+                    copies.clear()
+                copies[base] = copy
+            devs = tuple(devices)
+            hosts = views.hosts
+            record = completion.submit(stream, copy, 0, 0, layout.nbytes, devs, (), (hosts, devs))
+            # from here on nothing raises: the copies are queued (as _groups._enqueue)
+            leases = routes.direct.leases
+            spare = views.spare
+            if record.batch is not None:  # inside rt.batch(): a shared event
+                use: SlotUse = BatchedSlotUse(leases, hosts, reg, spare)
+            elif spare:
+                use = spare.pop()  # (released: every field as a new one's)
+                use.hosts, use.reg = hosts, reg
+                use.cleanups = use.own
+            else:
+                use = SlotUse(leases, hosts, reg, spare)
+            use.record = record
+            record.extra = use
+            leases.take_many(hosts)
+            reg._uses += 1
+            _mark(devices, True)
+            handle: Any = PendingUpload(completion, record)
         except BaseException:
             for device in devices:  # made for this batch, never handed out (an abandoned one stays so)
                 if device._state is OWNED:
                     device.close()
             raise
-    return handle, devices
+    return handle
+
+
+class SlotUse(Extras):
+    """The extras of a slot batch's record: its leases and its registration use, ended in one call when it
+    leaves flight, and the destinations a hand-off made owned again (ordered after the record: they forget it
+    when it settles, and are abandoned if its copies failed).
+
+    Its copies are proven by the record's own event (``own_event``: a wait spins on it inline and a settle
+    is one :meth:`release`); a failure, a retirement and a close run :attr:`cleanups`, which is
+    ``[self.release]``. Exactly what the group route's cleanups do (``_groups._enqueue``'s and
+    ``handed_back``'s), without a closure per batch. Once released without a failure it is the record's no
+    more and waits in its views' ``spare`` list for the slot's next batch (one that failed is not reused).
+    """
+
+    __slots__ = ("handed_views", "hosts", "leases", "own", "record", "reg", "spare")
+
+    own_event = True
+
+    def __init__(self, leases: Any, hosts: tuple[np.ndarray[Any, Any], ...], reg: Any, spare: list[SlotUse]) -> None:
+        super().__init__()
+        self.leases = leases
+        self.hosts: tuple[np.ndarray[Any, Any], ...] | None = hosts
+        self.reg = reg
+        self.spare = spare
+        self.record: Any = None
+        self.handed_views: tuple[list[Any], Any, Any] | None = None  # (device arrays, the record, its completion)
+        # every use's cleanups (a failure or a retirement swaps them out)
+        self.own: list[Callable[[bool], None]] = [self.release]
+        self.cleanups = self.own
+
+    def release(self, failed: bool) -> None:
+        """The record left flight (``failed``: its copies may have touched the leaves and the destinations
+        only in part): the handed destinations forget it (abandoned if it failed); the leaves' leases and the
+        registration use end, unless it failed (the device may still read them: read-only and in use). Once."""
+        hosts = self.hosts
+        if hosts is None:
+            return
+        self.hosts = None
+        handed = self.handed_views
+        if handed is not None:
+            self.handed_views = None
+            devices, record, completion = handed
+            for device in devices:
+                if device._ready is record:
+                    device._ready = None
+                if failed:  # its bytes never arrived, or partly
+                    completion.abandon(device)
+        if failed:
+            return
+        self.leases.give_many(hosts)
+        self.reg._uses -= 1
+        self.reg = None
+        record, self.record = self.record, None
+        if record is not None and record.extra is self:
+            record.extra = None  # the use is not that record's any more
+        if type(self) is SlotUse:
+            self.spare.append(self)
+
+
+class BatchedSlotUse(SlotUse):
+    """A slot batch's extras for a record submitted inside ``rt.batch()`` (a shared event: settled the general
+    way, which runs :attr:`cleanups`)."""
+
+    __slots__ = ()
+
+    own_event = False  # (never reused: made per record)
 
 
 def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
@@ -142,11 +245,74 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
     """
     devices: tuple[Any, ...] = handle.hand_off(stream)  # flushes, checks, orders ``stream`` after it
     with completion.lock:
-        handed_back(completion, handle._record, devices)
+        record = handle._record
+        use = record.extra
+        if isinstance(use, SlotUse) and use.hosts is not None and record.moved is devices:
+            handed = [d for d in devices if d._state is IN_FLIGHT]  # (handed_back's common case)
+            if handed:
+                for device in handed:
+                    device._state = OWNED
+                    device._ready = record
+                if len(handed) == len(devices):
+                    record.moved = ()
+                else:
+                    gone = {id(d) for d in handed}
+                    record.moved = tuple(o for o in devices if id(o) not in gone)
+                use.handed_views = (handed, record, completion)  # type: ignore[assignment]
+        else:
+            handed_back(completion, record, devices)
         if stream is not None and devices:
             first = devices[0]
             first._memory.note_stream(first._ptr, stream)  # the slab's: every view's free waits for it
     return devices
+
+
+def take_if_done(completion: Any, handle: Any) -> tuple[Any, ...] | None:
+    """A slot batch's destinations if its copies completed (never blocks), else None: ``handle.is_ready()``
+    and then ``handle.wait()``, in one step under the lock where the record is a plain live one.
+
+    As they do, it raises TransferFailedError if the device reported a failure (the group is abandoned),
+    RuntimeClosedError if the runtime refuses calls, FerryError if the handle was already waited.
+    """
+    record = handle._record
+    use = record.extra
+    if not handle._claimed and type(use) is SlotUse and record.event is not None:
+        with completion.lock:
+            if (record.done or record.error is not None or record.settled or completion.health.refusal is not None
+                    or record.extra is not use or use.handed_views is not None or record.leased
+                    or record not in completion.live):
+                result = None  # not the common case: the general way, below
+            else:
+                try:
+                    ready = completion.backend.event_query(record.event)
+                except DeviceError as exc:  # (as poll)
+                    completion.health.note(exc)
+                    completion.fail(record, exc)
+                    raise failed_error(record) from exc
+                if not ready:
+                    return None
+                record.done = True  # (mark_done: whoever sleeps on it is woken)
+                signal = record.signal
+                if signal is not None:
+                    signal.flag.set()
+                completion.live.remove(record)  # (as wait: settle and claim)
+                record.settled = True  # (Completion.settle of an own_event record, inline)
+                use.release(False)
+                completion.events.append(record.event)
+                record.event = None
+                for device in record.moved:  # (_give_back: the destinations owned again; nothing is leased)
+                    device._state = OWNED
+                completion.counts.completed += 1
+                record.claimed = True
+                handle._waited = handle._claimed = True
+                result = record.result
+        if result is not None:
+            if completion.cross_returns:
+                completion.flush_cross()
+            return result[1]  # type: ignore[no-any-return]
+    if not handle.is_ready():
+        return None
+    return handle.wait()[1]  # type: ignore[no-any-return]
 
 
 class DeviceRing:
@@ -163,14 +329,6 @@ class DeviceRing:
         """Device bytes kept for reuse now."""
         return sum(slab._nbytes for slab in list(self.kept) if slab.kept)
 
-    def keep(self, slab: _KeptSlab) -> bool:
-        """The last view of ``slab`` went: keep it (no device call; a finalizer may call this)."""
-        if self.closed:
-            return False
-        slab.kept = True
-        self.kept.append(slab)
-        return True
-
     def take(self, memory: Any, nbytes: int, stream: Any) -> _KeptSlab | None:
         """A kept slab of ``nbytes``, ``stream`` ordered after its consumers' work; None if there is none
         (a kept slab of another size, or one with unknown users, is freed as any dropped array is). Lock held."""
@@ -181,8 +339,8 @@ class DeviceRing:
                 continue
             users = memory.users.get(slab._ptr)
             slab.kept = False
-            if slab._nbytes != nbytes or (users is not None and users.unknown) or not _order_after(
-                    memory, users, stream):
+            if slab._nbytes != nbytes or (users is not None and (users.unknown or (
+                    users.streams and not _order_after(memory, users, stream)))):
                 memory.release(slab._ptr, slab._nbytes)
                 continue
             memory.users.pop(slab._ptr, None)
@@ -207,12 +365,17 @@ def _order_after(memory: Any, users: Any, stream: Any) -> bool:
         return True
     backend = memory.backend
     events = memory.events
+    # CUDA with the compiled calls (its events are raw handles): the wait is one compiled call too
+    wait_events = getattr(backend, "stream_wait_events", None)
     try:
         for handle in users.streams:
             event = events.pop() if events else backend.event_create()
             try:
                 backend.event_record(event, backend.stream_from_handle(handle))
-                backend.stream_wait_event(stream, event)
+                if wait_events is not None and type(event) is int:
+                    wait_events(stream, [event])
+                else:
+                    backend.stream_wait_event(stream, event)
             finally:
                 events.append(event)  # the wait is queued: the event may be recorded again
     except DeviceError as exc:
@@ -241,22 +404,35 @@ class _KeptSlab(DeviceSlab):
         self.kept = False
         super()._release_for_close()
 
-    def reuse(self, views: int) -> None:
-        """Lent again, for ``views`` new views (every earlier one went). Lock held."""
-        self._live = list(range(views))
-        self._views = []
-
-    def _home(self) -> DeviceRing | None:
-        return self.home() if self.home is not None else None
+    def lend(self, views: list[Any]) -> None:
+        """Lent again, to ``views`` (every earlier one went): they are counted and remembered anew. Lock held."""
+        self._live = list(range(len(views)))
+        self._views = list(map(weakref.ref, views))
 
     def release(self, ptr: int, nbytes: int) -> None:
-        if self._last():
-            ring = self._home()
-            if ring is None or not ring.keep(self):
-                self.memory.release(self._ptr, self._nbytes)
+        try:  # (_last inlined, as DeviceSlab's)
+            if self._live.pop():
+                return
+        except IndexError:  # closed with the runtime meanwhile
+            return
+        home = self.home
+        ring = home() if home is not None else None
+        if ring is None or ring.closed:
+            self.memory.release(self._ptr, self._nbytes)
+        else:  # kept by its ring (no device call: a finalizer may get here)
+            self.kept = True
+            ring.kept.append(self)
 
     def defer(self, ptr: int, nbytes: int) -> None:
-        if self._last():
-            ring = self._home()
-            if ring is None or not ring.keep(self):
-                self.memory.defer(self._ptr, self._nbytes)
+        try:  # (_last inlined, as DeviceSlab's: each view's finalizer makes this call)
+            if self._live.pop():
+                return
+        except IndexError:  # closed with the runtime meanwhile
+            return
+        home = self.home
+        ring = home() if home is not None else None
+        if ring is None or ring.closed:
+            self.memory.defer(self._ptr, self._nbytes)
+        else:  # kept by its ring (no device call: a finalizer may get here)
+            self.kept = True
+            ring.kept.append(self)
