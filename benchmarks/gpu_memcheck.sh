@@ -5,14 +5,17 @@
 # attaches to the real driver only), across WORKERS xdist processes (default 8), each under the sanitizer
 # (--target-processes all). Writes OUTDIR/memcheck.log (every process's report, concatenated) and
 # OUTDIR/pytest.log, and prints the error summaries: a clean run reads "ERROR SUMMARY: 0 errors" for each.
-# MEMCHECK_LIMIT=SECONDS interrupts the run after that long (the reports so far are still kept).
+# Driver calls that fail on purpose (the tests that exhaust device memory) are not reported as errors
+# (--report-api-errors no): the summaries count memory errors. A process stopped before its end writes no
+# report, so MEMCHECK_LIMIT=SECONDS (interrupt the run after that long) keeps only the finished ones; on an
+# H200 VM at 8 workers the whole selection takes about 15 minutes: pass test files to run it in parts.
 set -u
 out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
 mkdir -p "$out"; logs=$(mktemp -d)
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --target-processes all --log-file "$logs/%p.log" \
+${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes all --log-file "$logs/%p.log" \
   python3 -m pytest -q -p no:cacheprovider -n "$workers" -o faulthandler_timeout=300 --durations=10 \
   -k "not emulated" --ignore tests/test_packaging.py --ignore tests/test_stand_in_driver.py \
   --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
