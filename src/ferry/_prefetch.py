@@ -162,6 +162,8 @@ class Prefetcher:
         try:
             stream = self._consumer_stream()
             self._pace(stream)
+            if type(flight) is self._whole_flight:
+                return self._hand_over(flight, stream)
             devices, wait = self._hand_off(flight, stream)
             for i in wait:  # the watcher has been waiting for these in the background
                 devices[i] = flight.handles[i].wait()[1]
@@ -527,6 +529,13 @@ class Prefetcher:
         self._spare.clear()
         if events and not self._rt.closed:
             parts_of(self._rt).completion.events.extend(events)
+
+    _whole_flight: type | None = None
+    """A subclass's kind of flight that :meth:`_hand_over` hands over whole, in one call (None: none)."""
+
+    def _hand_over(self, flight: Any, stream: Any) -> Any:
+        """A flight of :attr:`_whole_flight`'s kind handed to ``stream`` and converted: the batch."""
+        raise NotImplementedError
 
     def _consumer_stream(self) -> Any:
         if self._stream is not None:

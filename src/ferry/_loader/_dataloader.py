@@ -439,6 +439,7 @@ class _LoaderPrefetcher(Prefetcher):
         super().__init__(source, depth, runtime, to, stream, _token=_TOKEN)
         self._engine = engine
         self._completion = parts_of(runtime).completion
+        self._whole_flight = _SlotFlight  # a slot batch: handed over in one call (_hand_over)
 
     def _take(self, fill: bool = True) -> _Flight:
         # the yielded batches whose copies completed are settled before the next batch is taken: the
@@ -489,29 +490,6 @@ class _LoaderPrefetcher(Prefetcher):
         """Backpressure on a yielded batch's upload: sleep until the runtime's watcher (asleep on the
         device, never polling) settles it."""
         handle.future().result()
-
-    def __next__(self) -> Any:
-        # Prefetcher.__next__ (the same steps, the same errors), a slot batch handed over in one call
-        flight: Any = self._take()
-        devices: Any = None
-        try:
-            stream = self._stream
-            if stream is None and self._to in ("torch", "cupy"):  # (_consumer_stream: None for the others)
-                stream = self._consumer_stream()
-            self._pace(stream)
-            if type(flight) is _SlotFlight:
-                return self._hand_over(flight, stream)
-            devices, wait = self._hand_off(flight, stream)
-            for i in wait:  # the watcher has been waiting for these in the background
-                devices[i] = flight.handles[i].wait()[1]
-            return self._finish(flight, devices, stream)
-        except BaseException as exc:
-            error = self._stopped_by(flight, exc)
-            if error is exc:
-                raise
-            raise error from exc
-        finally:
-            flight = devices = None  # a traceback may keep this frame: it must not keep the batch
 
     def _hand_off(self, flight: _Flight, stream: Any) -> tuple[list[Any], list[int]]:
         if type(flight) is not _SlotFlight:

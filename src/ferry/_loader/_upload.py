@@ -49,8 +49,8 @@ from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
 from .._pending import PendingUpload
 from .._records import failed_error
-from .._routes._groups import SMALL_BYTES, _check_open, _mark, batched_copy, handed_back
-from .._state import IN_FLIGHT, OWNED
+from .._routes._groups import SMALL_BYTES, _check_open, _mark, batched_copy, handed_back, owned_again
+from .._state import OWNED
 
 __all__: list[str] = []
 
@@ -248,16 +248,8 @@ def hand_off_slot(completion: Any, handle: Any, stream: Any) -> tuple[Any, ...]:
         record = handle._record
         use = record.extra
         if isinstance(use, SlotUse) and use.hosts is not None and record.moved is devices:
-            handed = [d for d in devices if d._state is IN_FLIGHT]  # (handed_back's common case)
+            handed = owned_again(record, devices)  # (handed_back, its forget done by the use's release)
             if handed:
-                for device in handed:
-                    device._state = OWNED
-                    device._ready = record
-                if len(handed) == len(devices):
-                    record.moved = ()
-                else:
-                    gone = {id(d) for d in handed}
-                    record.moved = tuple(o for o in devices if id(o) not in gone)
                 use.handed_views = (handed, record, completion)  # type: ignore[assignment]
         else:
             handed_back(completion, record, devices)
@@ -410,6 +402,14 @@ class _KeptSlab(DeviceSlab):
         self._views = list(map(weakref.ref, views))
 
     def release(self, ptr: int, nbytes: int) -> None:
+        self._gone(self.memory.release)
+
+    def defer(self, ptr: int, nbytes: int) -> None:
+        self._gone(self.memory.defer)  # (each view's finalizer makes this call)
+
+    def _gone(self, free: Callable[[int, int], None]) -> None:
+        """A view went: with the last one the slab is kept by its ring (no device call: a finalizer may get
+        here), or given to ``free`` (the memory's release, or its defer from a finalizer)."""
         try:  # (_last inlined, as DeviceSlab's)
             if self._live.pop():
                 return
@@ -418,21 +418,7 @@ class _KeptSlab(DeviceSlab):
         home = self.home
         ring = home() if home is not None else None
         if ring is None or ring.closed:
-            self.memory.release(self._ptr, self._nbytes)
-        else:  # kept by its ring (no device call: a finalizer may get here)
-            self.kept = True
-            ring.kept.append(self)
-
-    def defer(self, ptr: int, nbytes: int) -> None:
-        try:  # (_last inlined, as DeviceSlab's: each view's finalizer makes this call)
-            if self._live.pop():
-                return
-        except IndexError:  # closed with the runtime meanwhile
-            return
-        home = self.home
-        ring = home() if home is not None else None
-        if ring is None or ring.closed:
-            self.memory.defer(self._ptr, self._nbytes)
-        else:  # kept by its ring (no device call: a finalizer may get here)
+            free(self._ptr, self._nbytes)
+        else:
             self.kept = True
             ring.kept.append(self)

@@ -458,10 +458,9 @@ def _mark(devices: list[Any], upload: bool) -> None:
             device._leases += 1
 
 
-def handed_back(completion: Any, record: Any, devices: tuple[Any, ...]) -> None:
+def owned_again(record: Any, devices: tuple[Any, ...]) -> list[Any]:
     """A handed-off group's destinations still in flight become owned again, ordered after the group (their
-    ``ready`` its record, forgotten when it settles, abandoned if its copy failed), and leave the record's
-    moved objects. Lock held."""
+    ``ready`` its record), and leave the record's moved objects: the list of them. Lock held."""
     moved = record.moved
     if moved is devices:  # the common case (the group's own tuple): every one of them
         handed = [d for d in devices if d._state is IN_FLIGHT]
@@ -469,7 +468,7 @@ def handed_back(completion: Any, record: Any, devices: tuple[Any, ...]) -> None:
         ids = {id(o) for o in moved}
         handed = [d for d in devices if d._state is IN_FLIGHT and id(d) in ids]
     if not handed:
-        return
+        return handed
     for device in handed:
         device._state = OWNED
         device._ready = record
@@ -478,6 +477,15 @@ def handed_back(completion: Any, record: Any, devices: tuple[Any, ...]) -> None:
     else:
         gone = {id(d) for d in handed}
         record.moved = tuple(o for o in moved if id(o) not in gone)
+    return handed
+
+
+def handed_back(completion: Any, record: Any, devices: tuple[Any, ...]) -> None:
+    """:func:`owned_again`, and the record forgets them when it settles (their ``ready`` cleared; abandoned if
+    its copy failed). Lock held."""
+    handed = owned_again(record, devices)
+    if not handed:
+        return
 
     def forget(failed: bool) -> None:
         for device in handed:
