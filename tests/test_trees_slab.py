@@ -156,6 +156,53 @@ def test_host_sizes_answers_none_for_anything_but_exact_arrays(native: ferry.Run
         module.host_sizes([plain], 0)
 
 
+def _fail_at(fn: Any, call: int) -> Any:
+    """``fn``, raising MemoryError at its ``call``-th call (1-based)."""
+    seen = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        seen[0] += 1
+        if seen[0] == call:
+            raise MemoryError("out of memory (injected)")
+        return fn(*args, **kwargs)
+
+    return failing
+
+
+@pytest.mark.parametrize("where", ["compiled", "python views", "empty_many"])
+def test_a_fresh_slab_whose_views_fail_partway_is_freed(native: ferry.Runtime, monkeypatch: pytest.MonkeyPatch,
+                                                         where: str) -> None:
+    """No memory for the third view of a fresh tree's slab: the call raises MemoryError, the slab's allocation
+    is given back (the device bytes are as before), the host leaves stay owned and writable, and the same tree
+    then uploads."""
+    from ferry._routes import _groups
+
+    rt = native
+    tree = _tree(6)
+    gc.collect()
+    before = rt.stats().device_bytes
+    module = _native.load()
+    if where == "compiled":  # the compiled call refused partway (as a MemoryError from inside it)
+        monkeypatch.setattr(module, "slab_views", _fail_at(module.slab_views, 1))
+    else:  # the Python views: the compiled call declines, the third view fails
+        monkeypatch.setattr(module, "slab_views", lambda *args: None)
+        monkeypatch.setattr(_groups, "new_view", _fail_at(_groups.new_view, 3))
+    with pytest.raises(MemoryError):
+        if where == "empty_many":
+            _groups.empty_many(rt, [(a.shape, a.dtype) for a in tree.values()])
+        else:
+            rt.upload_tree(tree)
+    gc.collect()
+    rt.stats()  # (an ordinary call: deferred frees are done)
+    assert rt.stats().device_bytes == before
+    for leaf in tree.values():
+        assert leaf.flags.writeable
+        leaf[...] = 1
+    monkeypatch.undo()
+    _, dev = rt.upload_tree(tree).wait()
+    assert all(np.array_equal(rt.to_host(dev[k]), tree[k]) for k in tree)
+
+
 def test_handed_off_fresh_trees_dropped_before_they_settle_free_their_slabs(native: ferry.Runtime) -> None:
     # the views are untracked by the collector: a hand-off's record holding them must still let go of them
     from ferry import testing

@@ -164,9 +164,13 @@ def empty_many(rt: Any, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> l
             offsets, sizes, total = slab_layout(specs)
             base = memory.alloc(total)
             slab = DeviceSlab(memory, base, total, len(specs))
-            views = [new_view(rt, slab, base + off, shape, dtype, nbytes)
-                     for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
-            slab.adopt(views)
+            try:
+                views = [new_view(rt, slab, base + off, shape, dtype, nbytes)
+                         for (shape, dtype), off, nbytes in zip(specs, offsets, sizes, strict=True)]
+                slab.adopt(views)
+            except BaseException:
+                _unmade(slab)
+                raise
             memory.arrays.add(slab)
             return views
         try:
@@ -200,17 +204,29 @@ def empty_like_many(rt: Any, hosts: list[np.ndarray[Any, Any]]) -> list[DeviceAr
             completion.maintain()
         base = memory.alloc(total)
         slab = DeviceSlab(memory, base, total, len(hosts))
-        views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)  # adopted by the slab too
-        if views is None:
-            offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
-            views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
-                     for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
-            slab.adopt(views)
+        try:
+            views = module.slab_views(hosts, sizes, rt, slab, base, OWNED, 0)  # adopted by the slab too
+            if views is None:
+                offsets, _, _ = slab_layout([(h.shape, h.dtype) for h in hosts])
+                views = [new_view(rt, slab, base + off, h.shape, h.dtype, nbytes)
+                         for h, off, nbytes in zip(hosts, offsets, sizes, strict=True)]
+                slab.adopt(views)
+        except BaseException:
+            _unmade(slab)
+            raise
         memory.arrays.add(slab)
     return views  # type: ignore[no-any-return]
 
 
 _HOST_NBYTES = operator.attrgetter("nbytes")
+
+
+def _unmade(slab: DeviceSlab) -> None:
+    """A fresh slab whose views could not all be made (a refusal or no memory partway): the ones made died
+    with the failure without being the last, so the allocation is freed here, once. Lock held."""
+    if slab._live:  # (every view made and gone would have freed it already)
+        slab._live.clear()  # closed: a view that outlived the failure frees nothing more
+        slab.memory.release(slab._ptr, slab._nbytes)
 
 
 def _check_open(rt: Any) -> None:
