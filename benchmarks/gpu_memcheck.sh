@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The suite's CUDA tests under compute-sanitizer's memcheck, from the source tree, on a GPU machine.
-# Usage: benchmarks/gpu_memcheck.sh OUTDIR [WORKERS] [PYTEST_ARGS...]
+# Usage: benchmarks/gpu_memcheck.sh OUTDIR [WORKERS [PYTEST_ARGS...]]   (test files come after WORKERS)
 # Runs every test but the emulated-device cases and those that load the stand-in driver (a sanitizer
 # attaches to the real driver only), across WORKERS xdist processes (default 8), each under the sanitizer
 # (--target-processes all). Writes OUTDIR/memcheck.log (every process's report, concatenated) and
@@ -9,6 +9,7 @@
 # (--report-api-errors no): the summaries count memory errors. A process stopped before its end writes no
 # report, so MEMCHECK_LIMIT=SECONDS (interrupt the run after that long) keeps only the finished ones; on an
 # H200 VM at 8 workers the whole selection takes about 15 minutes: pass test files to run it in parts.
+# Exit status: pytest's, or 1 where a report counts errors (a -k of your own replaces "not emulated").
 set -u
 out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
 mkdir -p "$out"; logs=$(mktemp -d)
@@ -27,4 +28,5 @@ cat "$logs"/*.log >"$out/memcheck.log" 2>/dev/null
 echo "pytest rc=$rc"; tail -3 "$out/pytest.log"
 echo "processes: $(ls "$logs" | wc -l)"; grep -h "ERROR SUMMARY" "$out/memcheck.log" | sort | uniq -c
 rm -rf "$logs"
+if grep -h "ERROR SUMMARY" "$out/memcheck.log" | grep -qv "ERROR SUMMARY: 0 errors"; then exit 1; fi
 exit $rc

@@ -6,6 +6,7 @@ Datasets are defined at module level so that spawn workers can import them.
 
 from __future__ import annotations
 
+import gc
 import select
 import threading
 import time
@@ -596,6 +597,66 @@ def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.
         del views
         plan.views.clear()
         ring.release(timeout=1.0)
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["fresh slab", "reused slab"])
+def test_a_slot_upload_whose_views_fail_partway_leaks_no_device_memory(rt: ferry.Runtime, reused: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """No memory for a slot batch's second device view: the upload raises MemoryError; a fresh slab's
+    allocation is given back, a slab lent by the device ring goes back to the ring (and is freed with it),
+    and the next upload from the slot is right."""
+    from ferry._loader import _upload
+    from ferry._loader._dataloader import _Plan
+    from ferry._loader._upload import DeviceRing
+    from ferry._memory._ring import Ring
+
+    ring = Ring(rt)
+    ring.size(1 << 16, 2)
+    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
+    views = plan.slot(ring, 1)
+    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    views.leaves[1][...] = [7, 8, 9, 10]
+    device_ring = DeviceRing()
+    memory = parts_of(rt).memory
+    try:
+        gc.collect()
+        before = rt.stats().device_bytes
+        if reused:  # a batch dropped: its slab kept by the device ring for the next one
+            handle = upload_views(rt, views, device_ring)
+            handle.wait()
+            del handle
+            gc.collect()
+            assert [slab.kept for slab in device_ring.kept] == [True]
+        real, calls = _upload.new_view, [0]
+
+        def failing(*args: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise MemoryError("out of memory (injected)")
+            return real(*args)
+
+        monkeypatch.setattr(_upload, "new_view", failing)
+        with pytest.raises(MemoryError):
+            upload_views(rt, views, device_ring)
+        monkeypatch.undo()
+        gc.collect()
+        held = rt.stats().device_bytes - before
+        if reused:
+            assert [slab.kept for slab in device_ring.kept] == [True]  # back in the ring, lent to no one
+            assert held == device_ring.kept[0]._nbytes
+        else:
+            assert held == 0 and not device_ring.kept
+        _, devices = upload_views(rt, views, device_ring).wait()
+        assert np.array_equal(rt.to_host(devices[0]), views.leaves[0])
+        assert rt.to_host(devices[1]).tolist() == [7, 8, 9, 10]
+        del devices
+    finally:
+        device_ring.close(memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+    gc.collect()
+    assert rt.stats().device_bytes == before
 
 
 def test_waiting_for_a_slot_sleeps_until_the_oldest_copy_completes(rt: ferry.Runtime, leaks: _Baseline,

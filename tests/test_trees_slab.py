@@ -152,8 +152,11 @@ def test_host_sizes_answers_none_for_anything_but_exact_arrays(native: ferry.Run
         assert module.host_sizes([plain, odd], ALIGN) is None
     with pytest.raises(TypeError):
         module.host_sizes((plain,), ALIGN)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError):
         module.host_sizes([plain], 0)
+    huge = np.broadcast_to(np.zeros(1, np.uint8), (1 << 62,))  # (a view: no memory behind it)
+    with pytest.raises(OverflowError):
+        module.host_sizes([huge] * 4 + [plain], ALIGN)
 
 
 def _fail_at(fn: Any, call: int) -> Any:
@@ -169,7 +172,7 @@ def _fail_at(fn: Any, call: int) -> Any:
     return failing
 
 
-@pytest.mark.parametrize("where", ["compiled", "python views", "empty_many"])
+@pytest.mark.parametrize("where", ["compiled call refused", "python views", "empty_many"])
 def test_a_fresh_slab_whose_views_fail_partway_is_freed(native: ferry.Runtime, monkeypatch: pytest.MonkeyPatch,
                                                          where: str) -> None:
     """No memory for the third view of a fresh tree's slab: the call raises MemoryError, the slab's allocation
@@ -182,7 +185,7 @@ def test_a_fresh_slab_whose_views_fail_partway_is_freed(native: ferry.Runtime, m
     gc.collect()
     before = rt.stats().device_bytes
     module = _native.load()
-    if where == "compiled":  # the compiled call refused partway (as a MemoryError from inside it)
+    if where == "compiled call refused":  # the compiled call refuses (MemoryError), before any view
         monkeypatch.setattr(module, "slab_views", _fail_at(module.slab_views, 1))
     else:  # the Python views: the compiled call declines, the third view fails
         monkeypatch.setattr(module, "slab_views", lambda *args: None)

@@ -49,7 +49,15 @@ from .._errors import TransferSubmitError
 from .._memory._slab import DeviceSlab, slab_layout
 from .._pending import PendingUpload
 from .._records import failed_error
-from .._routes._groups import SMALL_BYTES, _check_open, _mark, batched_copy, handed_back, owned_again
+from .._routes._groups import (
+    SMALL_BYTES,
+    _check_open,
+    _mark,
+    _unmade,
+    batched_copy,
+    handed_back,
+    owned_again,
+)
 from .._state import OWNED
 
 __all__: list[str] = []
@@ -113,14 +121,23 @@ def upload_views(rt: Any, views: Any, ring: DeviceRing | None = None) -> Any:
         if slab is None:
             base = memory.alloc(total)
             slab = _KeptSlab(memory, base, total, layout.count, ring)
+            try:
+                devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                           for shape, dtype, offset, nbytes in layout.views]
+            except BaseException:  # (no memory partway: the views made died, not the last)
+                _unmade(slab)
+                raise
             memory.arrays.add(slab)
-            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
-                       for shape, dtype, offset, nbytes in layout.views]
             slab.adopt(devices)
         else:
             base = slab._ptr
-            devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
-                       for shape, dtype, offset, nbytes in layout.views]
+            try:
+                devices = [new_view(rt, slab, base + offset, shape, dtype, nbytes)
+                           for shape, dtype, offset, nbytes in layout.views]
+            except BaseException:  # back in its ring, lent to no one (the views made died unlent)
+                slab.kept = True
+                ring.kept.append(slab)  # type: ignore[union-attr]
+                raise
             slab.lend(devices)
         try:
             reg = views.reg

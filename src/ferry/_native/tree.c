@@ -476,7 +476,7 @@ failed:
  * element count, as ndarray.nbytes) and the bytes they span back to back, each at a multiple of align (an empty
  * one takes align bytes too), as ferry._memory._slab.slab_layout counts them. None where a host is not an exact
  * numpy.ndarray (the caller then asks each array). The itemsize is asked of each distinct dtype object once, in a
- * row: a tree's leaves share a few.
+ * row: a tree's leaves share a few. OverflowError where the span passes 2**64 bytes.
  */
 PyObject *mod_host_sizes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 2, "host_sizes")) return NULL;
@@ -484,8 +484,12 @@ PyObject *mod_host_sizes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     PyObject *hosts = args[0];
     unsigned long long align = PyLong_AsUnsignedLongLong(args[1]);
     if (align == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    if (!PyList_Check(hosts) || align == 0) {
-        PyErr_SetString(PyExc_TypeError, "host_sizes: hosts must be a list and align > 0");
+    if (!PyList_Check(hosts)) {
+        PyErr_SetString(PyExc_TypeError, "host_sizes: hosts must be a list");
+        return NULL;
+    }
+    if (align == 0) {
+        PyErr_SetString(PyExc_ValueError, "host_sizes: align must be > 0");
         return NULL;
     }
     if (!st->ndarray_type) Py_RETURN_NONE;
@@ -517,7 +521,13 @@ PyObject *mod_host_sizes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
         PyList_SetItem(sizes, i, v);
-        total += ((nbytes ? nbytes : 1) + align - 1) / align * align;
+        unsigned long long span = ((nbytes ? nbytes : 1) + align - 1) / align * align;
+        if (span < nbytes || span > ULLONG_MAX - total) { /* no slab spans that much */
+            Py_DECREF(sizes);
+            PyErr_SetString(PyExc_OverflowError, "host_sizes: the arrays span more than 2**64 bytes");
+            return NULL;
+        }
+        total += span;
     }
     PyObject *t = PyLong_FromUnsignedLongLong(total);
     PyObject *out = t ? PyTuple_Pack(2, sizes, t) : NULL;
