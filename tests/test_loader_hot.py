@@ -6,10 +6,12 @@ Datasets are defined at module level so that spawn workers can import them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import select
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -559,22 +561,30 @@ def test_a_batch_whose_copies_completed_before_its_turn_is_handed_over_settled(r
     assert all(settled[2:]), settled  # (the first ones may still be copying when they are handed over)
 
 
-def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.Runtime) -> None:
-    """A slot's registration is kept between its batches; once the ring was unpinned, the next upload from
-    that slot is refused (TransferSubmitError), nothing of it enqueued or left allocated, its views
-    untouched; an upload before that one went through the kept registration as the first did."""
-    from ferry._loader._dataloader import _Plan
+@contextlib.contextmanager
+def _filled_slot(rt: ferry.Runtime) -> Iterator[tuple[Any, Any]]:
+    """:func:`_one_slot`'s views filled (arange, and 7 to 10) and a device ring: ``(views, device_ring)``;
+    all released after."""
     from ferry._loader._upload import DeviceRing
-    from ferry._memory._ring import Ring
 
-    ring = Ring(rt)
-    ring.size(1 << 16, 2)
-    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
-    views = plan.slot(ring, 1)
+    ring, plan, views = _one_slot(rt)
     views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
     views.leaves[1][...] = [7, 8, 9, 10]
     device_ring = DeviceRing()
     try:
+        yield views, device_ring
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+
+
+def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.Runtime) -> None:
+    """A slot's registration is kept between its batches; once the ring was unpinned, the next upload from
+    that slot is refused (TransferSubmitError), nothing of it enqueued or left allocated, its views
+    untouched; an upload before that one went through the kept registration as the first did."""
+    with _filled_slot(rt) as (views, device_ring):
         for _ in range(2):
             handle = upload_views(rt, views, device_ring)
             _, devices = handle.wait()
@@ -592,11 +602,6 @@ def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.
         assert after.device_bytes == before.device_bytes
         assert views.reg is registration and not registration.active
         assert views.leaves[1].tolist() == [7, 8, 9, 10]
-    finally:
-        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
-        del views
-        plan.views.clear()
-        ring.release(timeout=1.0)
 
 
 @pytest.mark.parametrize("reused", [False, True], ids=["fresh slab", "reused slab"])
@@ -606,19 +611,8 @@ def test_a_slot_upload_whose_views_fail_partway_leaks_no_device_memory(rt: ferry
     allocation is given back, a slab lent by the device ring goes back to the ring (and is freed with it),
     and the next upload from the slot is right."""
     from ferry._loader import _upload
-    from ferry._loader._dataloader import _Plan
-    from ferry._loader._upload import DeviceRing
-    from ferry._memory._ring import Ring
 
-    ring = Ring(rt)
-    ring.size(1 << 16, 2)
-    plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
-    views = plan.slot(ring, 1)
-    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
-    views.leaves[1][...] = [7, 8, 9, 10]
-    device_ring = DeviceRing()
-    memory = parts_of(rt).memory
-    try:
+    with _filled_slot(rt) as (views, device_ring):
         gc.collect()
         before = rt.stats().device_bytes
         if reused:  # a batch dropped: its slab kept by the device ring for the next one
@@ -649,12 +643,7 @@ def test_a_slot_upload_whose_views_fail_partway_leaks_no_device_memory(rt: ferry
         _, devices = upload_views(rt, views, device_ring).wait()
         assert np.array_equal(rt.to_host(devices[0]), views.leaves[0])
         assert rt.to_host(devices[1]).tolist() == [7, 8, 9, 10]
-        del devices
-    finally:
-        device_ring.close(memory, parts_of(rt).lock)
-        del views
-        plan.views.clear()
-        ring.release(timeout=1.0)
+        del devices, views
     gc.collect()
     assert rt.stats().device_bytes == before
 
