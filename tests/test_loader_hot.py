@@ -561,30 +561,12 @@ def test_a_batch_whose_copies_completed_before_its_turn_is_handed_over_settled(r
     assert all(settled[2:]), settled  # (the first ones may still be copying when they are handed over)
 
 
-@contextlib.contextmanager
-def _filled_slot(rt: ferry.Runtime) -> Iterator[tuple[Any, Any]]:
-    """:func:`_one_slot`'s views filled (arange, and 7 to 10) and a device ring: ``(views, device_ring)``;
-    all released after."""
-    from ferry._loader._upload import DeviceRing
-
-    ring, plan, views = _one_slot(rt)
-    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
-    views.leaves[1][...] = [7, 8, 9, 10]
-    device_ring = DeviceRing()
-    try:
-        yield views, device_ring
-    finally:
-        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
-        del views
-        plan.views.clear()
-        ring.release(timeout=1.0)
-
-
 def test_a_slot_upload_after_the_ring_was_unpinned_is_refused_cleanly(rt: ferry.Runtime) -> None:
     """A slot's registration is kept between its batches; once the ring was unpinned, the next upload from
     that slot is refused (TransferSubmitError), nothing of it enqueued or left allocated, its views
     untouched; an upload before that one went through the kept registration as the first did."""
-    with _filled_slot(rt) as (views, device_ring):
+    with _one_slot(rt) as (views, device_ring):
+        _fill(views)
         for _ in range(2):
             handle = upload_views(rt, views, device_ring)
             _, devices = handle.wait()
@@ -612,7 +594,8 @@ def test_a_slot_upload_whose_views_fail_partway_leaks_no_device_memory(rt: ferry
     and the next upload from the slot is right."""
     from ferry._loader import _upload
 
-    with _filled_slot(rt) as (views, device_ring):
+    with _one_slot(rt) as (views, device_ring):
+        _fill(views)
         gc.collect()
         before = rt.stats().device_bytes
         if reused:  # a batch dropped: its slab kept by the device ring for the next one
@@ -692,15 +675,32 @@ def test_waiting_for_a_slot_sleeps_until_the_oldest_copy_completes(rt: ferry.Run
     assert first + rest == list(range(0, 32, 4))
 
 
-def _one_slot(rt: ferry.Runtime) -> Any:
-    """A two-slot ring and the views of its slot 1 for a (4 x 8 float32, 4 int64) layout."""
+@contextlib.contextmanager
+def _one_slot(rt: ferry.Runtime) -> Iterator[tuple[Any, Any]]:
+    """A two-slot ring, the views of its slot 1 for a (4 x 8 float32, 4 int64) layout and a device ring:
+    ``(views, device_ring)``; all released after."""
     from ferry._loader._dataloader import _Plan
+    from ferry._loader._upload import DeviceRing
     from ferry._memory._ring import Ring
 
     ring = Ring(rt)
     ring.size(1 << 16, 2)
     plan = _Plan((("l", [("a", 0), ("a", 1)]), [("float32", (4, 8), 0), ("int64", (4,), 256)]))
-    return ring, plan, plan.slot(ring, 1)
+    views = plan.slot(ring, 1)
+    device_ring = DeviceRing()
+    try:
+        yield views, device_ring
+    finally:
+        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
+        del views
+        plan.views.clear()
+        ring.release(timeout=1.0)
+
+
+def _fill(views: Any) -> None:
+    """The slot's leaves: arange(32) as 4 x 8, and 7 to 10."""
+    views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    views.leaves[1][...] = [7, 8, 9, 10]
 
 
 def _nothing_held(rt: ferry.Runtime, views: Any) -> bool:
@@ -724,12 +724,10 @@ def test_a_slot_batch_is_taken_settled_once_its_copies_completed_and_only_then(r
     completed, the batch's device arrays (right, owned, tied to no copy), the handle waited (a wait() raises),
     the leaves' leases and the registration use ended; the next batch from the same slot does the same."""
     from ferry._errors import FerryError
-    from ferry._loader._upload import DeviceRing, take_if_done
+    from ferry._loader._upload import take_if_done
 
-    ring, plan, views = _one_slot(rt)
     completion = parts_of(rt).completion
-    device_ring = DeviceRing()
-    try:
+    with _one_slot(rt) as (views, device_ring):
         for k in range(3):
             views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8) + k
             views.leaves[1][...] = [k, k + 1, k + 2, k + 3]
@@ -747,24 +745,17 @@ def test_a_slot_batch_is_taken_settled_once_its_copies_completed_and_only_then(r
                 handle.wait()
             assert _nothing_held(rt, views)
             del x, y, handle
-    finally:
-        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
-        del views
-        plan.views.clear()
-        ring.release(timeout=1.0)
 
 
 def test_a_slot_batch_handed_off_before_its_copies_completed_forgets_them_once_settled(rt: ferry.Runtime) -> None:
     """hand_off_slot while the copies run: every array is owned at once, tied to the batch's copies (a
     close() is refused until they completed); once the batch is waited they are tied to nothing, right,
     and the leases and the registration use ended."""
-    from ferry._loader._upload import DeviceRing, hand_off_slot
+    from ferry._loader._upload import hand_off_slot
 
-    ring, plan, views = _one_slot(rt)
     completion = parts_of(rt).completion
-    device_ring = DeviceRing()
     stream = testing.side_stream(rt)
-    try:
+    with _one_slot(rt) as (views, device_ring):
         views.leaves[0][...] = np.arange(32, dtype=np.float32).reshape(4, 8)
         views.leaves[1][...] = [7, 8, 9, 10]
         with testing.hold(rt, "upload"):
@@ -781,11 +772,6 @@ def test_a_slot_batch_handed_off_before_its_copies_completed_forgets_them_once_s
         backend = testing.backend_of(rt)
         backend.stream_synchronize(backend.stream_from_handle(stream))
         del x, y, handle
-    finally:
-        device_ring.close(parts_of(rt).memory, parts_of(rt).lock)
-        del views
-        plan.views.clear()
-        ring.release(timeout=1.0)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
