@@ -915,7 +915,6 @@ class _Engine:
         sized = ring.sized
         limit = self.workers * self.prefetch_factor if sized else 1
         factor, per_worker, pending, fds = self.prefetch_factor, state.per_worker, state.pending, self.task_fds
-        table = self.table
         state.starved = False
         while not state.exhausted and state.outstanding < limit and state.death is None:
             active = state.active
@@ -927,10 +926,7 @@ class _Engine:
                 return
             slot = None
             if sized:
-                slot = table.take(worker, state.next_task)  # (_take_slot, inline: once per batch)
-                if slot is None and ask and self.inflight:
-                    self._reclaim()
-                    slot = table.take(worker, state.next_task)
+                slot = self._take_slot(worker, state.next_task, ask)
                 if slot is None:
                     state.starved = True  # a worker could start a batch: waits wake up to free a slot
                     return

@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._slab import ALIGN, aligned_offsets
+
 if TYPE_CHECKING:
     from ._pinned import PinnedPool
 
 __all__: list[str] = []
-
-ALIGN = 256
-"""Where each of several arrays sharing one block starts (a multiple of this many bytes)."""
 
 FEW_RANGES = 16
 """:meth:`PinnedLeaves.covering_many` searches up to this many ranges one by one."""
@@ -216,11 +215,7 @@ def layout(sizes: list[int]) -> tuple[list[int], int]:
     if not sizes:
         return [], 0
     if len(sizes) <= FEW_SIZES:  # a few: a loop costs less than the arrays
-        offsets, total = [], 0
-        for nbytes in sizes:
-            offsets.append(total)
-            total += -(-max(nbytes, 1) // ALIGN) * ALIGN
-        return offsets, total
+        return aligned_offsets(sizes)
     spans = (np.maximum(np.array(sizes, np.int64), 1) + (ALIGN - 1)) // ALIGN * ALIGN
     ends = np.cumsum(spans)
     return (ends - spans).tolist(), int(ends[-1])

@@ -127,9 +127,16 @@ class DeviceSlab:
 def slab_layout(specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> tuple[list[int], list[int], int]:
     """Each array's offset and size in a slab for ``(shape, dtype)`` pairs, and the slab's size."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    offsets, total = aligned_offsets(sizes)
+    return offsets, sizes, total
+
+
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of arrays of ``sizes`` bytes placed back to back, each at a multiple of :data:`ALIGN` (an empty
+    one takes ALIGN bytes too: no two views share an address), and the bytes they span."""
     offsets: list[int] = []
     total = 0
     for nbytes in sizes:
         offsets.append(total)
-        total += -(-max(nbytes, 1) // ALIGN) * ALIGN  # an empty array too: no two views share an address
-    return offsets, sizes, total
+        total += -(-max(nbytes, 1) // ALIGN) * ALIGN
+    return offsets, total
