@@ -911,11 +911,12 @@ class Completion:
     def settle(self, record: Record) -> None:
         """A waited record: publish, run its cleanups, hand every object back owned. Lock held.
 
-        The caller has taken it out of ``live``; runs once per record.
+        The caller has taken it out of ``live``; runs once per record. A publication that raises (a download's
+        copy-out) leaves it unsettled, as the compiled settle does.
         """
-        record.settled = True
         extra = record.extra
         if extra is None:
+            record.settled = True
             shared = record.shared
             if shared is None:
                 self.events.append(record.event)
@@ -925,17 +926,18 @@ class Completion:
                 if shared.users == 0:
                     self.events.append(shared.event)
             record.event = None
-        elif extra is not None and extra.own_event and extra.handed is None:  # a small-route slot: one call
+        elif extra.own_event and extra.handed is None:  # a small-route slot: one call
             if extra.finish is not None:
                 extra.finish()
+            record.settled = True
             extra.release(False)
             self.events.append(record.event)
             record.event = None
         else:
-            if extra is not None:
-                if extra.finish is not None:
-                    extra.finish()
-                self._release_extras(record, failed=False)
+            if extra.finish is not None:
+                extra.finish()
+            record.settled = True
+            self._release_extras(record, failed=False)
             self._recycle_event(record)
         _give_back(record.moved, record.leased)
         self.counts.completed += 1
