@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 import ferry
+import ferry._trees as ferry_trees
 from conftest import eventually as wait_for
 from ferry import _native, testing
 from ferry._memory._leaves import FEW_RANGES
 from ferry._runtime import parts_of
+from ferry._state import OWNED
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -408,3 +410,81 @@ def test_the_compiled_leaf_helpers_change_nothing_when_refused(emu: ferry.Runtim
     assert module.slab_views([np.zeros(3), memoryview(b"abc")], [24, 3], rt, None, 1 << 20, "owned", 0) is None
     with pytest.raises(TypeError):
         module.slab_views([np.zeros(3)], ["24"], rt, None, 1 << 20, "owned", 0)
+
+
+def test_a_pinned_offload_queues_its_copies_before_it_makes_the_leaves(
+    any_native: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = any_native
+    state = _state(12, 64 * KiB + 5, 31)
+    _, device = rt.upload_tree(state).wait()
+    submitted = rt.stats().submitted
+    seen: list[int] = []
+    made = ferry_trees.views
+
+    def views(*args: Any) -> Any:
+        seen.append(rt.stats().submitted)  # the copy is queued by the time the leaves are made
+        return made(*args)
+
+    monkeypatch.setattr(ferry_trees, "views", views)
+    _, host = rt.download_tree(device, pinned=True).wait()
+    assert seen == [submitted + 1]
+    assert all(np.array_equal(host[k], v) for k, v in state.items())
+    leaves = parts_of(rt).host.pinned_leaves
+    ptrs = [a.ctypes.data for a in host.values()]
+    assert all(leaves.covering(p, a.nbytes) is not None for p, a in zip(ptrs, host.values(), strict=True))
+    assert len({leaves.covering(p, 1) for p in ptrs}) == 1  # one block for the tree
+
+
+def test_a_pinned_offload_whose_leaves_cannot_be_made_publishes_nothing_and_keeps_the_sources(
+    any_native: ferry.Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = any_native
+    state = _state(6, 32 * KiB, 37)
+    _, device = rt.upload_tree(state).wait()
+    leaves = parts_of(rt).host.pinned_leaves
+    live = leaves.live_bytes
+
+    def views(*args: Any) -> Any:
+        raise MemoryError("no memory for the views")
+
+    monkeypatch.setattr(ferry_trees, "views", views)
+    with pytest.raises(ferry.TransferSubmitError, match="could not make the tree's 6 host leaves"):
+        rt.download_tree(device, pinned=True)
+    monkeypatch.undo()
+    gc.collect()
+    assert leaves.live_bytes == live  # the block went back once its copy was waited
+    assert rt.stats().in_flight == 0
+    assert all(d.state == "owned" for d in device.values())  # the sources are owned and usable
+    _, back = rt.download_tree(device, pinned=True).wait()
+    assert all(np.array_equal(back[k], v) for k, v in state.items())
+
+
+def test_device_pieces_answers_what_leaf_pieces_answers_for_the_same_layout(emu: ferry.Runtime) -> None:
+    module = _native.load()
+    if module is None:
+        pytest.skip("the compiled extension is not built here")
+    rt = emu
+    state = _state(5, 3 * KiB + 1, 41)
+    _, device = rt.upload_tree(state).wait()
+    _, host = rt.download_tree(device, pinned=True).wait()
+    devices, hosts = list(device.values()), list(host.values())
+    base = min(a.ctypes.data for a in hosts)
+    offsets = [a.ctypes.data - base for a in hosts]
+    want = module.leaf_pieces(hosts, devices, rt, OWNED, False)
+    assert want is not None and module.device_pieces(devices, rt, OWNED, base, offsets) == want
+    assert module.device_pieces([], rt, OWNED, base, []) == (b"", 0)
+    # not the common case: None, nothing changed
+    assert module.device_pieces([*devices[:2], "no array"], rt, OWNED, base, offsets[:3]) is None
+    assert module.device_pieces(devices, object(), OWNED, base, offsets) is None  # another runtime's
+    assert module.device_pieces(devices, rt, OWNED, base, [*offsets[:4], "x"]) is None
+    assert module.device_pieces(devices, rt, OWNED, base, [*offsets[:4], -1]) is None
+    assert module.device_pieces(devices, rt, OWNED, 2**64 - 8, offsets) is None  # past the address space
+    devices[1].close()
+    assert module.device_pieces(devices, rt, OWNED, base, offsets) is None  # closed
+    with pytest.raises(TypeError):
+        module.device_pieces(devices, rt, OWNED, base, offsets[:2])
+    with pytest.raises(TypeError):
+        module.device_pieces(tuple(devices), rt, OWNED, base, offsets)
+    with pytest.raises(OverflowError):
+        module.device_pieces(devices, rt, OWNED, -1, offsets)

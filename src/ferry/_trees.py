@@ -63,6 +63,7 @@ from ._routes._groups import (
     empty_many,
     gc_paused,
     pieces_ready,
+    submit_into_block,
     submit_pieces,
     submit_pinned,
     submit_small,
@@ -677,12 +678,17 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
         _, outs, theirs = _flatten_host(call, out)
         _same_paths(call, paths, theirs, "out")
     missing = out is None
-    # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
-    if pinned and _all_device_arrays(sources):  # pooled pinned
-        outs = _pinned_outputs(rt, call, paths, sources)  # leaves, then one record
+    fast = None
+    many = len(sources) > 1 and pieces_ready(rt, False)
+    if pinned and many:  # pooled pinned, the common tree: the copies queued first, the leaves made meanwhile
+        fast = _pinned_tree(rt, call, sources)
+        missing = fast is None
+    if fast is None and pinned and _all_device_arrays(sources):  # pooled pinned: leaves, then one record
+        outs = _pinned_outputs(rt, call, paths, sources)
         missing = False
-    fast = (_submit_pieces(rt, False, outs, sources, missing, fresh_outputs=out is None)
-            if len(sources) > 1 and pieces_ready(rt, False) else None)
+    # every leaf checked in one compiled call: one job for all of them, or None (then the checks below)
+    if fast is None and many:
+        fast = _submit_pieces(rt, False, outs, sources, missing, fresh_outputs=out is None)
     if fast is None:
         for path, device in zip(paths, sources, strict=True):
             _check_device(rt, call, path, device, write=False)
@@ -718,14 +724,62 @@ def _download_tree(rt: Any, tree: Any, out: Any, pinned: bool) -> PendingDownloa
     return PendingDownload(PORT, record)  # type: ignore[arg-type]
 
 
+def _pinned_tree(rt: Any, call: str, sources: list[Any]) -> Any:
+    """A download of ferry device arrays into the leaves of one pooled pinned block, its copies queued before
+    the leaves are made (their views cost about what queuing does, and now run behind the DMAs): the
+    handle, whose result holds the leaves, or None where a leaf is not the common case (nothing changed,
+    nothing kept)."""
+    found = _device_specs(sources)
+    if found is None:
+        return None
+    specs, sizes, total = found
+    leaves = rt._parts.host.pinned_leaves
+    _maintain(rt)
+    try:
+        held = leaves.block(sizes)
+    except (MemoryError, ValueError, DeviceError) as exc:
+        raise _no_pinned(rt, call, f"{len(specs)} leaves, {total} bytes", exc) from exc
+    made: list[Any] = [held.base]  # the record's host side: the block stays the copy's until it is resolved
+    try:
+        handle = submit_into_block(rt, sources, held.leaf.ptr, held.offsets, held.leaf, made)
+    except BaseException:
+        held.give_back()
+        raise
+    if handle is None:
+        held.give_back()
+        return None
+    try:
+        made[:] = views(held.base, specs, held.offsets, sizes)
+    except BaseException as exc:  # no host memory for the leaves: the copy is waited (it writes the block) and dropped
+        with contextlib.suppress(TransferFailedError):  # (a failed copy keeps the block: never reused)
+            handle.wait()
+        raise TransferSubmitError(f"{call}: could not make the tree's {len(specs)} host leaves ({exc!r}); its copy "
+                                  "was waited and dropped: nothing was published") from exc
+    return handle
+
+
+def _maintain(rt: Any) -> None:
+    """Free or reuse the pinned blocks that collected leaves gave back, when any maintenance is due."""
+    completion = rt._completion
+    with rt._lock:
+        if completion.maintenance_due():
+            completion.maintain()
+
+
+def _no_pinned(rt: Any, call: str, what: str, exc: BaseException) -> TransferSubmitError:
+    """The refusal for a tree whose pinned leaves could not be had (``exc``: the pool's error)."""
+    if isinstance(exc, DeviceError):
+        rt._health.note(exc)
+        return TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
+                                   "nothing was submitted")
+    return TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was submitted")
+
+
 def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any]) -> list[np.ndarray[Any, Any]]:
     """A pooled pinned array for every leaf (all or none: on a refusal the ones made are dropped)."""
     specs: list[tuple[tuple[int, ...], np.dtype[Any]]]
     leaves = rt._parts.host.pinned_leaves
-    completion = rt._completion
-    with rt._lock:
-        if completion.maintenance_due():  # blocks given back by collected leaves are freed or reused first
-            completion.maintain()
+    _maintain(rt)  # blocks given back by collected leaves are freed or reused first
     sizes: list[int] | None = None
     found = _device_specs(sources)
     if found is not None:  # the common tree: no per-leaf call
@@ -744,13 +798,8 @@ def _pinned_outputs(rt: Any, call: str, paths: Sequence[Path], sources: list[Any
     what = f"{len(specs)} leaves, {total} bytes"
     try:
         made = leaves.shared(specs, sizes) if len(specs) > 1 else leaves.arrays(specs)  # a tree: one block
-    except (MemoryError, ValueError) as exc:
-        raise TransferSubmitError(f"{call}: no pinned memory for the tree's {what}: {exc}; nothing was "
-                                  "submitted") from exc
-    except DeviceError as exc:
-        rt._health.note(exc)
-        raise TransferSubmitError(f"{call}: the device refused pinned memory for the tree's {what}: {exc}; "
-                                  "nothing was submitted") from exc
+    except (MemoryError, ValueError, DeviceError) as exc:
+        raise _no_pinned(rt, call, what, exc) from exc
     if len(made) == len(sources):  # every leaf has one (the common tree)
         return list(made)
     outs: list[Any] = [None] * len(sources)

@@ -31,7 +31,8 @@ import itertools
 import math
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -63,6 +64,17 @@ class Leaf:
     def covers(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside this live leaf's block."""
         return self.alive and self.ptr <= ptr and ptr + nbytes <= self.ptr + self.nbytes
+
+
+class Held(NamedTuple):
+    """A block :meth:`PinnedLeaves.block` took: its base array (every array made over it keeps it alive), the
+    arrays' offsets in it, its leaf entry, and ``give_back()``, which returns the block to the pool now (only
+    while nothing uses it: no array was made over it, no copy into it is queued)."""
+
+    base: np.ndarray[Any, Any]
+    offsets: list[int]
+    leaf: Leaf
+    give_back: Callable[[], Any]
 
 
 def _start(leaf: Leaf) -> int:
@@ -141,25 +153,37 @@ class PinnedLeaves:
         ``sizes``: each pair's bytes, when the caller knows them. Raises as :meth:`array` (nothing taken)."""
         if sizes is None:
             sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        held = self.block(sizes)
+        try:
+            return _views(held.base, specs, held.offsets, sizes)
+        except BaseException:
+            held.give_back()
+            raise
+
+    def block(self, sizes: list[int]) -> Held:
+        """One pooled block for arrays of ``sizes`` bytes back to back, each at a multiple of :data:`ALIGN`
+        (what :meth:`shared` makes its arrays over; a download can queue its copies into the block first and
+        make the arrays with :func:`views` while they run). The block is a live leaf from here on, and goes
+        back to the pool once the base and every view of it were collected, or at ``give_back()``. Raises as
+        :meth:`array` (nothing taken)."""
         offsets, total = layout(sizes)
         block = self.pool.acquire(max(total, 1))
         try:
             raw = (ctypes.c_ubyte * block.capacity).from_address(block.ptr)
             base = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
-            out = _views(base, specs, offsets, sizes)
+            leaf = Leaf(block.ptr, block.capacity)
+            finalizer = weakref.finalize(base, self._died, leaf, block)
         except BaseException:
             self.pool.release(block)
             raise
-        leaf = Leaf(block.ptr, block.capacity)
-        weakref.finalize(base, self._died, leaf, block)
         with self._lock:
             self._purge()
             at = bisect.bisect_left(self._starts, leaf.ptr)
             self._leaves.insert(at, leaf)
             self._starts.insert(at, leaf.ptr)
             self.live_bytes += block.capacity
-            self.made += len(specs)
-        return out
+            self.made += len(sizes)
+        return Held(base, offsets, leaf, finalizer)
 
     def _died(self, leaf: Leaf, block: Any) -> None:
         # a finalizer (any thread, maybe inside another call of this object): flag, then give back

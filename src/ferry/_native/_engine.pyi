@@ -345,6 +345,13 @@ def leaf_pieces(
     """A tree's leaves (host arrays and ferry device arrays, pairwise) as :meth:`Engine.submit_pieces`
     takes them, with their total bytes; ``None`` where a leaf is not the common case (``tree.c``)."""
 
+def device_pieces(
+    devices: list[Any], runtime: Any, owned: Any, base: int, offsets: list[int], /
+) -> tuple[bytes, int] | None:
+    """A download's pieces (as :func:`leaf_pieces` packs them) into host memory laid out for it, leaf ``i`` at
+    ``base + offsets[i]``, with their total bytes; only the device arrays are checked; ``None`` where one is
+    not the common case (``tree.c``)."""
+
 def slab_views(
     hosts: list[Any], sizes: list[int], runtime: Any, slab: Any, base: int, owned: Any, zero: int, /
 ) -> list[Any] | None:

@@ -86,6 +86,9 @@ static PyMethodDef module_methods[] = {
     {"leaf_pieces", (PyCFunction)(void (*)(void))mod_leaf_pieces, METH_FASTCALL,
      "leaf_pieces(hosts, devices, runtime, owned, upload) -> (pieces, nbytes) or None: a tree's leaves as "
      "Engine.submit_pieces takes them, or None where a leaf is not the common case (tree.c)"},
+    {"device_pieces", (PyCFunction)(void (*)(void))mod_device_pieces, METH_FASTCALL,
+     "device_pieces(devices, runtime, owned, base, offsets) -> (pieces, nbytes) or None: a download's pieces into "
+     "host memory laid out for it (leaf i at base + offsets[i]), only the device arrays checked (tree.c)"},
     {"slab_views", (PyCFunction)(void (*)(void))mod_slab_views, METH_FASTCALL,
      "slab_views(hosts, sizes, runtime, slab, base, owned, zero) -> a fresh DeviceArray view of the slab for "
      "each host array, back to back at 256-byte aligned offsets, or None (tree.c)"},

@@ -100,6 +100,7 @@ typedef struct {
 
 PyObject *mod_set_hot_types(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
+PyObject *mod_device_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_slab_views(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_mark_leaves(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */
 PyObject *mod_merge_runs(PyObject *mod, PyObject *const *args, Py_ssize_t nargs); /* tree.c */

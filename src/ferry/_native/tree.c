@@ -11,7 +11,8 @@
  * and dtype object the host array has. No two leaves may overlap where the transfer writes: the device
  * arrays of an upload, the host arrays of a download (checked on the sorted ranges, so a tree of thousands of
  * leaves costs microseconds). Runs with the GIL held and the runtime's lock held by the caller; reads fields
- * at their compiled offsets (native.h) and calls no Python. merge_runs merges such pieces into the runs that
+ * at their compiled offsets (native.h) and calls no Python. device_pieces answers the same for a download into
+ * host memory laid out for it (a fresh pinned block, whose leaves are made while the copies run). merge_runs merges such pieces into the runs that
  * follow each other on both sides (one DMA each, for leaves in pinned memory); host_sizes counts a tree's host
  * arrays' bytes and the span they take back to back (a fresh device slab's size).
  */
@@ -27,6 +28,23 @@ static int leaf_matches(PyObject *array, PyObject *shape, PyObject *dtype) {
         Py_ssize_t d = item && PyLong_Check(item) ? PyLong_AsSsize_t(item) : -1;
         if (d == -1 && PyErr_Occurred()) PyErr_Clear();
         if (d < 0 || d != a->dimensions[i]) return 0;
+    }
+    return 1;
+}
+
+/* Whether a ferry device array (an exact DeviceArray) is a leaf's common case: this runtime's, owned, with no
+ * producer to wait for (and no lease for an upload); its address and bytes into *ptr and *size. No error set. */
+static int device_leaf(PyObject *device, PyObject *runtime, PyObject *owned, int upload, unsigned long long *ptr,
+                       unsigned long long *size) {
+    ArrayFields *d = ARRAY(device);
+    if (!(d->runtime == runtime && d->state == owned && d->ready == Py_None && (!upload || is_zero(d->leases)) &&
+          d->ptr && PyLong_Check(d->ptr) && d->nbytes && PyLong_Check(d->nbytes)))
+        return 0;
+    *ptr = as_u64(d->ptr);
+    *size = as_u64(d->nbytes);
+    if (((*ptr == (unsigned long long)-1 || *size == (unsigned long long)-1) && PyErr_Occurred()) || !*ptr) {
+        PyErr_Clear();
+        return 0;
     }
     return 1;
 }
@@ -73,18 +91,11 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
             break;
         }
         int flags = *array_flags(host);
-        ArrayFields *d = ARRAY(device);
-        common = (flags & NPY_C_CONTIGUOUS_FLAG) && (upload || (flags & NPY_WRITEABLE_FLAG)) && d->runtime == runtime &&
-                 d->state == owned && d->ready == Py_None && (!upload || is_zero(d->leases)) && d->ptr &&
-                 PyLong_Check(d->ptr) && d->nbytes && PyLong_Check(d->nbytes) &&
-                 leaf_matches(host, d->shape, d->dtype);
+        unsigned long long ptr = 0, size = 0;
+        common = (flags & NPY_C_CONTIGUOUS_FLAG) && (upload || (flags & NPY_WRITEABLE_FLAG)) &&
+                 leaf_matches(host, ARRAY(device)->shape, ARRAY(device)->dtype) &&
+                 device_leaf(device, runtime, owned, upload, &ptr, &size);
         if (!common) break;
-        unsigned long long ptr = as_u64(d->ptr), size = as_u64(d->nbytes);
-        if (((ptr == (unsigned long long)-1 || size == (unsigned long long)-1) && PyErr_Occurred()) || !ptr) {
-            PyErr_Clear();
-            common = 0;
-            break;
-        }
         uint64_t t[3] = {(uint64_t)(uintptr_t)array_data(host), (uint64_t)ptr, (uint64_t)size};
         memcpy(out + (size_t)i * sizeof t, t, sizeof t);
         ranges[i].at = upload ? t[1] : t[0];
@@ -102,6 +113,53 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
     if (!common) {
         Py_DECREF(bytes);
         Py_RETURN_NONE;
+    }
+    PyObject *size = PyLong_FromUnsignedLongLong(total);
+    if (!size) {
+        Py_DECREF(bytes);
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(2, bytes, size);
+    Py_DECREF(bytes);
+    Py_DECREF(size);
+    return result;
+}
+
+/*
+ * device_pieces(devices, runtime, owned, base, offsets): a download's pieces into host memory laid out for it
+ * (leaf i at base + offsets[i], as a fresh pinned block's leaves are), answered as leaf_pieces answers them for
+ * a download: (pieces, nbytes), or None as soon as one device array is not the common case (nothing changed).
+ * Only the device arrays are checked: the host side is the caller's own, laid out with no two leaves
+ * overlapping, and no host array exists yet (the caller makes the leaves while the copies run).
+ */
+PyObject *mod_device_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs_is(nargs, 5, "device_pieces")) return NULL;
+    ferry_state *st = mod_state(mod);
+    PyObject *devices = args[0], *runtime = args[1], *owned = args[2], *offsets = args[4];
+    if (!PyList_Check(devices) || !PyList_Check(offsets) || PyList_Size(devices) != PyList_Size(offsets)) {
+        PyErr_SetString(PyExc_TypeError, "device_pieces: devices and offsets must be lists of one length");
+        return NULL;
+    }
+    unsigned long long base = PyLong_AsUnsignedLongLong(args[3]);
+    if (base == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (!st->hot_types[HOT_ARRAY]) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_Size(devices);
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)(3 * sizeof(uint64_t)));
+    if (!bytes) return NULL;
+    char *out = PyBytes_AsString(bytes);
+    unsigned long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *device = PyList_GetItem(devices, i), *offset = PyList_GetItem(offsets, i);
+        unsigned long long ptr = 0, size = 0, at = offset && PyLong_Check(offset) ? PyLong_AsUnsignedLongLong(offset) : 0;
+        if ((at == (unsigned long long)-1 && PyErr_Occurred()) || !offset || !PyLong_Check(offset) ||
+            base + at < base || !is_hot(st, device, HOT_ARRAY) || !device_leaf(device, runtime, owned, 0, &ptr, &size)) {
+            PyErr_Clear();
+            Py_DECREF(bytes);
+            Py_RETURN_NONE;
+        }
+        uint64_t t[3] = {(uint64_t)(base + at), (uint64_t)ptr, (uint64_t)size};
+        memcpy(out + (size_t)i * sizeof t, t, sizeof t);
+        total += size;
     }
     PyObject *size = PyLong_FromUnsignedLongLong(total);
     if (!size) {

@@ -406,15 +406,19 @@ def _recheck(rt: Any, upload: bool, hosts: list[Any], devices: list[DeviceArray]
 
 def _enqueue(rt: Any, completion: Any, upload: bool, stream: Any, copy: Any, total: int,
              hosts: list[Any], devices: list[DeviceArray], handed: list[Any], leases: Any, regs: list[Any] | None,
-             staged: tuple[Any, Any] | None) -> Any:
-    """Enqueue a group's record, take its leases, move its states; the handle. Lock held."""
+             staged: tuple[Any, Any] | None, held: list[Any] | None = None) -> Any:
+    """Enqueue a group's record, take its leases, move its states; the handle. Lock held.
+
+    ``held``: a download's host side as the record's result holds it, the list itself (the caller fills it
+    once the copies are queued); a tuple of ``handed`` otherwise."""
     devs: tuple[Any, ...] = tuple(devices)
     moved: tuple[Any, ...]
     leased: tuple[Any, ...]
+    result: tuple[Any, Any]
     if upload:
         moved, leased, result = devs, (), (tuple(handed), devs)
     else:
-        moved, leased, result = (), devs, (devs, tuple(handed))
+        moved, leased, result = (), devs, (devs, tuple(handed) if held is None else held)
     record = completion.enqueue(stream, copy, 0, 0, total, moved, leased, result)
     # from here on nothing raises: the copies are queued
     extra = record.extra = Extras()
@@ -691,9 +695,10 @@ def merged_runs(pieces: bytes, padded: bool = False) -> tuple[list[int], list[in
 
 
 def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list[int]], regs: list[Any],
-                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any], fresh: bool) -> Any:
+                   total: int, hosts: list[Any], devices: list[Any], handed: list[Any], fresh: bool,
+                   held: list[Any] | None = None) -> Any:
     """One record for leaves in pinned memory (checked by ``leaf_pieces``, merged into runs): each large
-    run one DMA, the small ones one batched copy, one event. Lock held."""
+    run one DMA, the small ones one batched copy, one event. Lock held. ``held``: as for :func:`_enqueue`."""
     routes = rt._parts.host
     completion = routes.completion
     backend = completion.backend
@@ -711,4 +716,27 @@ def _pinned_pieces(rt: Any, upload: bool, runs: tuple[list[int], list[int], list
             big.append((dst, src, n))
     copy = batched_copy(backend, upload, small[0], small[1], small[2], big)
     return _enqueue(rt, completion, upload, stream, copy, total, [] if fresh else hosts, devices, handed,
-                    routes.direct.leases, regs, None)
+                    routes.direct.leases, regs, None, held)
+
+
+def submit_into_block(rt: Any, devices: list[Any], ptr: int, offsets: list[int], leaf: Any,
+                      held: list[Any]) -> Any:
+    """One record for a download of ferry device arrays into a pinned block laid out for it (leaf ``i`` at
+    ``ptr + offsets[i]``, ``leaf`` the block's entry): the copies are queued before any host array exists.
+    The record's result holds ``held`` itself as its host side: the caller puts what keeps the block alive
+    in it first, and the host leaves once this returns. The handle, or None where a device array is not the
+    common case or the compiled engine is not there (nothing changed)."""
+    routes = rt._parts.host
+    completion = routes.completion
+    module = _native.load()
+    if module is None:
+        return None
+    with routes.lock:
+        _check_open(rt)
+        found = module.device_pieces(devices, rt, OWNED, ptr, offsets)
+        if found is None:
+            return None
+        pieces, total = found
+        if completion.maintenance_due():
+            completion.maintain()
+        return _pinned_pieces(rt, False, _runs(pieces, padded=True), [leaf], total, [], devices, [], True, held)
