@@ -1133,9 +1133,11 @@ class Completion:
 
     def maintain(self) -> None:
         """Deferred frees, retirement drain and backpressure, pool collection. Lock held."""
-        self.memory.free_deferred()
+        memory = self.memory
+        if memory.deferred:
+            memory.free_deferred()
         queue = self.retiring
-        if len(queue):
+        if queue._count or queue._incoming:
             queue.drain(self._retired_done, self.release_retired)
             while queue.full():
                 oldest = queue.oldest()
@@ -1143,7 +1145,9 @@ class Completion:
                     break
                 self.block_locked(oldest)
                 queue.drain(self._retired_done, self.release_retired)
-        self.pool.collect()
+        pool = self.pool
+        if pool._doomed:
+            pool.collect()
 
     # -- closing -----------------------------------------------------------------------------------------
     def unresolved(self) -> list[Record]:

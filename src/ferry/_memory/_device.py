@@ -324,7 +324,9 @@ class DeviceMemory:
         if self.deferred:
             deferred, self.deferred = self.deferred, []
             for ptr, nbytes in deferred:
-                self.release(ptr, nbytes)
+                self.bytes -= nbytes
+                if ptr:
+                    self._free(ptr, nbytes)
 
     def order_export(self, ready: Any, stream_handle: int) -> None:
         """Order a consumer's stream (an integer handle) after the pending upload record ``ready``:
