@@ -8,7 +8,7 @@
 # Driver calls that fail on purpose (the tests that exhaust device memory) are not reported as errors
 # (--report-api-errors no): the summaries count memory errors. A process stopped before its end writes no
 # report, so MEMCHECK_LIMIT=SECONDS bounds the run the other way: tests not started MEMCHECK_RESERVE seconds
-# (default 120) before the limit are skipped (benchmarks/memcheck_deadline.py), every process ends and reports,
+# (default 120) before the limit are skipped (tests/conftest.py reads MEMCHECK_DEADLINE), every process ends and reports,
 # and the run is interrupted at the limit only if that did not suffice. The script says how many tests the
 # budget skipped. On an H200 VM at 8 workers the whole selection takes about 15 minutes (workers start slowly
 # under the sanitizer: more workers do not help): pass test files to run it in parts.
@@ -18,10 +18,10 @@ out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
 mkdir -p "$out"; logs=$(mktemp -d)
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src:benchmarks PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if [ -n "${MEMCHECK_LIMIT:-}" ]; then export MEMCHECK_DEADLINE=$(( $(date +%s) + MEMCHECK_LIMIT - ${MEMCHECK_RESERVE:-120} )); fi
 ${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes all --log-file "$logs/%p.log" \
-  python3 -m pytest -q -rs -p no:cacheprovider -p memcheck_deadline -n "$workers" -o faulthandler_timeout=300 --durations=10 \
+  python3 -m pytest -q -rs -p no:cacheprovider -n "$workers" -o faulthandler_timeout=300 --durations=10 \
   -k "not emulated" --ignore tests/test_packaging.py --ignore tests/test_stand_in_driver.py \
   --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
   --deselect tests/test_native_review.py::test_the_stand_in_drivers_counts_hold_under_parallel_calls \

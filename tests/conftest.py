@@ -19,6 +19,7 @@ Markers: ``slow`` (the quick loop is ``pytest -m "not slow"``) and ``lint``
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -111,10 +112,16 @@ def _gpus_needed(item: pytest.Item) -> int:
     return needed
 
 
+MEMCHECK_BUDGET = "memcheck time budget spent (MEMCHECK_LIMIT)"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # raised here, not in a fixture: pytest reports a fixture's skip at each test's own
     # location, which would defeat the folding into one line
+    deadline = os.environ.get("MEMCHECK_DEADLINE")  # set by benchmarks/gpu_memcheck.sh's MEMCHECK_LIMIT alone
+    if deadline is not None and time.time() > float(deadline):
+        pytest.skip(MEMCHECK_BUDGET)  # every process under the sanitizer still ends and writes its report
     needed = _gpus_needed(item)
     if needed:
         require_gpus(needed)
