@@ -1131,6 +1131,11 @@ class Completion:
         retiring = self.retiring
         return bool(retiring._count or retiring._incoming or self.memory.deferred or self.pool._doomed)
 
+    def maintain_if_due(self) -> None:
+        """:meth:`maintain` where :meth:`maintenance_due` says so (the hottest paths test inline). Lock held."""
+        if self.maintenance_due():
+            self.maintain()
+
     def maintain(self) -> None:
         """Deferred frees, retirement drain and backpressure, pool collection. Lock held."""
         memory = self.memory

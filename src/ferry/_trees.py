@@ -760,10 +760,8 @@ def _pinned_tree(rt: Any, call: str, sources: list[Any]) -> Any:
 
 def _maintain(rt: Any) -> None:
     """Free or reuse the pinned blocks that collected leaves gave back, when any maintenance is due."""
-    completion = rt._completion
     with rt._lock:
-        if completion.maintenance_due():
-            completion.maintain()
+        rt._completion.maintain_if_due()
 
 
 def _no_pinned(rt: Any, call: str, what: str, exc: BaseException) -> TransferSubmitError:

@@ -58,6 +58,19 @@ static int by_start(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* (pieces, nbytes): what leaf_pieces and device_pieces answer; takes the reference to bytes */
+static PyObject *pieces_answer(PyObject *bytes, unsigned long long total) {
+    PyObject *size = PyLong_FromUnsignedLongLong(total);
+    if (!size) {
+        Py_DECREF(bytes);
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(2, bytes, size);
+    Py_DECREF(bytes);
+    Py_DECREF(size);
+    return result;
+}
+
 PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs_is(nargs, 5, "leaf_pieces")) return NULL;
     ferry_state *st = mod_state(mod);
@@ -114,15 +127,7 @@ PyObject *mod_leaf_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(bytes);
         Py_RETURN_NONE;
     }
-    PyObject *size = PyLong_FromUnsignedLongLong(total);
-    if (!size) {
-        Py_DECREF(bytes);
-        return NULL;
-    }
-    PyObject *result = PyTuple_Pack(2, bytes, size);
-    Py_DECREF(bytes);
-    Py_DECREF(size);
-    return result;
+    return pieces_answer(bytes, total);
 }
 
 /*
@@ -161,15 +166,7 @@ PyObject *mod_device_pieces(PyObject *mod, PyObject *const *args, Py_ssize_t nar
         memcpy(out + (size_t)i * sizeof t, t, sizeof t);
         total += size;
     }
-    PyObject *size = PyLong_FromUnsignedLongLong(total);
-    if (!size) {
-        Py_DECREF(bytes);
-        return NULL;
-    }
-    PyObject *result = PyTuple_Pack(2, bytes, size);
-    Py_DECREF(bytes);
-    Py_DECREF(size);
-    return result;
+    return pieces_answer(bytes, total);
 }
 
 /*

@@ -595,8 +595,7 @@ def submit_pieces(rt: Any, upload: bool, hosts: list[Any], devices: list[Any], h
         if found is None:
             return None
         pieces, total = found
-        if completion.maintenance_due():
-            completion.maintain()
+        completion.maintain_if_due()
         if routes.registrations.active or routes.pinned_leaves.active:
             runs = _runs(pieces, padded=fresh and not upload)  # fresh outputs: pinned ones made for it
             regs = _covering_runs(routes, runs[0], runs[2])
@@ -737,6 +736,5 @@ def submit_into_block(rt: Any, devices: list[Any], ptr: int, offsets: list[int],
         if found is None:
             return None
         pieces, total = found
-        if completion.maintenance_due():
-            completion.maintain()
+        completion.maintain_if_due()
         return _pinned_pieces(rt, False, _runs(pieces, padded=True), [leaf], total, [], devices, [], True, held)
