@@ -10,8 +10,11 @@
 # report, so MEMCHECK_LIMIT=SECONDS bounds the run the other way: tests not started MEMCHECK_RESERVE seconds
 # (default 120) before the limit are skipped (tests/conftest.py reads MEMCHECK_DEADLINE), every process ends and reports,
 # and the run is interrupted at the limit only if that did not suffice. The script says how many tests the
-# budget skipped. On an H200 VM at 8 workers the whole selection takes about 15 minutes (workers start slowly
-# under the sanitizer: more workers do not help): pass test files to run it in parts.
+# budget skipped. Five tests are left out because the sanitizer, not ferry, decides them: three interpreter-exit
+# tests whose child interpreters (also under the sanitizer) outrun the tests' timeouts, the AddressSanitizer
+# build of the core (its runtime must load first), and the GPU-fault test (its kernel faults on purpose, which
+# memcheck reports). On an H200 VM at 8 workers the selection takes about 6 minutes (workers start slowly under
+# the sanitizer: more workers do not help); pass test files to run it in parts.
 # Exit status: pytest's, or 1 where a report counts errors (a -k of your own replaces "not emulated").
 set -u
 out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
@@ -26,6 +29,11 @@ ${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memc
   --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
   --deselect tests/test_native_review.py::test_the_stand_in_drivers_counts_hold_under_parallel_calls \
   --deselect tests/test_loader_hot.py::test_on_the_cuda_backend_a_slot_batch_makes_no_device_allocation_once_batches_were_dropped \
+  --deselect tests/test_process.py::test_interpreter_exit_with_transfers_in_flight_is_clean \
+  --deselect tests/test_waits.py::test_exit_waits_for_transfers_in_flight_without_starting_a_thread \
+  --deselect tests/test_waits.py::test_exit_with_a_held_stream_is_bounded_and_warns \
+  --deselect tests/test_native_core.py::test_the_core_has_no_memory_error_under_addresssanitizer \
+  --deselect tests/test_gpu_faults.py::test_a_faulting_producer_fails_the_next_transfer_and_every_call_after \
   "$@" >"$out/pytest.log" 2>&1
 rc=$?
 cat "$logs"/*.log >"$out/memcheck.log" 2>/dev/null
