@@ -2,29 +2,34 @@
 # The suite's CUDA tests under compute-sanitizer's memcheck, from the source tree, on a GPU machine.
 # Usage: benchmarks/gpu_memcheck.sh OUTDIR [WORKERS [PYTEST_ARGS...]]   (test files come after WORKERS)
 # Runs every test but the emulated-device cases and those that load the stand-in driver (a sanitizer
-# attaches to the real driver only), across WORKERS xdist processes (default 8), each under the sanitizer
-# (--target-processes all). Writes OUTDIR/memcheck.log (every process's report, concatenated) and
-# OUTDIR/pytest.log, and prints the error summaries: a clean run reads "ERROR SUMMARY: 0 errors" for each.
+# attaches to the real driver only) in one pytest process under the sanitizer. Child interpreters the tests
+# start (the CLI, the examples, the loader's workers) run unchecked (MEMCHECK_TARGETS, default
+# application-only): checked, each pays the sanitizer's start-up and the CLI tests outrun their timeouts.
+# WORKERS (default 0) spreads the tests over that many xdist processes, which then must be checked too
+# (MEMCHECK_TARGETS=all); workers start slowly under the sanitizer, so this is slower on a 16-core host.
+# Writes OUTDIR/memcheck.log (every checked process's report, concatenated) and OUTDIR/pytest.log, and
+# prints the error summaries: a clean run reads "ERROR SUMMARY: 0 errors" for each.
 # Driver calls that fail on purpose (the tests that exhaust device memory) are not reported as errors
 # (--report-api-errors no): the summaries count memory errors. A process stopped before its end writes no
 # report, so MEMCHECK_LIMIT=SECONDS bounds the run the other way: tests not started MEMCHECK_RESERVE seconds
 # (default 120) before the limit are skipped (tests/conftest.py reads MEMCHECK_DEADLINE), every process ends and reports,
 # and the run is interrupted at the limit only if that did not suffice. The script says how many tests the
 # budget skipped. Five tests are left out because the sanitizer, not ferry, decides them: three interpreter-exit
-# tests whose child interpreters (also under the sanitizer) outrun the tests' timeouts, the AddressSanitizer
-# build of the core (its runtime must load first), and the GPU-fault test (its kernel faults on purpose, which
-# memcheck reports). On an H200 VM at 8 workers the selection takes about 6 minutes (workers start slowly under
-# the sanitizer: more workers do not help); pass test files to run it in parts.
+# tests whose subject is a child interpreter (unchecked by default; checked, it outruns the tests' timeouts),
+# the AddressSanitizer build of the core (its runtime must load first), and the GPU-fault test (its kernel
+# faults on purpose, which memcheck reports). On an H200 VM the whole selection takes about 7.5 minutes; pass
+# test files to run it in parts.
 # Exit status: pytest's, or 1 where a report counts errors (a -k of your own replaces "not emulated").
 set -u
-out=${1:?output folder}; workers=${2:-8}; shift $(( $# > 1 ? 2 : 1 ))
+out=${1:?output folder}; workers=${2:-0}; shift $(( $# > 1 ? 2 : 1 ))
 mkdir -p "$out"; logs=$(mktemp -d)
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+xdist=(); [ "$workers" -gt 0 ] && xdist=(-n "$workers")
 if [ -n "${MEMCHECK_LIMIT:-}" ]; then export MEMCHECK_DEADLINE=$(( $(date +%s) + MEMCHECK_LIMIT - ${MEMCHECK_RESERVE:-120} )); fi
-${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes all --log-file "$logs/%p.log" \
-  python3 -m pytest -q -rs -p no:cacheprovider -n "$workers" -o faulthandler_timeout=300 --durations=10 \
+${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes "${MEMCHECK_TARGETS:-application-only}" --log-file "$logs/%p.log" \
+  python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" -o faulthandler_timeout=300 --durations=10 \
   -k "not emulated" --ignore tests/test_packaging.py --ignore tests/test_stand_in_driver.py \
   --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
   --deselect tests/test_native_review.py::test_the_stand_in_drivers_counts_hold_under_parallel_calls \
