@@ -5,8 +5,8 @@
 # attaches to the real driver only) in one pytest process under the sanitizer. Child interpreters the tests
 # start (the CLI, the examples, the loader's workers) run unchecked (MEMCHECK_TARGETS, default
 # application-only): checked, each pays the sanitizer's start-up and the CLI tests outrun their timeouts.
-# WORKERS (default 0) spreads the tests over that many xdist processes, which then must be checked too
-# (MEMCHECK_TARGETS=all); workers start slowly under the sanitizer, so this is slower on a 16-core host.
+# WORKERS (default 0) spreads the tests over that many xdist processes, which are then checked too
+# (the default becomes MEMCHECK_TARGETS=all); workers start slowly under the sanitizer, so this is slower on a 16-core host.
 # Writes OUTDIR/memcheck.log (every checked process's report, concatenated) and OUTDIR/pytest.log, and
 # prints the error summaries: a clean run reads "ERROR SUMMARY: 0 errors" for each.
 # Driver calls that fail on purpose (the tests that exhaust device memory) are not reported as errors
@@ -26,9 +26,9 @@ mkdir -p "$out"; logs=$(mktemp -d)
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 [ -n "$sanitizer" ] || { echo "compute-sanitizer not found" >&2; exit 2; }
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-xdist=(); [ "$workers" -gt 0 ] && xdist=(-n "$workers")
+xdist=(); targets=application-only; [ "$workers" -gt 0 ] && { xdist=(-n "$workers"); targets=all; }
 if [ -n "${MEMCHECK_LIMIT:-}" ]; then export MEMCHECK_DEADLINE=$(( $(date +%s) + MEMCHECK_LIMIT - ${MEMCHECK_RESERVE:-120} )); fi
-${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes "${MEMCHECK_TARGETS:-application-only}" --log-file "$logs/%p.log" \
+${MEMCHECK_LIMIT:+timeout -s INT -k 30 $MEMCHECK_LIMIT} "$sanitizer" --tool memcheck --report-api-errors no --target-processes "${MEMCHECK_TARGETS:-$targets}" --log-file "$logs/%p.log" \
   python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" -o faulthandler_timeout=300 --durations=10 \
   -k "not emulated" --ignore tests/test_packaging.py --ignore tests/test_stand_in_driver.py \
   --ignore tests/test_loader_stand_in.py --ignore tests/test_trees_stand_in.py \
